@@ -1,0 +1,1 @@
+"""Tuned-config caches shipped with pallas-tune: ``<chip>/<kernel>.json``, read after the user's."""

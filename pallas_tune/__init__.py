@@ -1,0 +1,55 @@
+"""pallas-tune: Bayesian autotuning of JAX Pallas kernel tile parameters.
+
+Public API::
+
+    import pallas_tune as pt
+
+    @pt.tunable(bm=[128, 256, 512], bn=[128, 256, 512], bk=[128, 256, 512])
+    def matmul(x, y, *, bm, bn, bk): ...
+
+    matmul(x, y)                  # tuned config from the per-chip cache, at trace time
+    matmul.tune(x, y, trials=32)  # Optuna TPE search, measured, written to the cache
+    matmul.config_for(x, y)       # the config a call would use, and its .source
+
+Importing this package does not import Optuna, pandas or the tuner; cached dispatch never does.
+"""
+
+from pallas_tune.chips import current_chip as current_chip
+from pallas_tune.chips import normalize_chip as normalize_chip
+from pallas_tune.chips import target as target
+from pallas_tune.errors import CacheFormatError as CacheFormatError
+from pallas_tune.errors import CacheMissError as CacheMissError
+from pallas_tune.errors import MeasurementError as MeasurementError
+from pallas_tune.errors import NoFeasibleConfigError as NoFeasibleConfigError
+from pallas_tune.errors import PallasTuneError as PallasTuneError
+from pallas_tune.errors import PallasTuneWarning as PallasTuneWarning
+from pallas_tune.errors import SearchSpaceError as SearchSpaceError
+from pallas_tune.space import Config as Config
+from pallas_tune.space import Param as Param
+from pallas_tune.space import SearchSpace as SearchSpace
+from pallas_tune.space import load_space as load_space
+from pallas_tune.tunable import TunableKernel as TunableKernel
+from pallas_tune.tunable import interpret_mode as interpret_mode
+from pallas_tune.tunable import tunable as tunable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheFormatError",
+    "CacheMissError",
+    "Config",
+    "MeasurementError",
+    "NoFeasibleConfigError",
+    "PallasTuneError",
+    "PallasTuneWarning",
+    "Param",
+    "SearchSpace",
+    "SearchSpaceError",
+    "TunableKernel",
+    "current_chip",
+    "interpret_mode",
+    "load_space",
+    "normalize_chip",
+    "target",
+    "tunable",
+]

@@ -1,0 +1,205 @@
+"""Finds the ``pallas_call``\\ s a function makes, by tracing it with abstract inputs.
+
+This is how pallas-tune checks any kernel's candidates against the TPU block rules (and, later,
+models their VMEM) without a hand-written estimator: trace ``fn(*args, **config)`` to a jaxpr,
+walk it, and read each ``pallas_call``'s grid, block shapes, buffering and scratch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["BlockInfo", "PallasCallInfo", "block_rule_violations", "find_pallas_calls"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BlockInfo:
+    """One operand window of a pallas_call."""
+
+    origin: str  # e.g. "args[0]", "outputs"
+    block_shape: tuple[int | None, ...]  # None: squeezed or not a plain blocked dim.
+    array_shape: tuple[int, ...]
+    dtype: np.dtype
+    buffer_count: int | None  # From pipeline_mode; None when not set (the default, 2).
+    is_output: bool
+
+    @property
+    def block_bytes(self) -> int:
+        dims = [b if b is not None else 1 for b in self.block_shape]
+        return math.prod(dims) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PallasCallInfo:
+    name: str
+    grid: tuple[int, ...]
+    blocks: tuple[BlockInfo, ...]
+    scratch: tuple[tuple[tuple[int, ...], np.dtype, str], ...]  # (shape, dtype, memory space)
+    dimension_semantics: tuple[str, ...] | None
+    vmem_limit_bytes: int | None
+
+
+def _block_dim(d: Any) -> int | None:
+    if isinstance(d, int):
+        return d
+    size = getattr(d, "block_size", None)
+    if type(d).__name__ == "Blocked" and isinstance(size, int):
+        return size
+    return None  # Squeezed, Element, BoundedSlice: not subject to the tiling rule.
+
+
+def _subjaxprs(params: dict[str, Any]) -> Iterator[Any]:
+    def visit(v: Any) -> Iterator[Any]:
+        if hasattr(v, "eqns"):  # Jaxpr
+            yield v
+        elif hasattr(v, "jaxpr") and hasattr(getattr(v, "jaxpr"), "eqns"):  # ClosedJaxpr
+            yield v.jaxpr
+        elif isinstance(v, tuple | list):
+            for x in v:
+                yield from visit(x)
+
+    for v in params.values():
+        yield from visit(v)
+
+
+def _walk(jaxpr: Any) -> Iterator[Any]:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+            continue  # Do not descend into the kernel body.
+        for sub in _subjaxprs(eqn.params):
+            yield from _walk(sub)
+
+
+def _info(eqn: Any) -> PallasCallInfo:
+    gm = eqn.params["grid_mapping"]
+    n_in = gm.num_inputs
+    blocks = []
+    for i, bm in enumerate(gm.block_mappings):
+        aval = bm.array_aval
+        mode = bm.pipeline_mode
+        count = getattr(mode, "buffer_count", None) if mode is not None else None
+        if isinstance(count, tuple):
+            count = max(count)
+        blocks.append(
+            BlockInfo(
+                origin=str(bm.origin),
+                block_shape=tuple(_block_dim(d) for d in bm.block_shape),
+                array_shape=tuple(aval.shape),
+                dtype=np.dtype(aval.dtype),
+                buffer_count=count,
+                is_output=i >= n_in,
+            )
+        )
+    scratch = []
+    for s in gm.scratch_avals:
+        inner = getattr(s, "inner_aval", s)
+        shape = tuple(getattr(inner, "shape", ()))
+        dtype = getattr(inner, "dtype", None)
+        space = str(getattr(s, "memory_space", "vmem")).lower()
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:  # Semaphores and other non-array scratch.
+            dtype = np.dtype("int32")
+        scratch.append((shape, dtype, space))
+    cp = eqn.params.get("compiler_params")
+    if isinstance(cp, dict):  # Older JAX keyed compiler params by backend.
+        cp = cp.get("mosaic_tpu") or cp.get("mosaic") or next(iter(cp.values()), None)
+    sem = getattr(cp, "dimension_semantics", None)
+    if sem is not None:
+        sem = tuple(str(getattr(s, "value", s)).lower() for s in sem)
+    grid = tuple(int(g) if isinstance(g, int | np.integer) else -1 for g in gm.grid)
+    return PallasCallInfo(
+        name=str(eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", "")),
+        grid=grid,
+        blocks=tuple(blocks),
+        scratch=tuple(scratch),
+        dimension_semantics=sem,
+        vmem_limit_bytes=getattr(cp, "vmem_limit_bytes", None),
+    )
+
+
+def abstractify(args: Sequence[Any]) -> list[Any]:
+    """Replaces arrays with ShapeDtypeStructs (leaves everything else untouched)."""
+
+    def conv(a: Any) -> Any:
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return a
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return jax.ShapeDtypeStruct(np.shape(a), a.dtype)
+        return a
+
+    return [jax.tree_util.tree_map(conv, a) for a in args]
+
+
+def find_pallas_calls(
+    fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+) -> list[PallasCallInfo]:
+    """Traces ``fn(*args, **kwargs)`` abstractly and returns every pallas_call it makes.
+
+    Non-array arguments are closed over (treated as static). Raises whatever tracing raises.
+    """
+    abstract = abstractify(args)
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    is_arr = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+    arr_leaves = [x for x, a in zip(leaves, is_arr, strict=True) if a]
+
+    def flat_fn(*arrs: Any) -> Any:
+        it = iter(arrs)
+        full = [next(it) if a else x for x, a in zip(leaves, is_arr, strict=True)]
+        return fn(*jax.tree_util.tree_unflatten(treedef, full), **kwargs)
+
+    closed = jax.make_jaxpr(flat_fn)(*arr_leaves)
+    return [_info(e) for e in _walk(closed.jaxpr)]
+
+
+def block_rule_violations(calls: Sequence[PallasCallInfo], *, sublanes: int = 8,
+                          lanes: int = 128) -> list[str]:
+    """Returns the TPU block-rule violations of the given pallas_calls (empty: all fine).
+
+    Rules (notes/pallas-on-cpu.md §5, checked by Mosaic at lowering or by XLA at compile time):
+    every blocked dim divides its array dim (or equals it), and the last two dims of a rank ≥ 2
+    block are multiples of (sublanes, lanes) or equal the full array dims.
+    """
+    problems = []
+    for call in calls:
+        for b in call.blocks:
+            where = f"{call.name or 'pallas_call'} {b.origin}"
+            for axis, (blk, full) in enumerate(zip(b.block_shape, b.array_shape, strict=True)):
+                if blk is None or blk == full:
+                    continue
+                if blk <= 0 or full % blk != 0:
+                    problems.append(
+                        f"{where}: block dim {axis} = {blk} does not divide array dim {full}"
+                    )
+            rank = len(b.block_shape)
+            if rank >= 2:
+                for axis, mult in ((rank - 2, sublanes), (rank - 1, lanes)):
+                    blk, full = b.block_shape[axis], b.array_shape[axis]
+                    if blk is None or blk == full or blk % mult == 0:
+                        continue
+                    problems.append(
+                        f"{where}: block dim {axis} = {blk} is neither a multiple of {mult} nor "
+                        f"the full array dim {full}"
+                    )
+            elif rank == 1:
+                blk, full = b.block_shape[0], b.array_shape[0]
+                min_pow2 = lanes * max(1, 32 // (8 * b.dtype.itemsize))
+                is_pow2 = blk is not None and blk > 0 and blk & (blk - 1) == 0
+                if (
+                    blk is not None
+                    and blk != full
+                    and blk % (sublanes * lanes) != 0
+                    and not (is_pow2 and blk >= min_pow2)
+                ):
+                    problems.append(
+                        f"{where}: rank-1 block {blk} is not the full dim {full}, a multiple of "
+                        f"{sublanes * lanes}, or a power of two >= {min_pow2}"
+                    )
+    return problems

@@ -1,0 +1,244 @@
+"""``pallas-tune``: offline sweeps and cache inspection. The only module that prints.
+
+    pallas-tune sweep MODULE:KERNEL --shapes "x=1024x1024:bfloat16,y=1024x1024:bfloat16" --trials 32
+    pallas-tune sweep --space matmul            # kernel and shape sets from search_spaces/matmul.toml
+    pallas-tune show [--kernel matmul] [--chip cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+
+class CLIUsageError(Exception):
+    """Bad command-line input; printed without a traceback."""
+
+
+def _load_kernel(ref: str) -> Any:
+    from pallas_tune.tunable import TunableKernel
+
+    if ":" not in ref:
+        raise CLIUsageError(f"kernel {ref!r} must be MODULE:NAME, e.g. pallas_tune.kernels.matmul:matmul")
+    mod_name, attr = ref.split(":", 1)
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise CLIUsageError(f"cannot import module {mod_name!r}: {e}") from None
+    finally:
+        sys.path.pop(0)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise CLIUsageError(f"module {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not isinstance(obj, TunableKernel):
+        raise CLIUsageError(f"{ref} is not a @pallas_tune.tunable kernel (got {type(obj).__name__})")
+    return obj
+
+
+def _spec_items(spec: Any) -> str:
+    """A shapes entry from a TOML file (a table) → the --shapes string form."""
+    if isinstance(spec, str):
+        return spec
+    parts = []
+    for k, v in spec.items():
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        parts.append(f"{k}={v}")
+    return ",".join(parts)
+
+
+def build_call(kernel: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
+    """Turns ``"x=1024x1024:bfloat16,causal=true"`` into (args, kwargs) of ShapeDtypeStructs."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_tune import keys
+
+    try:
+        parsed = keys.parse_key(spec)
+    except ValueError as e:
+        raise CLIUsageError(str(e)) from None
+
+    def materialize(p: Any) -> Any:
+        if p[0] == "array":
+            try:
+                dtype = jnp.dtype(p[2])
+            except TypeError:
+                raise CLIUsageError(f"unknown dtype {p[2]!r} in {spec!r}") from None
+            return jax.ShapeDtypeStruct(p[1], dtype)
+        if p[0] == "arrays":
+            return tuple(materialize(x) for x in p[1])
+        return p[1]
+
+    values = {name: materialize(p) for name, p in parsed.items()}
+    sig = inspect.signature(kernel.fn)
+    try:
+        bound = sig.bind_partial(**values)
+    except TypeError as e:
+        raise CLIUsageError(f"--shapes {spec!r} does not fit {kernel.name}{sig}: {e}") from None
+    return list(bound.args), dict(bound.kwargs)
+
+
+def _read_shapes(args: argparse.Namespace) -> list[str]:
+    specs: list[str] = []
+    for s in args.shapes or []:
+        if s.startswith("@") or (os.path.isfile(s) and not "=" in s):
+            path = s.lstrip("@")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    specs += [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+            except OSError as e:
+                raise CLIUsageError(f"cannot read shapes file {path}: {e}") from None
+        else:
+            specs.append(s)
+    return specs
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from pallas_tune.errors import PallasTuneError
+    from pallas_tune.space import load_space
+
+    kernel_ref = args.kernel
+    specs = _read_shapes(args)
+    if args.space:
+        loaded = load_space(args.space)
+        kernel_ref = kernel_ref or loaded["kernel"]
+        if not specs:
+            specs = [_spec_items(s) for s in loaded["shapes"]]
+    if not kernel_ref:
+        raise CLIUsageError("name the kernel (MODULE:NAME) or a --space file that names one")
+    if not specs:
+        raise CLIUsageError("give at least one --shapes (or a --space file with [[shapes]])")
+    kernel = _load_kernel(kernel_ref)
+    from pallas_tune import chips
+
+    if args.interpret is not None:
+        os.environ["PALLAS_TUNE_INTERPRET"] = args.interpret
+        from pallas_tune import _settings
+
+        _settings.reload()
+    chip = chips.current_chip()
+    print(f"pallas-tune sweep: {kernel.name} on {chip} ({len(specs)} shape(s), "
+          f"{args.trials} trials each, space of {kernel.space.size})")
+    failures = 0
+    for spec in specs:
+        call_args, call_kwargs = build_call(kernel, spec)
+        key = kernel.cache_key(*call_args, **call_kwargs)
+        if not args.force and kernel.cache.lookup(chip, kernel.name, key) is not None:
+            found = kernel.cache.lookup(chip, kernel.name, key)
+            if found and found[1].startswith(kernel.cache.user_root):
+                print(f"  {key}: cached, skipped (--force re-tunes)")
+                continue
+        t0 = time.perf_counter()
+        try:
+            result = kernel.tune(*call_args, trials=args.trials, seed=args.seed,
+                                 storage=args.storage, repeats=args.repeats,
+                                 verbose=args.verbose, **call_kwargs)
+        except PallasTuneError as e:
+            failures += 1
+            print(f"  {key}: FAILED: {e}")
+            continue
+        counts = result.trials["outcome"].value_counts().to_dict()
+        print(f"  {key}: best {result.best} {result.best_ms:.4g} ms "
+              f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
+              f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
+    return 1 if failures else 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from pallas_tune.cache import default_cache
+
+    rows = []
+    for path, root, data in default_cache().scan():
+        where = "shipped" if root != default_cache().user_root else "user"
+        if "error" in data:
+            rows.append(("?", "?", "?", f"UNREADABLE: {data['error']}", "", "", where))
+            continue
+        if args.kernel and args.kernel not in data.get("kernel", ""):
+            continue
+        if args.chip and data.get("chip") != args.chip:
+            continue
+        kind = data.get("kind", "measured")
+        for key, entry in data["entries"].items():
+            prov = entry.get("provenance", {})
+            ms = entry.get("median_ms")
+            label = prov.get("timer", "?") + (" (interpret)" if prov.get("interpret") else "")
+            if kind != "measured":
+                label = f"ESTIMATE: {label}"
+            rows.append((data.get("kernel", "?"), data.get("chip", "?"), key,
+                         _fmt_config(entry.get("config", {})),
+                         "inf" if ms is None or math.isinf(ms) else f"{ms:.4g}", label, where))
+    if not rows:
+        print(f"no cache entries (looked in {default_cache().roots()})")
+        return 0
+    header = ("kernel", "chip", "key", "best config", "median_ms", "how", "cache")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    widths = [min(w, 70) for w in widths]
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+    for r in rows:
+        print("  ".join(str(c)[:w].ljust(w) for c, w in zip(r, widths, strict=True)))
+    return 0
+
+
+def _fmt_config(config: dict[str, Any]) -> str:
+    return " ".join(f"{k}={_fmt_value(v)}" for k, v in config.items())
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, list | tuple):
+        return "(" + ",".join(str(x) for x in v) + ")"
+    return str(v)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pallas-tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sweep", help="tune a kernel for a list of argument shapes")
+    s.add_argument("kernel", nargs="?", help="MODULE:NAME of a @tunable kernel")
+    s.add_argument("--shapes", action="append",
+                   help='e.g. "x=1024x1024:bfloat16,y=1024x1024:bfloat16" (repeatable), or '
+                        "@FILE with one such line per shape")
+    s.add_argument("--space", help="a search_spaces/ file name or path; supplies the kernel and "
+                                   "shape sets when not given")
+    s.add_argument("--trials", type=int, default=32)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--repeats", type=int, default=5, help="timed runs per candidate")
+    s.add_argument("--storage", help="Optuna storage URL (e.g. sqlite:///sweep.db): makes the "
+                                     "sweep resumable and shareable across hosts")
+    s.add_argument("--force", action="store_true", help="re-tune keys already in the user cache")
+    s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
+    s.add_argument("-v", "--verbose", action="store_true", help="print every trial")
+    s.set_defaults(func=cmd_sweep)
+    sh = sub.add_parser("show", help="list what the caches hold")
+    sh.add_argument("--kernel", help="only kernels whose name contains this")
+    sh.add_argument("--chip", help="only this chip (e.g. cpu, tpu_v6e)")
+    sh.set_defaults(func=cmd_show)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pallas_tune.errors import PallasTuneError
+
+    try:
+        return int(args.func(args) or 0)
+    except (CLIUsageError, PallasTuneError) as e:
+        print(f"pallas-tune {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Every exception and warning pallas-tune raises.
+
+Each error carries a builtin co-base so that ``except ValueError`` and friends keep working
+(the Optuna convention). Messages name the offending value first and the fix second.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = [
+    "CacheFormatError",
+    "CacheMissError",
+    "MeasurementError",
+    "NoFeasibleConfigError",
+    "PallasTuneError",
+    "PallasTuneWarning",
+    "SearchSpaceError",
+]
+
+
+class PallasTuneError(Exception):
+    """Base class of every pallas-tune error."""
+
+
+class SearchSpaceError(PallasTuneError, ValueError):
+    """A declared search space is invalid (unknown parameter, empty or unhashable choices)."""
+
+
+class CacheFormatError(PallasTuneError, ValueError):
+    """A cache file is malformed, truncated or of an unknown schema."""
+
+
+class CacheMissError(PallasTuneError, KeyError):
+    """Raised in ``PALLAS_TUNE_MODE=strict`` when no tuned config exists for a call."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message.
+        return str(self.args[0]) if self.args else ""
+
+
+class NoFeasibleConfigError(PallasTuneError, RuntimeError):
+    """No candidate of the space is feasible or correct for the given arguments."""
+
+
+class MeasurementError(PallasTuneError, RuntimeError):
+    """Measuring a candidate failed in a way that is not attributable to the candidate."""
+
+
+class PallasTuneWarning(UserWarning):
+    """Warnings from pallas-tune (cache misses, unreadable cache files)."""
+
+
+def warn(message: str, category: type[Warning] = PallasTuneWarning) -> None:
+    """Warns, attributing the warning to the first frame outside pallas-tune."""
+    import os
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    warnings.warn(message, category, skip_file_prefixes=(root,))

@@ -1,0 +1,181 @@
+"""Cache keys: a call's arguments as a short, human-readable, canonical string.
+
+The default key of ``matmul(x, y)`` is ``"x=1024x1024:bfloat16,y=1024x1024:bfloat16"``: one
+``name=dims:dtype`` item per array argument, in signature order, then ``name=value`` for each static
+(non-array, non-tuned) argument, defaults applied. The same syntax is what ``pallas-tune sweep
+--shapes`` accepts, so a key printed in a warning can be pasted into the command that fills it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["KeyFn", "call_key", "format_value", "parse_key", "key_distance"]
+
+KeyFn = Callable[..., Any]
+
+_ARRAY_RE = re.compile(r"^(?P<dims>(\d+(x\d+)*)?|scalar):(?P<dtype>[A-Za-z0-9_]+)$")
+
+
+def _is_array(v: Any) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def _array_str(v: Any) -> str:
+    dims = "x".join(str(int(d)) for d in v.shape) or "scalar"
+    dtype = getattr(v.dtype, "name", str(v.dtype))
+    return f"{dims}:{dtype}"
+
+
+def format_value(v: Any) -> str:
+    """Formats one argument for a key; arrays as ``dims:dtype``, simple statics as JSON."""
+    if _is_array(v):
+        return _array_str(v)
+    if isinstance(v, tuple | list) and v and all(_is_array(x) for x in v):
+        return "(" + ";".join(_array_str(x) for x in v) + ")"
+    if v is None or isinstance(v, bool | int | float | str):
+        return json.dumps(v)
+    if isinstance(v, tuple | list) and all(
+        x is None or isinstance(x, bool | int | float | str) for x in v
+    ):
+        return json.dumps(list(v), separators=(",", ":"))
+    if callable(v):
+        return getattr(v, "__qualname__", type(v).__qualname__)
+    text = repr(v)
+    if " at 0x" in text:  # An address would make the key differ in every process.
+        return type(v).__qualname__
+    return text
+
+
+def call_key(
+    sig: inspect.Signature, tuned: frozenset[str], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> str:
+    """The default key: array shapes and dtypes, then static non-tuned argument values."""
+    bound = sig.bind_partial(*args, **kwargs)
+    bound.apply_defaults()
+    arrays, statics = [], []
+    for name, value in bound.arguments.items():
+        if name in tuned:
+            continue
+        param = sig.parameters[name]
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            for i, v in enumerate(value):
+                (arrays if _is_array(v) else statics).append((f"{name}{i}", v))
+            continue
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            for k, v in sorted(value.items()):
+                if k not in tuned:
+                    (arrays if _is_array(v) else statics).append((k, v))
+            continue
+        is_arrays = _is_array(value) or (
+            isinstance(value, tuple | list) and value and all(_is_array(x) for x in value)
+        )
+        (arrays if is_arrays else statics).append((name, value))
+    return ",".join(f"{n}={format_value(v)}" for n, v in arrays + statics)
+
+
+def custom_key(value: Any) -> str:
+    """Canonical string for the value a user ``key=`` callable returns."""
+    if isinstance(value, str):
+        return value
+
+    def default(o: Any) -> Any:
+        if _is_array(o):
+            return _array_str(o)
+        if isinstance(o, tuple | set | frozenset):
+            return list(o)
+        return repr(o)
+
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=default)
+
+
+def _split_items(text: str) -> list[str]:
+    """Splits on commas that are outside brackets and quotes."""
+    items, depth, quote, cur = [], 0, False, []
+    for ch in text:
+        if ch == '"':
+            quote = not quote
+        elif not quote and ch in "([{":
+            depth += 1
+        elif not quote and ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0 and not quote:
+            items.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if cur:
+        items.append("".join(cur))
+    return [i.strip() for i in items if i.strip()]
+
+
+def parse_value(text: str) -> Any:
+    """Parses one ``--shapes`` value: ``dims:dtype`` → ("array", dims, dtype), else a static."""
+    m = _ARRAY_RE.match(text)
+    if m:
+        dims = m.group("dims")
+        shape = () if dims in ("", "scalar") else tuple(int(d) for d in dims.split("x"))
+        return ("array", shape, m.group("dtype"))
+    if text.startswith("(") and text.endswith(")"):
+        return ("arrays", tuple(parse_value(t) for t in text[1:-1].split(";")))
+    try:
+        return ("static", json.loads(text))
+    except json.JSONDecodeError:
+        low = text.lower()
+        if low in ("true", "false"):
+            return ("static", low == "true")
+        if low in ("none", "null"):
+            return ("static", None)
+        return ("static", text)
+
+
+def parse_key(text: str) -> dict[str, Any]:
+    """Parses ``"x=1024x1024:bfloat16,causal=true"`` into {name: parsed value} (see parse_value)."""
+    out: dict[str, Any] = {}
+    for item in _split_items(text):
+        if "=" not in item:
+            raise ValueError(
+                f"shape item {item!r} is not of the form name=DIMS:DTYPE or name=VALUE, e.g. "
+                "x=1024x1024:bfloat16 or causal=true"
+            )
+        name, value = item.split("=", 1)
+        out[name.strip()] = parse_value(value.strip())
+    return out
+
+
+def key_distance(a: str, b: str) -> float:
+    """Distance between two default keys: inf unless names, ranks, dtypes and statics agree;
+    otherwise the sum of |log2| ratios of the array dims."""
+    try:
+        pa, pb = parse_key(a), parse_key(b)
+    except ValueError:
+        return math.inf
+    if pa.keys() != pb.keys():
+        return math.inf
+    dist = 0.0
+    for name, va in pa.items():
+        vb = pb[name]
+        if va[0] != vb[0]:
+            return math.inf
+        if va[0] == "static":
+            if va != vb:
+                return math.inf
+            continue
+        pairs = [(va, vb)] if va[0] == "array" else list(zip(va[1], vb[1], strict=False))
+        if va[0] == "arrays" and len(va[1]) != len(vb[1]):
+            return math.inf
+        for x, y in pairs:
+            if x[0] != "array" or y[0] != "array" or x[2] != y[2] or len(x[1]) != len(y[1]):
+                return math.inf
+            for dx, dy in zip(x[1], y[1], strict=True):
+                if dx <= 0 or dy <= 0:
+                    if dx != dy:
+                        return math.inf
+                    continue
+                dist += abs(math.log2(dx / dy))
+    return dist

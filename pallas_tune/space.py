@@ -1,0 +1,247 @@
+"""Search spaces: named parameters with finite choices, and the configs drawn from them.
+
+Pure Python: nothing here imports jax, so spaces can be built and validated anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import math
+import os
+import tomllib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from pallas_tune.errors import SearchSpaceError
+
+__all__ = ["Config", "Param", "SearchSpace", "load_space"]
+
+_SOURCES = ("cache", "nearest", "default", "explicit", "tuned")
+
+
+def _freeze(value: Any) -> Any:
+    """Turns lists (e.g. from TOML or JSON) into tuples, recursively, so values are hashable."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _check_hashable(name: str, value: Any) -> None:
+    try:
+        hash(value)
+    except TypeError as e:
+        raise SearchSpaceError(
+            f"choice {value!r} of parameter {name!r} is unhashable ({e}); use tuples instead of "
+            "lists or dicts, because configs are static arguments of jax.jit."
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Param:
+    """One tunable keyword parameter and its finite, ordered choices."""
+
+    name: str
+    choices: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise SearchSpaceError(f"parameter name {self.name!r} is not a Python identifier.")
+        if isinstance(self.choices, str | bytes) or not isinstance(self.choices, Sequence):
+            raise SearchSpaceError(
+                f"choices of parameter {self.name!r} must be a list or tuple of values, got "
+                f"{self.choices!r}; write {self.name}=[{self.choices!r}] for a single value."
+            )
+        choices = tuple(_freeze(c) for c in self.choices)
+        if not choices:
+            raise SearchSpaceError(
+                f"parameter {self.name!r} has no choices; give it at least one value."
+            )
+        for c in choices:
+            _check_hashable(self.name, c)
+        if len(set(choices)) != len(choices):
+            dup = [c for c in choices if choices.count(c) > 1][0]
+            raise SearchSpaceError(f"parameter {self.name!r} lists {dup!r} more than once.")
+        object.__setattr__(self, "choices", choices)
+
+    @property
+    def is_power_of_two_ints(self) -> bool:
+        return all(
+            isinstance(c, int) and not isinstance(c, bool) and c > 0 and c & (c - 1) == 0
+            for c in self.choices
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SearchSpace:
+    """A product of :class:`Param` choices, in declaration order.
+
+    Args:
+      params: the tunable parameters.
+      default: the config used on a cache miss, if given (must be a point of the space).
+    """
+
+    params: tuple[Param, ...]
+    default: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names):
+            raise SearchSpaceError(f"duplicate parameter names in {names}.")
+        if self.default is not None:
+            default = {k: _freeze(v) for k, v in dict(self.default).items()}
+            for k, v in default.items():
+                if k not in names:
+                    raise SearchSpaceError(
+                        f"default= names {k!r}, which is not a declared parameter ({names})."
+                    )
+                if v not in self[k].choices:
+                    raise SearchSpaceError(
+                        f"default {k}={v!r} is not one of the declared choices {self[k].choices}."
+                    )
+            object.__setattr__(self, "default", default)
+
+    @classmethod
+    def from_choices(cls, choices: Mapping[str, Sequence[Any]], **kwargs: Any) -> SearchSpace:
+        return cls(params=tuple(Param(name=k, choices=v) for k, v in choices.items()), **kwargs)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(p.choices) for p in self.params)
+
+    def __getitem__(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def __contains__(self, config: Mapping[str, Any]) -> bool:
+        return set(config) == set(self.names) and all(
+            config[p.name] in p.choices for p in self.params
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Yields every config as a dict, the first parameter varying slowest."""
+        for values in itertools.product(*(p.choices for p in self.params)):
+            yield dict(zip(self.names, values, strict=True))
+
+    def ordered_candidates(self) -> Iterator[dict[str, Any]]:
+        """Every config, the declared default first, then the rest in product order."""
+        if self.default is not None and set(self.default) == set(self.names):
+            yield dict(self.default)
+            for c in self:
+                if c != self.default:
+                    yield c
+        else:
+            yield from self
+
+    def check_function(self, fn: Callable[..., Any]) -> None:
+        """Raises :class:`SearchSpaceError` unless every parameter is a keyword-only arg of fn."""
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return  # Builtins and C functions: nothing to check against.
+        kwonly = {
+            n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+        }
+        has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+        for p in self.params:
+            if p.name in kwonly or has_var_kw:
+                continue
+            where = getattr(fn, "__qualname__", repr(fn))
+            if p.name in sig.parameters:
+                raise SearchSpaceError(
+                    f"tunable parameter {p.name!r} of {where} is not keyword-only; declare it "
+                    f"after a `*` in the signature, e.g. `def f(x, *, {p.name}): ...`."
+                )
+            raise SearchSpaceError(
+                f"tunable parameter {p.name!r} is not a parameter of {where}{sig}; add it as a "
+                "keyword-only argument or remove it from the decorator."
+            )
+
+
+class Config(Mapping[str, Any]):
+    """A frozen, hashable mapping of tunable parameter to value.
+
+    ``source`` says where it came from: ``"cache"`` (exact cache hit), ``"nearest"`` (the config of
+    the nearest tuned shape), ``"default"`` (declared default or first valid point of the space),
+    ``"explicit"`` (every parameter passed by the caller) or ``"tuned"`` (just tuned).
+    ``origin`` optionally names the cache key or file behind it.
+    """
+
+    __slots__ = ("_items", "_dict", "source", "origin")
+
+    def __init__(self, items: Mapping[str, Any], *, source: str = "default", origin: str = ""):
+        if source not in _SOURCES:
+            raise ValueError(f"source={source!r} must be one of {_SOURCES}")
+        self._dict = {k: _freeze(v) for k, v in items.items()}
+        self._items = tuple(sorted(self._dict.items()))
+        self.source = source
+        self.origin = origin
+
+    def __getitem__(self, key: str) -> Any:
+        return self._dict[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._dict)
+
+    def __len__(self) -> int:
+        return len(self._dict)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v!r}" for k, v in self._dict.items())
+        return f"Config({body}; source={self.source!r})"
+
+    def replace(self, **updates: Any) -> Config:
+        return Config({**self._dict, **updates}, source=self.source, origin=self.origin)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._dict)
+
+
+def _spaces_dir() -> str:
+    from importlib import resources
+
+    return str(resources.files("pallas_tune.search_spaces"))
+
+
+def load_space(name_or_path: str) -> dict[str, Any]:
+    """Loads a search-space file (TOML) shipped in ``search_spaces/`` or at a path.
+
+    The file holds ``[params]`` (name → list of choices), optionally ``default`` (a table),
+    ``kernel`` (``"module:attr"``) and ``[[shapes]]`` (argument name → ``"AxB:dtype"`` spec, plus
+    static keyword values), used by ``pallas-tune sweep``.
+
+    Returns:
+      A dict with keys ``space`` (a :class:`SearchSpace`), ``kernel`` (str or None), ``shapes``
+      (list of dicts) and ``path``.
+    """
+    path = name_or_path
+    if not os.path.exists(path):
+        candidate = os.path.join(_spaces_dir(), f"{name_or_path}.toml")
+        if not os.path.exists(candidate):
+            raise SearchSpaceError(
+                f"no search-space file {name_or_path!r}: not a path, and no "
+                f"{name_or_path}.toml in {_spaces_dir()}."
+            )
+        path = candidate
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise SearchSpaceError(f"search-space file {path} is not valid TOML: {e}") from None
+    if "params" not in data or not isinstance(data["params"], dict):
+        raise SearchSpaceError(f"search-space file {path} has no [params] table.")
+    space = SearchSpace.from_choices(data["params"], default=data.get("default"))
+    shapes = data.get("shapes", [])
+    if not isinstance(shapes, list) or not all(isinstance(s, dict) for s in shapes):
+        raise SearchSpaceError(f"search-space file {path}: `shapes` must be an array of tables.")
+    return {"space": space, "kernel": data.get("kernel"), "shapes": shapes, "path": path}

@@ -1,0 +1,1 @@
+"""Search-space files (TOML) shipped with pallas-tune; read them with ``pallas_tune.load_space``."""

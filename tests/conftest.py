@@ -1,0 +1,50 @@
+import os
+import sys
+
+# Keep JAX on the CPU in tests even where jax[tpu] is installed: without a TPU, libtpu's
+# backend init only prints errors. Deviceless TPU compiles (libtpu tests) don't need it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS_DIR)
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh, empty user cache directory for the test (shipped caches still behind it)."""
+    from pallas_tune import _settings, cache
+
+    d = tmp_path / "cache"
+    monkeypatch.setenv("PALLAS_TUNE_CACHE_DIR", str(d))
+    monkeypatch.delenv("PALLAS_TUNE_MODE", raising=False)
+    cache.reset_default_cache()
+    _settings.reload()
+    yield d
+    cache.reset_default_cache()
+    _settings.reload()
+
+
+@pytest.fixture
+def fresh():
+    """Forget per-process memo and warnings of the toy kernels."""
+    import toy_kernels
+
+    for k in (toy_kernels.scale, toy_kernels.scale_checked, toy_kernels.add):
+        k._memo.clear()
+        k._warned.clear()
+    yield toy_kernels
+    for k in (toy_kernels.scale, toy_kernels.scale_checked, toy_kernels.add):
+        k._memo.clear()
+        k._warned.clear()
+
+
+def subprocess_env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env

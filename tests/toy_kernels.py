@@ -1,0 +1,65 @@
+"""Small tunable kernels for the tests (importable as ``toy_kernels`` with tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_tune as pt
+
+
+def _scale_kernel(x_ref, o_ref, *, factor):
+    o_ref[...] = x_ref[...] * factor
+
+
+@pt.tunable(br=[8, 16, 32, 64], bc=[128, 256], buffering=[1, 2])
+def scale(x, *, factor=2.0, br, bc, buffering):
+    """Elementwise x * factor, tiled (br, bc)."""
+    r, c = x.shape
+    spec = pl.BlockSpec((br, bc), lambda i, j: (i, j), pipeline_mode=pl.Buffered(buffering))
+    return pl.pallas_call(
+        lambda x_ref, o_ref: _scale_kernel(x_ref, o_ref, factor=factor),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(pl.cdiv(r, br), pl.cdiv(c, bc)),
+        in_specs=[spec],
+        out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        name="scale",
+    )(x)
+
+
+def scale_reference(x, *, factor=2.0):
+    return x * factor
+
+
+# A space where some tiles break the TPU block rules (br=12 is not a multiple of 8; bc=100 not
+# of 128), and one config computes the wrong thing: the tuner must never measure the first and
+# must reject the second.
+@pt.tunable(br=[12, 16, 32], bc=[100, 128], wrong=[False, True], reference=scale_reference,
+            default={"br": 16, "bc": 128, "wrong": False})
+def scale_checked(x, *, factor=2.0, br, bc, wrong):
+    r, c = x.shape
+    f = factor + (1.0 if wrong else 0.0)
+    return pl.pallas_call(
+        lambda x_ref, o_ref: _scale_kernel(x_ref, o_ref, factor=f),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(pl.cdiv(r, br), pl.cdiv(c, bc)),
+        in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+        name="scale_checked",
+    )(x)
+
+
+def plain_add(x, y, *, unroll):
+    """Not a Pallas kernel: tunable anyway (the decorator is generic)."""
+    del unroll
+    return x + y
+
+
+add = pt.tunable(unroll=[1, 2])(plain_add)
+
+
+def ones(shape=(64, 256), dtype=jnp.float32):
+    return jnp.arange(shape[0] * shape[1], dtype=jnp.float32).reshape(shape).astype(dtype)
