@@ -53,6 +53,13 @@ class PallasTuneWarning(UserWarning):
 def warn(message: str, category: type[Warning] = PallasTuneWarning) -> None:
     """Warns, attributing the warning to the first frame outside pallas-tune."""
     import os
+    import sys
 
     root = os.path.dirname(os.path.abspath(__file__))
-    warnings.warn(message, category, skip_file_prefixes=(root,))
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=(root,))
+        return
+    frame, level = sys._getframe(1), 2  # Python 3.11: count our own frames by hand.
+    while frame is not None and frame.f_code.co_filename.startswith(root):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

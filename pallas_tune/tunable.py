@@ -37,9 +37,8 @@ def _interpret_state() -> Any:
     """JAX's interpret-mode override, read when a pallas_call is traced.
 
     Setting it to ``True`` selects the HLO interpreter. ``pltpu.force_tpu_interpret_mode()``
-    sets an ``InterpretParams`` instead, which selects the TPU simulator: 10-60x slower on the
-    matmul and flash-attention grids of notes/pallas-on-cpu.md §2 (measured in
-    benchmarks/interpret_modes.py).
+    sets an ``InterpretParams`` instead, which selects the TPU simulator: 12-20x slower on the
+    shipped matmul (benchmarks/interpret_modes.py).
     """
     from jax._src import config as jax_config
 

@@ -1,0 +1,91 @@
+"""The tuning loop: outcomes, no duplicate or infeasible measurement, strategies, storage."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_tune as pt
+from pallas_tune.measure import compare
+
+
+def test_tune_writes_cache_and_returns_result(cache_dir, fresh):
+    x = fresh.ones()
+    res = fresh.scale.tune(x, trials=6, seed=0, repeats=2)
+    df = res.trials
+    assert {"br", "bc", "buffering", "outcome", "median_ms", "error"} <= set(df.columns)
+    ok = df[df.outcome == "ok"]
+    assert len(ok) == 6  # TPE path: space of 16 > 6 trials, 6 measured.
+    assert res.provenance["strategy"] == "tpe"
+    assert res.best_ms == pytest.approx(ok.median_ms.min())
+    assert res.best in fresh.scale.space
+    fresh.scale._memo.clear()
+    cfg = fresh.scale.config_for(x)
+    assert cfg.source == "cache" and cfg == res.best
+    entry = fresh.scale.cache.lookup("cpu", fresh.scale.name, fresh.scale.cache_key(x))[0]
+    prov = entry["provenance"]
+    assert prov["device_kind"] and prov["timer"] == "wallclock" and prov["interpret"] is True
+    assert "jax" in prov["versions"] and "jaxlib" in prov["versions"] and prov["date"]
+    assert len(entry["trials"]) == len(df)
+
+
+def test_block_rule_violations_never_measured_and_mismatch_rejected(cache_dir, fresh):
+    x = fresh.ones((64, 256))
+    res = fresh.scale_checked.tune(x, trials=32, seed=0, repeats=2)
+    df = res.trials
+    assert res.provenance["strategy"] == "exhaustive"
+    assert len(df) == fresh.scale_checked.space.size == 12
+    bad_tiles = df[(df.br == 12) | (df.bc == 100)]
+    assert (bad_tiles.outcome == "infeasible").all() and bad_tiles.median_ms.isna().sum() == 0
+    assert np.isinf(bad_tiles.median_ms).all()
+    assert bad_tiles.error.str.contains("multiple of 8|multiple of 128|does not divide").all()
+    good_tiles = df[(df.br != 12) & (df.bc != 100)]
+    assert (good_tiles[good_tiles.wrong].outcome == "mismatch").all()
+    assert (good_tiles[~good_tiles.wrong].outcome == "ok").all()
+    assert res.best["wrong"] is False
+
+
+def test_no_config_is_measured_twice(cache_dir, fresh):
+    res = fresh.scale.tune(fresh.ones(), trials=12, seed=3, repeats=1)
+    configs = [tuple(sorted(r.config.items())) for r in res.records]
+    assert len(configs) == len(set(configs))
+
+
+def test_all_failing_raises_with_summary(cache_dir):
+    @pt.tunable(b=[3, 5])
+    def bad(x, *, b):
+        raise RuntimeError(f"boom {b}")
+
+    with pytest.raises(pt.NoFeasibleConfigError, match="none of 2 candidates.*boom"):
+        bad.tune(jnp.ones((8,)), trials=4)
+
+
+def test_storage_makes_studies_resumable(cache_dir, fresh, tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    x = fresh.ones()
+    first = fresh.scale.tune(x, trials=4, seed=0, repeats=1, storage=url)
+    assert sum(r.measurement is not None for r in first.records) == 4
+    second = fresh.scale.tune(x, trials=6, seed=0, repeats=1, storage=url)
+    fresh_measured = [r for r in second.records
+                      if r.measurement is not None and "stored study" not in r.error]
+    assert len(fresh_measured) == 2  # Only the missing two were measured.
+    first_configs = {tuple(sorted(r.config.items())) for r in first.records}
+    assert not first_configs & {tuple(sorted(r.config.items())) for r in fresh_measured}
+
+
+def test_tune_accepts_shape_dtype_structs(cache_dir, fresh):
+    x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    res = fresh.scale.tune(x, trials=2, seed=0, repeats=1)
+    assert res.key == "x=64x256:bfloat16,factor=2.0"
+
+
+def test_compare_is_dtype_aware_and_catches_nan():
+    ref = np.ones((4, 4), np.float32)
+    assert compare(ref + 1e-5, ref)[0]
+    assert not compare(ref + 1e-2, ref)[0]
+    bf = jnp.ones((4, 4), jnp.bfloat16)
+    assert compare(bf + jnp.bfloat16(0.0078), bf)[0]
+    nan = ref.copy()
+    nan[0, 0] = np.nan
+    ok, _, why = compare(nan, ref)
+    assert not ok and "NaN" in why
