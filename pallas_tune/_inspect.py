@@ -28,6 +28,8 @@ class BlockInfo:
     dtype: np.dtype
     buffer_count: int | None  # From pipeline_mode; None when not set (the default, 2).
     is_output: bool
+    trivial_window: bool = False  # Whole array, constant index: Mosaic single-buffers it.
+    memory_space: str = ""  # "" (default, VMEM window), or e.g. "any", "smem".
 
     @property
     def block_bytes(self) -> int:
@@ -43,6 +45,11 @@ class PallasCallInfo:
     scratch: tuple[tuple[tuple[int, ...], np.dtype, str], ...]  # (shape, dtype, memory space)
     dimension_semantics: tuple[str, ...] | None
     vmem_limit_bytes: int | None
+    # Values computed inside the kernel body: each dot as (result shape, result dtype,
+    # contraction size, lhs dtype), and the largest intermediate of any op (what may spill from
+    # vector registers to VMEM).
+    dots: tuple[tuple[tuple[int, ...], np.dtype, int, np.dtype], ...] = ()
+    largest_value: tuple[tuple[int, ...], np.dtype] | None = None
 
 
 def _block_dim(d: Any) -> int | None:
@@ -77,6 +84,44 @@ def _walk(jaxpr: Any) -> Iterator[Any]:
             yield from _walk(sub)
 
 
+def _body_values(jaxpr: Any) -> tuple[list[Any], Any]:
+    """(dot result avals, largest intermediate aval) over a kernel body, nested regions included."""
+    dots, largest, largest_bytes = [], None, -1
+
+    def visit(j: Any) -> None:
+        nonlocal largest, largest_bytes
+        for e in j.eqns:
+            for v in e.outvars:
+                aval = getattr(v, "aval", None)
+                shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+                if shape is None or dtype is None:
+                    continue
+                try:
+                    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+                except TypeError:
+                    continue
+                if e.primitive.name == "dot_general":
+                    lhs = e.invars[0].aval
+                    (contract, _), _ = e.params["dimension_numbers"]
+                    k = math.prod(lhs.shape[d] for d in contract)
+                    dots.append((tuple(shape), np.dtype(dtype), int(k), np.dtype(lhs.dtype)))
+                if nbytes > largest_bytes:
+                    largest, largest_bytes = (tuple(shape), np.dtype(dtype)), nbytes
+            for sub in _subjaxprs(e.params):
+                visit(sub)
+
+    visit(jaxpr)
+    return dots, largest
+
+
+def _space_name(aval: Any) -> str:
+    space = getattr(aval, "memory_space", None)
+    if space is None:
+        return ""
+    text = str(getattr(space, "value", space)).lower()
+    return "" if text in ("none", "default", "vmem", "memoryspace.default") else text
+
+
 def _info(eqn: Any) -> PallasCallInfo:
     gm = eqn.params["grid_mapping"]
     n_in = gm.num_inputs
@@ -95,6 +140,8 @@ def _info(eqn: Any) -> PallasCallInfo:
                 dtype=np.dtype(aval.dtype),
                 buffer_count=count,
                 is_output=i >= n_in,
+                trivial_window=bool(getattr(bm, "has_trivial_window", lambda: False)()),
+                memory_space=_space_name(getattr(bm, "transformed_block_aval", None)),
             )
         )
     scratch = []
@@ -115,7 +162,11 @@ def _info(eqn: Any) -> PallasCallInfo:
     if sem is not None:
         sem = tuple(str(getattr(s, "value", s)).lower() for s in sem)
     grid = tuple(int(g) if isinstance(g, int | np.integer) else -1 for g in gm.grid)
+    body = eqn.params.get("jaxpr")
+    dots, largest = _body_values(getattr(body, "jaxpr", body)) if body is not None else ([], None)
     return PallasCallInfo(
+        dots=tuple(dots),
+        largest_value=largest,
         name=str(eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", "")),
         grid=grid,
         blocks=tuple(blocks),

@@ -1,0 +1,149 @@
+"""Deviceless TPU compiles on a CPU host (libtpu), and the classification of compiler errors.
+
+``jax[tpu]`` ships libtpu, which compiles for any TPU generation against a compile-only device from
+``jax.experimental.topologies``: the real Mosaic and XLA:TPU compiler, with the real VMEM
+out-of-memory errors (notes/pallas-on-cpu.md §4). Compiles release the GIL, so threads in one
+process parallelise them; several processes need ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``, which this
+module sets (unless already set) before libtpu loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+__all__ = ["CompileResult", "classify_error", "compile_deviceless", "libtpu_available"]
+
+# Compiler failure kinds (the `detail` of an infeasible or compile_error outcome).
+VMEM_SCOPED: Final = "vmem_scoped_oom"
+VMEM_PHYSICAL: Final = "vmem_physical_oom"
+SMEM: Final = "smem_oom"
+MOSAIC: Final = "mosaic_rejected"
+BLOCK_RULE: Final = "block_rule"
+OTHER: Final = "compile_error"
+OOM_KINDS: Final = (VMEM_SCOPED, VMEM_PHYSICAL, SMEM)
+
+_PATTERNS: Final = (
+    (VMEM_SCOPED, re.compile(r"Scoped allocation with size [\d.]+[KMG]? and limit [\d.]+[KMG]? "
+                             r"exceeded scoped vmem limit|CompileTimeScopedVmemOom|"
+                             r"scoped vmem limit", re.I)),
+    (VMEM_PHYSICAL, re.compile(r"Ran out of memory in memory space vmem|"
+                               r"Allocation \(size=\d+\) would exceed memory \(size=\d+\).*vmem",
+                               re.I | re.S)),
+    (SMEM, re.compile(r"Ran out of memory in memory space smem|smem capacity", re.I)),
+    (BLOCK_RULE, re.compile(r"Pallas TPU lowering currently requires|Only single \(1\) and double "
+                            r"\(2\) buffering|not divisible by tiling evenly|E2002")),
+    (MOSAIC, re.compile(r"Mosaic failed to compile TPU kernel|\bE20\d\d\b")),
+)
+
+
+def classify_error(text: str) -> str:
+    """Maps compiler/lowering error text to a failure kind (see the module constants)."""
+    # A scoped OOM message also says "Ran out of memory in memory space vmem": check it first.
+    for kind, pattern in _PATTERNS:
+        if pattern.search(text):
+            return kind
+    return OTHER
+
+
+@functools.cache
+def libtpu_available() -> bool:
+    """Whether libtpu is installed (``pip install 'jax[tpu]'``), so deviceless compiles work."""
+    return (importlib.util.find_spec("libtpu") is not None
+            or importlib.util.find_spec("libtpu_nightly") is not None)
+
+
+_TOPO_LOCK = threading.Lock()
+
+
+@functools.cache
+def _topology_device(topology: str) -> Any:
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    with _TOPO_LOCK:
+        topo = topologies.get_topology_desc(topology, platform="tpu",
+                                            chips_per_host_bounds=[1, 1, 1])
+    return topo.devices[0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CompileResult:
+    ok: bool
+    kind: str  # "ok" or one of the failure kinds.
+    message: str
+    compile_s: float
+    scoped_vmem_bytes: int | None = None  # What the compiler allocated (max over kernels).
+    estimated_cycles: tuple[int, ...] = ()  # Static cycle estimates, if the dump flag is set.
+    hlo_text: str = ""
+
+
+# What the compiler actually allocated, in each kernel's backend config (memory space 1 is VMEM).
+_SCOPED_RE: Final = re.compile(
+    r'used_scoped_memory_configs":\[\{"memory_space":"1","offset":"\d+","size":"(\d+)"')
+_CYCLES_RE: Final = re.compile(r'"estimated_cycles":"(\d+)"')
+
+
+def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                       *, chip: str, keep_text: bool = False) -> CompileResult:
+    """Compiles ``fn(*args, **kwargs)`` for ``chip`` with no TPU attached.
+
+    Array arguments (arrays or ShapeDtypeStructs) are placed on a compile-only device of the chip's
+    topology; other arguments are static. Raises RuntimeError when libtpu is missing.
+    """
+    from pallas_tune.hardware import chip_spec
+
+    spec = chip_spec(chip)
+    if spec.platform != "tpu":
+        raise ValueError(f"deviceless compile targets TPUs; {chip!r} is a {spec.platform}.")
+    if not libtpu_available():
+        raise RuntimeError(
+            "deviceless TPU compiles need libtpu: pip install 'pallas-tune[tpu]' (jax[tpu])."
+        )
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_tune import _inspect, chips
+
+    device = _topology_device(spec.topology)
+    sharding = SingleDeviceSharding(device)
+    abstract = _inspect.abstractify(args)
+
+    def place(a: Any) -> Any:
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+        return a
+
+    placed = jax.tree_util.tree_map(place, abstract)
+    leaves, treedef = jax.tree_util.tree_flatten(placed)
+    is_arr = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+
+    def flat_fn(*arrs: Any) -> Any:
+        it = iter(arrs)
+        full = [next(it) if a else x for x, a in zip(leaves, is_arr, strict=True)]
+        return fn(*jax.tree_util.tree_unflatten(treedef, full), **kwargs)
+
+    t0 = time.perf_counter()
+    try:
+        with chips.target(spec.name, abstract_mesh=False):
+            lowered = jax.jit(flat_fn).trace(
+                *[x for x, a in zip(leaves, is_arr, strict=True) if a]
+            ).lower(lowering_platforms=("tpu",))
+            compiled = lowered.compile()
+        text = compiled.as_text()
+    except Exception as e:  # noqa: BLE001 - compiler failures are results here.
+        msg = f"{type(e).__name__}: {e}"
+        return CompileResult(ok=False, kind=classify_error(msg), message=msg[:6000],
+                             compile_s=time.perf_counter() - t0)
+    sizes = [int(s) for s in _SCOPED_RE.findall(text)]
+    cycles = tuple(int(c) for c in _CYCLES_RE.findall(text))
+    return CompileResult(ok=True, kind="ok", message="", compile_s=time.perf_counter() - t0,
+                         scoped_vmem_bytes=max(sizes) if sizes else None,
+                         estimated_cycles=cycles, hlo_text=text if keep_text else "")

@@ -1,0 +1,172 @@
+"""Chip facts: one table, the only home of hardware numbers in pallas-tune.
+
+TPU rows take JAX's own ``pltpu.get_tpu_info_for_chip`` record where the installed JAX has it
+(per-TensorCore VMEM, SMEM, lanes, sublanes, MXU, peak ops, HBM), and add what JAX does not carry:
+the compiler's default scoped-VMEM limit and the usable physical VMEM, both measured with a
+deviceless libtpu 0.0.50.1 compile (notes/pallas-on-cpu.md §0.2), and the deviceless topology
+name. Without that JAX API the fallback numbers below (copied from the same JAX table) are used;
+``ChipSpec.source`` says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Final
+
+from pallas_tune.chips import normalize_chip
+
+__all__ = ["ChipSpec", "chip_spec", "known_chips"]
+
+MiB: Final = 1024 * 1024
+KiB: Final = 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ChipSpec:
+    """Hardware facts of one chip. Memory and throughput are per TensorCore unless named _chip."""
+
+    name: str  # Canonical pallas-tune name: tpu_v6e, nvidia_h100, cpu.
+    device_kind: str
+    platform: str  # "tpu", "gpu" or "cpu".
+    generation: int = 0
+    tensorcores_per_chip: int = 1
+    megacore: bool = False
+    # TPU memory.
+    vmem_bytes: int = 0
+    scoped_vmem_default_bytes: int = 0  # The compiler's limit when a kernel sets none.
+    vmem_usable_bytes: int = 0  # The most vmem_limit_bytes can raise it to.
+    smem_bytes: int = 0
+    # TPU vector and matrix units.
+    lanes: int = 128
+    sublanes: int = 8
+    vregs: int = 64  # Not in JAX; 32 on v4 (scaling book), 64 assumed later. A soft signal only.
+    mxu_dim: int = 128
+    num_mxus: int = 0
+    # Throughput.
+    bf16_flops: float = 0.0
+    int8_ops: float = 0.0
+    fp8_flops: float = 0.0
+    hbm_bw_bytes_per_s: float = 0.0
+    hbm_bytes: int = 0
+    clock_hz: float = 0.0  # For converting compiler cycle estimates (0: unknown).
+    # GPU.
+    sms: int = 0
+    smem_per_block_bytes: int = 0
+    registers_per_sm: int = 0
+    # Deviceless compile.
+    topology: str = ""
+    source: str = "pallas-tune table"
+
+    @property
+    def vreg_file_bytes(self) -> int:
+        return self.vregs * self.sublanes * self.lanes * 4
+
+    def sublane_tiling(self, itemsize: int) -> int:
+        """Rows of the native (sublane, 128) tile for an element size (as in jax tpu_info)."""
+        bits = itemsize * 8
+        if self.platform != "tpu":
+            return 1
+        if self.generation < 7 and bits in (16, 32):
+            return self.sublanes
+        return self.sublanes * max(1, 32 // bits)
+
+    def ridge_flops_per_byte(self) -> float:
+        return self.bf16_flops / self.hbm_bw_bytes_per_s if self.hbm_bw_bytes_per_s else 0.0
+
+
+# name: (jax ChipVersion value, topology, scoped default MiB, usable MiB, tensorcores, fallback)
+_TPU: Final[dict[str, dict[str, Any]]] = {
+    "tpu_v4": dict(version="v4", topology="v4:1x1x1", scoped=16, usable=16.0, cores=2,
+                   megacore=True, vregs=32,
+                   fallback=dict(generation=4, vmem=16, smem=1024, mxu=128, n_mxu=4,
+                                 bf16=1.38e14, int8=0, fp8=0, bw=6.15e11, hbm=17.2e9)),
+    "tpu_v5e": dict(version="v5e", topology="v5e:1x1", scoped=16, usable=127.9375, cores=1,
+                    megacore=False,
+                    fallback=dict(generation=5, vmem=128, smem=1024, mxu=128, n_mxu=4,
+                                  bf16=1.97e14, int8=3.94e14, fp8=0, bw=8.2e11, hbm=17.2e9)),
+    "tpu_v5p": dict(version="v5p", topology="v5p:1x1x1", scoped=16, usable=63.9375, cores=2,
+                    megacore=True,
+                    fallback=dict(generation=5, vmem=64, smem=1024, mxu=128, n_mxu=4,
+                                  bf16=2.30e14, int8=4.59e14, fp8=0, bw=1.23e12, hbm=51.5e9)),
+    "tpu_v6e": dict(version="v6e", topology="v6e:1x1", scoped=32, usable=127.9375, cores=1,
+                    megacore=False, clock_hz=1.75e9,
+                    fallback=dict(generation=6, vmem=128, smem=1024, mxu=256, n_mxu=2,
+                                  bf16=9.20e14, int8=1.84e15, fp8=9.20e14, bw=1.64e12,
+                                  hbm=34.4e9)),
+    "tpu_7x": dict(version="7x", topology="tpu7x:1x1x1", scoped=32, usable=63.9375, cores=2,
+                   megacore=False,
+                   fallback=dict(generation=7, vmem=64, smem=1024, mxu=256, n_mxu=2,
+                                 bf16=1.155e15, int8=0, fp8=2.30e15, bw=3.7e12, hbm=103.0e9)),
+}
+_DEVICE_KIND: Final = {"tpu_v4": "TPU v4", "tpu_v5e": "TPU v5 lite", "tpu_v5p": "TPU v5",
+                       "tpu_v6e": "TPU v6 lite", "tpu_7x": "TPU7x"}
+
+# NVIDIA (Pallas Mosaic GPU / Triton): SM count, max dynamic shared memory per block, registers.
+_GPU: Final[dict[str, dict[str, Any]]] = {
+    "nvidia_h100": dict(device_kind="NVIDIA H100 80GB HBM3", sms=132, smem=227 * KiB,
+                        regs=65536, bf16=9.89e14, bw=3.35e12, hbm=80e9),
+    "nvidia_h200": dict(device_kind="NVIDIA H200", sms=132, smem=227 * KiB, regs=65536,
+                        bf16=9.89e14, bw=4.8e12, hbm=141e9),
+    "nvidia_a100": dict(device_kind="NVIDIA A100-SXM4-80GB", sms=108, smem=163 * KiB,
+                        regs=65536, bf16=3.12e14, bw=2.04e12, hbm=80e9),
+}
+
+
+def _jax_tpu_info(version: str) -> Any | None:
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+
+        cv = pltpu.ChipVersion(version)
+        return pltpu.get_tpu_info_for_chip(cv, 1)
+    except Exception:  # noqa: BLE001 - older JAX: no table, use ours.
+        return None
+
+
+@functools.cache
+def chip_spec(chip: str) -> ChipSpec:
+    """The ChipSpec of a chip name or device_kind ("v6e", "TPU v6 lite", "nvidia_h100", "cpu")."""
+    name = normalize_chip(chip)
+    if name in _TPU:
+        row = _TPU[name]
+        fb = row["fallback"]
+        info = _jax_tpu_info(row["version"])
+        common = dict(
+            name=name, device_kind=_DEVICE_KIND[name], platform="tpu",
+            tensorcores_per_chip=row["cores"], megacore=row["megacore"],
+            scoped_vmem_default_bytes=row["scoped"] * MiB,
+            vmem_usable_bytes=int(row["usable"] * MiB), topology=row["topology"],
+            vregs=row.get("vregs", 64), clock_hz=row.get("clock_hz", 0.0),
+        )
+        if info is not None:
+            return ChipSpec(
+                **common, generation=info.generation, vmem_bytes=info.vmem_capacity_bytes,
+                smem_bytes=info.smem_capacity_bytes, lanes=info.num_lanes,
+                sublanes=info.num_sublanes, mxu_dim=info.mxu_column_size,
+                num_mxus=info.num_mxus, bf16_flops=float(info.bf16_ops_per_second),
+                int8_ops=float(info.int8_ops_per_second),
+                fp8_flops=float(info.fp8_ops_per_second),
+                hbm_bw_bytes_per_s=float(info.mem_bw_bytes_per_second),
+                hbm_bytes=int(info.hbm_capacity_bytes), source="jax tpu_info + pallas-tune")
+        return ChipSpec(
+            **common, generation=fb["generation"], vmem_bytes=fb["vmem"] * MiB,
+            smem_bytes=fb["smem"] * KiB, mxu_dim=fb["mxu"], num_mxus=fb["n_mxu"],
+            bf16_flops=fb["bf16"], int8_ops=fb["int8"], fp8_flops=fb["fp8"],
+            hbm_bw_bytes_per_s=fb["bw"], hbm_bytes=int(fb["hbm"]))
+    if name in _GPU:
+        g = _GPU[name]
+        return ChipSpec(name=name, device_kind=g["device_kind"], platform="gpu", sms=g["sms"],
+                        smem_per_block_bytes=g["smem"], registers_per_sm=g["regs"],
+                        bf16_flops=g["bf16"], hbm_bw_bytes_per_s=g["bw"], hbm_bytes=int(g["hbm"]),
+                        lanes=32, sublanes=1)
+    if name == "cpu":
+        # Interpret mode: no VMEM limit applies; a kernel's blocks live in host memory.
+        return ChipSpec(name="cpu", device_kind="cpu", platform="cpu")
+    raise ValueError(
+        f"unknown chip {chip!r} (normalised {name!r}); known: {known_chips()}. Use a short name "
+        "such as 'v6e' or a device_kind such as 'TPU v6 lite'."
+    )
+
+
+def known_chips() -> list[str]:
+    return [*_TPU, *_GPU, "cpu"]
