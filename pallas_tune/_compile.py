@@ -132,7 +132,9 @@ def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
 
     t0 = time.perf_counter()
     try:
-        with chips.target(spec.name, abstract_mesh=False):
+        # The abstract mesh tells Pallas' TPU lowering the target generation (some kernels need
+        # it, e.g. for tiling); the placed arguments make XLA compile for the topology device.
+        with chips.target(spec.name, abstract_mesh=True):
             lowered = jax.jit(flat_fn).trace(
                 *[x for x, a in zip(leaves, is_arr, strict=True) if a]
             ).lower(lowering_platforms=("tpu",))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 import jax
 import numpy as np
@@ -50,6 +50,9 @@ class PallasCallInfo:
     # vector registers to VMEM).
     dots: tuple[tuple[tuple[int, ...], np.dtype, int, np.dtype], ...] = ()
     largest_value: tuple[tuple[int, ...], np.dtype] | None = None
+    # Non-dot values that live in registers between ops (not stored straight to a ref): each may
+    # spill to VMEM when larger than the vector register file. Shapes and dtypes.
+    live_values: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
 
 
 def _block_dim(d: Any) -> int | None:
@@ -84,12 +87,22 @@ def _walk(jaxpr: Any) -> Iterator[Any]:
             yield from _walk(sub)
 
 
-def _body_values(jaxpr: Any) -> tuple[list[Any], Any]:
-    """(dot result avals, largest intermediate aval) over a kernel body, nested regions included."""
+_STORES: Final = ("swap", "store", "masked_swap", "masked_store")
+
+
+def _body_values(jaxpr: Any) -> tuple[list[Any], Any, list[Any]]:
+    """(dot results, largest intermediate, live non-dot values) over a kernel body and its
+    nested regions."""
     dots, largest, largest_bytes = [], None, -1
+    live: list[Any] = []
 
     def visit(j: Any) -> None:
         nonlocal largest, largest_bytes
+        consumers: dict[Any, list[str]] = {}
+        for e in j.eqns:
+            for v in e.invars:
+                if hasattr(v, "aval") and not hasattr(v, "val"):
+                    consumers.setdefault(v, []).append(e.primitive.name)
         for e in j.eqns:
             for v in e.outvars:
                 aval = getattr(v, "aval", None)
@@ -105,13 +118,22 @@ def _body_values(jaxpr: Any) -> tuple[list[Any], Any]:
                     (contract, _), _ = e.params["dimension_numbers"]
                     k = math.prod(lhs.shape[d] for d in contract)
                     dots.append((tuple(shape), np.dtype(dtype), int(k), np.dtype(lhs.dtype)))
+                elif shape and e.primitive.name not in ("get", "load", *_STORES):
+                    uses = consumers.get(v, [])
+                    stored_only = uses and all(u in _STORES for u in uses)
+                    # acc + dot stored straight back is fused by Mosaic; values that are only
+                    # stored never live in registers between ops.
+                    fused_acc = (e.primitive.name == "add" and all(u in _STORES for u in uses)
+                                 and any(getattr(x, "aval", None) is not None for x in e.invars))
+                    if not (stored_only or fused_acc):
+                        live.append((tuple(shape), np.dtype(dtype)))
                 if nbytes > largest_bytes:
                     largest, largest_bytes = (tuple(shape), np.dtype(dtype)), nbytes
             for sub in _subjaxprs(e.params):
                 visit(sub)
 
     visit(jaxpr)
-    return dots, largest
+    return dots, largest, live
 
 
 def _space_name(aval: Any) -> str:
@@ -163,9 +185,11 @@ def _info(eqn: Any) -> PallasCallInfo:
         sem = tuple(str(getattr(s, "value", s)).lower() for s in sem)
     grid = tuple(int(g) if isinstance(g, int | np.integer) else -1 for g in gm.grid)
     body = eqn.params.get("jaxpr")
-    dots, largest = _body_values(getattr(body, "jaxpr", body)) if body is not None else ([], None)
+    dots, largest, live = (_body_values(getattr(body, "jaxpr", body)) if body is not None
+                           else ([], None, []))
     return PallasCallInfo(
         dots=tuple(dots),
+        live_values=tuple(live),
         largest_value=largest,
         name=str(eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", "")),
         grid=grid,

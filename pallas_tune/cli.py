@@ -192,6 +192,50 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_feasibility(args: argparse.Namespace) -> int:
+    from pallas_tune import _compile, _inspect, feasibility
+    from pallas_tune.hardware import chip_spec
+
+    kernel = _load_kernel(args.kernel)
+    try:
+        spec = chip_spec(args.chip)
+    except ValueError as e:
+        raise CLIUsageError(str(e)) from None
+    if args.compile and not _compile.libtpu_available():
+        raise CLIUsageError("--compile needs libtpu: pip install 'pallas-tune[tpu]'")
+    specs = _read_shapes(args)
+    if not specs:
+        raise CLIUsageError("give at least one --shapes")
+    for shape in specs:
+        call_args, call_kwargs = build_call(kernel, shape)
+        print(f"{kernel.name} on {spec.name} for {shape} (scoped VMEM default "
+              f"{spec.scoped_vmem_default_bytes / 2**20:.0f} MiB)")
+        header = f"  {'config':60s} {'model':11s} {'est MiB':>8s} {'limit':>6s} {'vreg':>5s}"
+        print(header + ("  compiler" if args.compile else ""))
+        counts: dict[str, int] = {}
+        for config in kernel.space:
+            try:
+                calls = _inspect.find_pallas_calls(kernel.fn, call_args, {**call_kwargs, **config})
+            except Exception as e:  # noqa: BLE001
+                print(f"  {_fmt_config(config):60s} trace error: {str(e)[:80]}")
+                continue
+            v = feasibility.model_verdict(calls, spec)
+            line = (f"  {_fmt_config(config)[:60]:60s} {v.status:11s} "
+                    f"{v.vmem_bytes / 2**20:8.2f} {v.limit_bytes / 2**20:6.0f} "
+                    f"{v.vreg_pressure:5.1f}")
+            key = f"model {v.status}"
+            if args.compile:
+                r = _compile.compile_deviceless(kernel.fn, call_args, {**call_kwargs, **config},
+                                                chip=spec.name)
+                used = f" {r.scoped_vmem_bytes / 2**20:.2f} MiB" if r.scoped_vmem_bytes else ""
+                line += f"  {r.kind}{used} ({r.compile_s:.1f}s)"
+                key += f" / compiler {r.kind}"
+            counts[key] = counts.get(key, 0) + 1
+            print(line)
+        print("  summary: " + ", ".join(f"{k}: {n}" for k, n in sorted(counts.items())))
+    return 0
+
+
 def _fmt_config(config: dict[str, Any]) -> str:
     return " ".join(f"{k}={_fmt_value(v)}" for k, v in config.items())
 
@@ -222,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
     s.add_argument("-v", "--verbose", action="store_true", help="print every trial")
     s.set_defaults(func=cmd_sweep)
+    f = sub.add_parser("feasibility", help="VMEM model (and compiler) verdict per candidate")
+    f.add_argument("kernel", help="MODULE:NAME of a @tunable kernel")
+    f.add_argument("--chip", default="v6e", help="v4, v5e, v5p, v6e, 7x or a device_kind")
+    f.add_argument("--shapes", action="append", help="as for sweep")
+    f.add_argument("--compile", action="store_true",
+                   help="also compile each candidate deviceless (needs libtpu)")
+    f.set_defaults(func=cmd_feasibility)
     sh = sub.add_parser("show", help="list what the caches hold")
     sh.add_argument("--kernel", help="only kernels whose name contains this")
     sh.add_argument("--chip", help="only this chip (e.g. cpu, tpu_v6e)")

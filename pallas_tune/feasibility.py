@@ -7,9 +7,11 @@ finds its ``pallas_call``\\ s and adds up, per kernel,
   × its buffer count (``pipeline_mode``, default 2; 1 for a window that covers the whole array,
   which Mosaic single-buffers),
 - VMEM scratch (padded likewise); SMEM scratch is counted against SMEM,
-- compiler temporaries: large f32 ``dot`` results spill to VMEM. The point estimate uses a term
-  calibrated on deviceless v6e compiles (benchmarks/feasibility_accuracy.py); the upper bound
-  assumes the whole dot result spills.
+- compiler temporaries: values larger than the vector register file spill to VMEM. The point
+  estimate takes the largest live non-dot value (an f32 score tile, an upcast row block: the
+  compiler's extra matched it within ~10% on v5e/v6e), or, for dots accumulated straight into a
+  ref, a share of the f32 result when the contraction is long (calibrated on matmul compiles).
+  The upper bound lets every such value and dot result spill at once.
 
 against the kernel's ``vmem_limit_bytes`` or the chip's default scoped limit. The verdict is
 ``ok`` when even the upper bound fits, ``infeasible`` when the windows and scratch alone exceed
@@ -122,13 +124,19 @@ def model_calls(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec) -> lis
                 scratch += nbytes
         temp = temp_max = 0
         for shape, dtype, k, lhs_dtype in call.dots:
-            nbytes = _padded_bytes(shape, 4, spec) if dtype.itemsize >= 4 else 0
+            nbytes = _padded_bytes(shape, max(4, dtype.itemsize), spec)
             if nbytes <= spec.vreg_file_bytes:
                 continue
-            temp_max = max(temp_max, nbytes)
+            temp_max += nbytes
             if k >= _TEMP_MIN_CONTRACTION:
                 share = _TEMP_SHARE_16BIT if lhs_dtype.itemsize <= 2 else _TEMP_SHARE_32BIT
                 temp = max(temp, int(share * nbytes))
+        for shape, dtype in call.live_values:
+            nbytes = _padded_bytes(shape, max(4, dtype.itemsize), spec)
+            if nbytes <= spec.vreg_file_bytes:
+                continue
+            temp_max += nbytes
+            temp = max(temp, nbytes)
         largest = 0
         if call.largest_value is not None:
             shape, dtype = call.largest_value

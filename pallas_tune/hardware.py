@@ -123,10 +123,21 @@ def _jax_tpu_info(version: str) -> Any | None:
         return None
 
 
-@functools.cache
 def chip_spec(chip: str) -> ChipSpec:
     """The ChipSpec of a chip name or device_kind ("v6e", "TPU v6 lite", "nvidia_h100", "cpu")."""
     name = normalize_chip(chip)
+    return _chip_spec(name) if name in _TPU or name in _GPU or name == "cpu" else _unknown(chip, name)
+
+
+def _unknown(chip: str, name: str) -> ChipSpec:
+    raise ValueError(
+        f"unknown chip {chip!r} (normalised {name!r}); known: {known_chips()}. Use a short name "
+        "such as 'v6e' or a device_kind such as 'TPU v6 lite'."
+    )
+
+
+@functools.cache
+def _chip_spec(name: str) -> ChipSpec:
     if name in _TPU:
         row = _TPU[name]
         fb = row["fallback"]

@@ -58,6 +58,8 @@ class TrialRecord:
     measurement: Measurement | None = None
     error: str = ""
     max_abs_err: float | None = None
+    detail: str = ""  # Failure kind, e.g. vmem_scoped_oom, block_rule, smem_oom.
+    vmem_bytes: int | None = None  # Model (or compiler) VMEM figure, where known.
 
     @property
     def median_ms(self) -> float:
@@ -78,6 +80,10 @@ class TrialRecord:
             out["max_abs_err"] = self.max_abs_err
         if self.error:
             out["error"] = self.error
+        if self.detail:
+            out["detail"] = self.detail
+        if self.vmem_bytes is not None:
+            out["vmem_bytes"] = self.vmem_bytes
         return out
 
 
@@ -173,7 +179,12 @@ def measure(
         else:
             compiled = jitted.lower(*args).compile()
     except Exception as e:  # noqa: BLE001 - a candidate that fails to compile is data.
-        return Outcome.COMPILE_ERROR, None, None, _short_error(e), None
+        text = _short_error(e)
+        from pallas_tune._compile import OOM_KINDS, classify_error
+
+        kind = classify_error(text)
+        outcome = Outcome.INFEASIBLE if kind in OOM_KINDS else Outcome.COMPILE_ERROR
+        return outcome, None, None, f"[{kind}] {text}", None
     compile_ms = (time.perf_counter() - t0) * 1e3
     try:
         out = jax.block_until_ready(compiled(*args))

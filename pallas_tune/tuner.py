@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 TUNE_OPTIONS: Final = (
     "timer", "repeats", "warmup", "write", "storage", "chip", "verbose", "min_time_s",
-    "study_name", "max_attempts",
+    "study_name", "max_attempts", "feasibility",
 )
 
 
@@ -154,6 +154,7 @@ def tune(
     chip: str | None = None,
     verbose: bool = False,
     max_attempts: int | None = None,
+    feasibility: str = "auto",
 ) -> TuningResult:
     """Runs a TPE study over ``kernel.space`` for these arguments and caches the winner.
 
@@ -162,6 +163,11 @@ def tune(
     points than ``trials``, every point is measured (exhaustive search is then cheaper).
     With ``storage`` (an Optuna storage URL such as ``sqlite:///tune.db``), the study is resumable
     and may be shared by several hosts: configs already measured there are not measured again.
+
+    ``feasibility`` (TPU chips): ``"model"`` rejects candidates the VMEM/SMEM model proves
+    infeasible; ``"compile"`` also compiles borderline ones deviceless (libtpu) first; ``"auto"``
+    (default) is ``"compile"`` where libtpu is installed and no TPU is attached, else ``"model"``
+    (on a TPU the measurement compile itself is the second stage); ``"off"`` checks block rules only.
     """
     if timer != "wallclock":
         raise ValueError(f"timer={timer!r}: this version implements only 'wallclock'.")
@@ -170,7 +176,14 @@ def tune(
     import jax
     import optuna
 
-    chip = chips.normalize_chip(chip) if chip else chips.current_chip()
+    host_chip = chips.current_chip()
+    chip = chips.normalize_chip(chip) if chip else host_chip
+    if chip != host_chip and timer == "wallclock":
+        raise ValueError(
+            f"chip={chip!r}: wall-clock timing here measures {host_chip!r}, so it cannot fill the "
+            f"cache of {chip!r}. Tune on that chip, or within pallas_tune.target({chip!r}) with a "
+            "timer that models it."
+        )
     key = kernel.cache_key(*args, **kwargs)
     interpret = chips.should_interpret()
     concrete_args = _concrete(kernel, args, kwargs, seed or 0)
@@ -184,18 +197,19 @@ def tune(
     if kernel.reference is not None:
         reference_out = jax.block_until_ready(kernel.reference(*args_c, **kwargs_c))
 
+    stage = _feasibility_mode(feasibility, chip)
+
     def evaluate(config: dict[str, Any]) -> TrialRecord:
         nonlocal reference_out
         fz = _freeze_key(config)
         if fz in by_config:
             return by_config[fz]
         number = len(records)
-        problems = kernel.violations(config, args_c, kwargs_c)
-        if problems:
-            outcome = (Outcome.COMPILE_ERROR if problems[0].startswith("tracing failed")
-                       else Outcome.INFEASIBLE)
-            rec = TrialRecord(number=number, config=config, outcome=outcome,
-                              error="; ".join(problems))
+        rejected = _check(kernel, config, args_c, kwargs_c, chip, stage)
+        if rejected is not None:
+            outcome, error, detail, vmem = rejected
+            rec = TrialRecord(number=number, config=config, outcome=outcome, error=error,
+                              detail=detail, vmem_bytes=vmem)
         else:
             outcome, m, out, err, max_err = measure(
                 kernel.fn, args_c, {**kwargs_c, **config}, interpret=interpret,
@@ -292,6 +306,58 @@ def tune(
         path = kernel.cache.write(chip, kernel.name, key, result.to_entry())
         result = dataclasses.replace(result, cache_path=path)
     return result
+
+
+def _feasibility_mode(mode: str, chip: str) -> str:
+    if mode not in ("auto", "off", "model", "compile"):
+        raise ValueError(f"feasibility={mode!r} must be auto, off, model or compile.")
+    from pallas_tune import _compile
+    from pallas_tune.hardware import chip_spec
+
+    try:
+        spec = chip_spec(chip)
+    except ValueError:
+        return "off"
+    if spec.platform != "tpu" or mode == "off":
+        return "off"
+    if mode == "auto":
+        import jax
+
+        on_tpu = jax.default_backend() == "tpu"
+        return "compile" if _compile.libtpu_available() and not on_tpu else "model"
+    return mode
+
+
+def _check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
+           kwargs: Mapping[str, Any], chip: str, stage: str
+           ) -> tuple[Outcome, str, str, int | None] | None:
+    """Filters a candidate before any measurement: block rules, then (TPU) the VMEM model, then
+    (borderline, stage "compile") a deviceless compile. Returns None when it may be measured."""
+    from pallas_tune import _compile, _inspect, feasibility
+    from pallas_tune.hardware import chip_spec
+
+    try:
+        calls = _inspect.find_pallas_calls(kernel.fn, args, {**kwargs, **config})
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot be traced cannot run.
+        return (Outcome.COMPILE_ERROR, f"tracing failed: {type(e).__name__}: {e}", "trace_error",
+                None)
+    if stage == "off":
+        problems = _inspect.block_rule_violations(calls)
+        if problems:
+            return Outcome.INFEASIBLE, "; ".join(problems), _compile.BLOCK_RULE, None
+        return None
+    spec = chip_spec(chip)
+    verdict = feasibility.model_verdict(calls, spec)
+    if verdict.status == "infeasible":
+        return Outcome.INFEASIBLE, f"model: {verdict.reason}", verdict.detail, verdict.vmem_bytes
+    if verdict.status == "borderline" and stage == "compile":
+        result = _compile.compile_deviceless(kernel.fn, args, {**kwargs, **config}, chip=chip)
+        if not result.ok:
+            outcome = (Outcome.INFEASIBLE if result.kind in (*_compile.OOM_KINDS,
+                                                              _compile.BLOCK_RULE)
+                       else Outcome.COMPILE_ERROR)
+            return outcome, f"compiler: {result.message[:2000]}", result.kind, verdict.vmem_bytes
+    return None
 
 
 def _import_prior_trials(study: Any, encoder: _Encoder, space: Any,

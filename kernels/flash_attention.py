@@ -1,0 +1,128 @@
+"""Flash attention forward for TPU: online softmax over KV blocks, GQA, causal block skipping.
+
+q: (batch, q_heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim) with q_heads a
+multiple of kv_heads (grouped-query attention). Grid (batch, q_heads, q_len/bq, kv_len/bkv), the
+KV axis last and "arbitrary". Running max, denominator and accumulator live in f32 VMEM scratch.
+With ``causal=True`` (queries and keys aligned at position 0), KV blocks entirely above the
+diagonal are skipped: no compute, and their index map repeats the last needed block, so no DMA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_tune as pt
+
+__all__ = ["flash_attention", "flash_attention_reference"]
+
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_STAT_LANES = 128  # m and l are kept lane-broadcast, (bq, 128), as in JAX's own TPU kernels.
+
+
+def flash_attention_reference(q, k, v, *, causal: bool = False, sm_scale: float | None = None):
+    """Plain-JAX attention with the same semantics (f32 softmax)."""
+    group = q.shape[1] // k.shape[1]
+    k = jnp.repeat(k, group, axis=1)
+    v = jnp.repeat(v, group, axis=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    if causal:
+        qi = lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
+        ki = lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1)
+        s = jnp.where(qi >= ki, s, _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v,
+                      preferred_element_type=jnp.float32).astype(q.dtype)
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, sm_scale, causal, bq, bkv):
+    i, j = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full_like(m_ref, _MASK_VALUE)
+        l_ref[...] = jnp.zeros_like(l_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def _step():
+        q = q_ref[...]
+        k = k_ref[...]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale
+        if causal:
+            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
+            k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
+            s = jnp.where(q_pos >= k_pos, s, _MASK_VALUE)
+        m_prev = m_ref[:, :1]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_new)
+        alpha = jnp.exp(m_prev - m_new)
+        l_new = alpha * l_ref[:, :1] + jnp.sum(p, axis=1, keepdims=True)
+        pv = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+        acc_ref[...] = acc_ref[...] * alpha + pv
+        m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+
+    if causal:
+        pl.when(j * bkv <= i * bq + bq - 1)(_step)  # Skip blocks above the diagonal.
+    else:
+        _step()
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _finish():
+        o_ref[...] = (acc_ref[...] / l_ref[:, :1]).astype(o_ref.dtype)
+
+
+@pt.tunable(space="flash_attention", reference=flash_attention_reference)
+def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
+                    bq: int, bkv: int):
+    """softmax(q kᵀ · sm_scale) v per head; ``sm_scale=None`` means 1/√head_dim.
+
+    Block sizes larger than the sequence are clamped to it.
+    """
+    b, hq, sq, d = q.shape
+    bk_, hkv, sk, dk = k.shape
+    if (bk_, dk) != (b, d) or v.shape != k.shape:
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
+    if hq % hkv:
+        raise ValueError(f"q_heads={hq} must be a multiple of kv_heads={hkv} (GQA)")
+    group = hq // hkv
+    bq, bkv = min(bq, sq), min(bkv, sk)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    nk = pl.cdiv(sk, bkv)
+
+    if causal:
+        def kv_index(bi, h, i, j):
+            last = (i * bq + bq - 1) // bkv  # Repeat the last needed block: no DMA when skipped.
+            return (bi, h // group, jnp.minimum(j, last), 0)
+    else:
+        def kv_index(bi, h, i, j):
+            return (bi, h // group, j, 0)
+
+    kernel = functools.partial(_kernel, sm_scale=scale, causal=causal, bq=bq, bkv=bkv)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(b, hq, pl.cdiv(sq, bq), nk),
+        in_specs=[
+            pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
+            pl.BlockSpec((None, None, bkv, d), kv_index),
+            pl.BlockSpec((None, None, bkv, d), kv_index),
+        ],
+        out_specs=pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
+        scratch_shapes=[
+            pltpu.VMEM((bq, _STAT_LANES), jnp.float32),
+            pltpu.VMEM((bq, _STAT_LANES), jnp.float32),
+            pltpu.VMEM((bq, d), jnp.float32),
+        ],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        name=f"flash_attention_{bq}x{bkv}",
+    )(q, k, v)

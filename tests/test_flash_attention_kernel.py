@@ -1,0 +1,53 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_tune as pt
+from pallas_tune.kernels.flash_attention import flash_attention, flash_attention_reference
+
+
+def _qkv(b, hq, hkv, s, d, dtype, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, hq, s, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, hkv, s, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, hkv, s, d), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv,s,bq,bkv", [(2, 2, 256, 128, 128), (4, 2, 512, 256, 128),
+                                             (4, 1, 256, 128, 256)])
+def test_matches_reference(dtype, causal, hq, hkv, s, bq, bkv):
+    q, k, v = _qkv(1, hq, hkv, s, 128, dtype)
+    out = flash_attention(q, k, v, causal=causal, bq=bq, bkv=bkv)
+    ref = flash_attention_reference(q, k, v, causal=causal)
+    tol = 3e-2 if dtype == jnp.bfloat16 else 2e-5
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=tol, rtol=tol)
+
+
+def test_sm_scale_default_is_inverse_sqrt_head_dim():
+    q, k, v = _qkv(1, 2, 2, 128, 64, jnp.float32)
+    a = flash_attention(q, k, v, bq=128, bkv=128)
+    b = flash_attention(q, k, v, sm_scale=1 / 8.0, bq=128, bkv=128)
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_bad_heads_is_a_clear_error():
+    q, k, v = _qkv(1, 3, 2, 128, 128, jnp.float32)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        flash_attention(q, k, v, bq=128, bkv=128)
+
+
+def test_lowers_for_tpu_at_llama_shapes():
+    q = jax.ShapeDtypeStruct((1, 32, 2048, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8, 2048, 128), jnp.bfloat16)
+    with pt.target("v6e"):
+        for cfg in flash_attention.space:
+            if flash_attention.violations(cfg, (q, kv, kv), {"causal": True}):
+                continue
+            text = jax.jit(lambda a, b, c: flash_attention(a, b, c, causal=True, **cfg)).trace(
+                q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text

@@ -1,0 +1,31 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_tune as pt
+from pallas_tune.kernels.rms_norm import rms_norm, rms_norm_reference
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape,block_rows", [((64, 256), 8), ((2, 64, 512), 32), ((40, 128), 64)])
+def test_matches_reference(dtype, shape, block_rows):
+    x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype)
+    w = (1 + 0.1 * jax.random.normal(jax.random.key(1), shape[-1:], jnp.float32)).astype(dtype)
+    if (int(np.prod(shape[:-1])) % min(block_rows, int(np.prod(shape[:-1])))):
+        pytest.skip("rows not divisible")
+    out = rms_norm(x, w, block_rows=block_rows)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(rms_norm_reference(x, w), np.float32), atol=tol, rtol=tol)
+
+
+def test_lowers_for_tpu_for_every_valid_block():
+    x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
+    with pt.target("v6e"):
+        for cfg in rms_norm.space:
+            assert not rms_norm.violations(cfg, (x, w), {})
+            text = jax.jit(lambda a, b: rms_norm(a, b, **cfg)).trace(x, w).lower(
+                lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text
