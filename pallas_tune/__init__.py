@@ -34,9 +34,27 @@ from pallas_tune.tunable import tunable as tunable
 
 __version__ = "0.1.0"
 
+# Imported on first use: they trace with jax and are not needed on the dispatch path.
+_LAZY = {
+    "check_feasible": "pallas_tune.feasibility",
+    "estimate_vmem": "pallas_tune.feasibility",
+    "Verdict": "pallas_tune.feasibility",
+    "chip_spec": "pallas_tune.hardware",
+    "ChipSpec": "pallas_tune.hardware",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pallas_tune' has no attribute {name!r}")
+
 __all__ = [
     "CacheFormatError",
     "CacheMissError",
+    "ChipSpec",
     "Config",
     "MeasurementError",
     "NoFeasibleConfigError",
@@ -46,7 +64,11 @@ __all__ = [
     "SearchSpace",
     "SearchSpaceError",
     "TunableKernel",
+    "Verdict",
+    "check_feasible",
+    "chip_spec",
     "current_chip",
+    "estimate_vmem",
     "interpret_mode",
     "load_space",
     "normalize_chip",

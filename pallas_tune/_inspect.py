@@ -46,9 +46,9 @@ class PallasCallInfo:
     dimension_semantics: tuple[str, ...] | None
     vmem_limit_bytes: int | None
     # Values computed inside the kernel body: each dot as (result shape, result dtype,
-    # contraction size, lhs dtype), and the largest intermediate of any op (what may spill from
-    # vector registers to VMEM).
-    dots: tuple[tuple[tuple[int, ...], np.dtype, int, np.dtype], ...] = ()
+    # contraction size, lhs dtype, operand shapes and dtypes), and the largest intermediate of any
+    # op (what may spill from vector registers to VMEM).
+    dots: tuple[tuple[Any, ...], ...] = ()
     largest_value: tuple[tuple[int, ...], np.dtype] | None = None
     # Non-dot values that live in registers between ops (not stored straight to a ref): each may
     # spill to VMEM when larger than the vector register file. Shapes and dtypes.
@@ -117,7 +117,10 @@ def _body_values(jaxpr: Any) -> tuple[list[Any], Any, list[Any]]:
                     lhs = e.invars[0].aval
                     (contract, _), _ = e.params["dimension_numbers"]
                     k = math.prod(lhs.shape[d] for d in contract)
-                    dots.append((tuple(shape), np.dtype(dtype), int(k), np.dtype(lhs.dtype)))
+                    operands = tuple((tuple(x.aval.shape), np.dtype(x.aval.dtype))
+                                     for x in e.invars[:2])
+                    dots.append((tuple(shape), np.dtype(dtype), int(k), np.dtype(lhs.dtype),
+                                 operands))
                 elif shape and e.primitive.name not in ("get", "load", *_STORES):
                     uses = consumers.get(v, [])
                     stored_only = uses and all(u in _STORES for u in uses)

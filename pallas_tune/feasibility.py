@@ -76,15 +76,26 @@ class Verdict:
     status: str
     reason: str
     vmem_bytes: int  # Model estimate (max over the kernels), or the compiler's figure.
-    limit_bytes: int
+    limit_bytes: int  # The limit it was checked against (the kernel's, else the chip default).
     stage: str  # "model" or "compiler".
     detail: str = ""  # Failure kind: vmem_scoped_oom, vmem_physical_oom, smem_oom, block_rule...
     vreg_pressure: float = 0.0
     kernels: tuple[KernelVmem, ...] = ()
     compiler: _compile.CompileResult | None = None
+    usable_bytes: int = 0  # The most any vmem_limit_bytes can give on this chip.
 
     def __bool__(self) -> bool:
         return self.ok
+
+    @property
+    def min_limit_bytes(self) -> int:
+        """The smallest ``vmem_limit_bytes`` this candidate needs (estimate + 5%, 1 MiB steps).
+
+        Declare ``vmem_limit_bytes`` as a tunable keyword of the kernel (passed to
+        ``pltpu.CompilerParams``) to let the tuner try candidates above the default limit; a value
+        above ``usable_bytes`` can never compile."""
+        need = int(self.vmem_bytes * 1.05)
+        return -(-need // 2**20) * 2**20
 
 
 def _padded_bytes(shape: Sequence[int | None], itemsize: int, spec: ChipSpec) -> int:
@@ -123,7 +134,13 @@ def model_calls(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec) -> lis
             else:
                 scratch += nbytes
         temp = temp_max = 0
-        for shape, dtype, k, lhs_dtype in call.dots:
+        for shape, dtype, k, lhs_dtype, operands in call.dots:
+            # Upper bound: the operands may be relaid out in VMEM too (seen on v5e: bk=2048
+            # matmuls needing > 4 MiB beyond a 1 MiB result).
+            for op_shape, op_dtype in operands:
+                op_bytes = _padded_bytes(op_shape, op_dtype.itemsize, spec)
+                if op_bytes > spec.vreg_file_bytes:
+                    temp_max += op_bytes
             nbytes = _padded_bytes(shape, max(4, dtype.itemsize), spec)
             if nbytes <= spec.vreg_file_bytes:
                 continue
@@ -179,7 +196,8 @@ def estimate_vmem(fn: Callable[..., Any], *args: Any, chip: str = "v6e", **kwarg
 
 
 def check_feasible(fn: Callable[..., Any], *args: Any, chip: str = "v6e", compile: bool = False,
-                   vreg_limit: float | None = None, **kwargs: Any) -> Verdict:
+                   vreg_limit: float | None = None,
+                   estimator: Callable[..., int] | None = None, **kwargs: Any) -> Verdict:
     """Does ``fn(*args, **kwargs)`` fit on ``chip``?
 
     Args:
@@ -188,6 +206,8 @@ def check_feasible(fn: Callable[..., Any], *args: Any, chip: str = "v6e", compil
         verdict, which overrides the model's.
       vreg_limit: if set, reject candidates whose largest in-kernel value exceeds this many
         vector-register files (a spill-risk constraint; by default only reported).
+      estimator: your own ``estimator(*args, **kwargs) -> bytes``, used instead of the model's
+        estimate (block rules and the limit still come from the traced kernel and the chip).
     """
     spec = chip_spec(chip)
     try:
@@ -197,6 +217,8 @@ def check_feasible(fn: Callable[..., Any], *args: Any, chip: str = "v6e", compil
                        vmem_bytes=0, limit_bytes=spec.scoped_vmem_default_bytes, stage="model",
                        detail="trace_error")
     verdict = model_verdict(calls, spec, vreg_limit=vreg_limit)
+    if estimator is not None and verdict.detail != _compile.BLOCK_RULE:
+        verdict = _with_estimate(verdict, int(estimator(*args, **kwargs)))
     if compile and spec.platform == "tpu":
         result = _compile.compile_deviceless(fn_raw, args, kwargs, chip=spec.name)
         return compiler_verdict(verdict, result)
@@ -215,7 +237,7 @@ def model_verdict(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec, *,
     limit = worst.limit_bytes if worst else spec.scoped_vmem_default_bytes
     pressure = max((m.vreg_pressure for m in models), default=0.0)
     common = dict(vmem_bytes=est, limit_bytes=limit, stage="model", vreg_pressure=pressure,
-                  kernels=tuple(models))
+                  kernels=tuple(models), usable_bytes=spec.vmem_usable_bytes)
     if problems:
         return Verdict(ok=False, status="infeasible", reason="; ".join(problems),
                        detail=_compile.BLOCK_RULE, **common)
@@ -247,6 +269,14 @@ def model_verdict(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec, *,
                               f"{_mib(m.limit_bytes)}: ask the compiler", **common)
     return Verdict(ok=True, status="ok", reason=f"fits: estimate {_mib(est)} of {_mib(limit)}",
                    **common)
+
+
+def _with_estimate(v: Verdict, est: int) -> Verdict:
+    ok = est <= v.limit_bytes
+    return dataclasses.replace(
+        v, ok=ok, status="ok" if ok else "infeasible", vmem_bytes=est,
+        detail="" if ok else _compile.VMEM_SCOPED,
+        reason=f"user estimator: {_mib(est)} against a limit of {_mib(v.limit_bytes)}")
 
 
 def compiler_verdict(model: Verdict, result: _compile.CompileResult) -> Verdict:

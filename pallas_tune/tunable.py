@@ -30,7 +30,7 @@ from pallas_tune.space import Config, SearchSpace, load_space
 
 __all__ = ["TunableKernel", "interpret_mode", "tunable"]
 
-_RESERVED = ("default", "name", "key", "reference", "space", "inputs")
+_RESERVED = ("default", "name", "key", "reference", "space", "inputs", "vmem_estimate")
 
 
 def _interpret_state() -> Any:
@@ -80,7 +80,8 @@ class TunableKernel:
 
     def __init__(self, fn: Callable[..., Any], space: SearchSpace, *, name: str | None,
                  key: Callable[..., Any] | None, reference: Callable[..., Any] | None,
-                 inputs: Callable[..., Any] | None, cache: TuningCache | None = None):
+                 inputs: Callable[..., Any] | None, cache: TuningCache | None = None,
+                 vmem_estimate: Callable[..., int] | None = None):
         space.check_function(fn)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -89,6 +90,7 @@ class TunableKernel:
         self.key_fn = key
         self.reference = reference
         self.inputs = inputs
+        self.vmem_estimate = vmem_estimate
         self._cache = cache
         self._sig = inspect.signature(fn)
         self._tuned = frozenset(space.names)
@@ -301,6 +303,7 @@ def tunable(
     reference: Callable[..., Any] | None = None,
     space: SearchSpace | str | None = None,
     inputs: Callable[..., Any] | None = None,
+    vmem_estimate: Callable[..., int] | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -327,6 +330,8 @@ def tunable(
         choices are added to it (and override parameters of the same name).
       inputs: ``inputs(*args, **kwargs) -> (args, kwargs)`` builds concrete inputs from
         ``jax.ShapeDtypeStruct`` arguments for tuning (default: random normal floats, zero ints).
+      vmem_estimate: ``vmem_estimate(*args, **kwargs_and_config) -> bytes``, your own VMEM
+        estimate, used by the tuner's feasibility filter instead of the automatic model.
       **choices: parameter name → list of choices.
 
     Raises:
@@ -354,7 +359,8 @@ def tunable(
             )
         s = SearchSpace.from_choices(merged, default=default if default is not None
                                      else base_default)
-        return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs)
+        return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
+                             vmem_estimate=vmem_estimate)
 
     if fn is not None:
         if not callable(fn):

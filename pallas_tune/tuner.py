@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 TUNE_OPTIONS: Final = (
     "timer", "repeats", "warmup", "write", "storage", "chip", "verbose", "min_time_s",
-    "study_name", "max_attempts", "feasibility",
+    "study_name", "max_attempts", "feasibility", "vreg_limit",
 )
 
 
@@ -155,6 +155,7 @@ def tune(
     verbose: bool = False,
     max_attempts: int | None = None,
     feasibility: str = "auto",
+    vreg_limit: float | None = None,
 ) -> TuningResult:
     """Runs a TPE study over ``kernel.space`` for these arguments and caches the winner.
 
@@ -168,6 +169,8 @@ def tune(
     infeasible; ``"compile"`` also compiles borderline ones deviceless (libtpu) first; ``"auto"``
     (default) is ``"compile"`` where libtpu is installed and no TPU is attached, else ``"model"``
     (on a TPU the measurement compile itself is the second stage); ``"off"`` checks block rules only.
+    ``vreg_limit`` rejects candidates whose largest in-kernel value exceeds that many vector
+    register files (spill risk); by default it is only recorded.
     """
     if timer != "wallclock":
         raise ValueError(f"timer={timer!r}: this version implements only 'wallclock'.")
@@ -205,7 +208,7 @@ def tune(
         if fz in by_config:
             return by_config[fz]
         number = len(records)
-        rejected = _check(kernel, config, args_c, kwargs_c, chip, stage)
+        rejected = _check(kernel, config, args_c, kwargs_c, chip, stage, vreg_limit=vreg_limit)
         if rejected is not None:
             outcome, error, detail, vmem = rejected
             rec = TrialRecord(number=number, config=config, outcome=outcome, error=error,
@@ -329,7 +332,7 @@ def _feasibility_mode(mode: str, chip: str) -> str:
 
 
 def _check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
-           kwargs: Mapping[str, Any], chip: str, stage: str
+           kwargs: Mapping[str, Any], chip: str, stage: str, *, vreg_limit: float | None = None
            ) -> tuple[Outcome, str, str, int | None] | None:
     """Filters a candidate before any measurement: block rules, then (TPU) the VMEM model, then
     (borderline, stage "compile") a deviceless compile. Returns None when it may be measured."""
@@ -347,7 +350,10 @@ def _check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any]
             return Outcome.INFEASIBLE, "; ".join(problems), _compile.BLOCK_RULE, None
         return None
     spec = chip_spec(chip)
-    verdict = feasibility.model_verdict(calls, spec)
+    verdict = feasibility.model_verdict(calls, spec, vreg_limit=vreg_limit)
+    if kernel.vmem_estimate is not None and verdict.detail != _compile.BLOCK_RULE:
+        est = int(kernel.vmem_estimate(*args, **kwargs, **config))
+        verdict = feasibility._with_estimate(verdict, est)
     if verdict.status == "infeasible":
         return Outcome.INFEASIBLE, f"model: {verdict.reason}", verdict.detail, verdict.vmem_bytes
     if verdict.status == "borderline" and stage == "compile":

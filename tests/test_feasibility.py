@@ -140,3 +140,28 @@ def test_works_on_jax_upstream_pallas_op():
 ])
 def test_classify_compiler_errors(text, kind):
     assert _compile.classify_error(text) == kind
+
+
+def test_public_names_and_user_estimator():
+    v = pt.check_feasible(matmul, X, X, chip="v6e", bm=512, bn=512, bk=512, buffering=2,
+                          semantics=SEM, estimator=lambda *a, **k: 40 * MiB)
+    assert not v.ok and "user estimator" in v.reason
+    assert pt.chip_spec("v6e").name == "tpu_v6e"
+    ok = pt.check_feasible(matmul, X, X, chip="v6e", bm=512, bn=512, bk=512, buffering=2,
+                           semantics=SEM)
+    assert ok.min_limit_bytes == 5 * MiB and ok.usable_bytes > 127 * MiB
+
+
+def test_tuner_filter_uses_the_kernel_estimator_and_vreg_limit():
+    from pallas_tune.measure import Outcome
+    from pallas_tune.tuner import _check
+
+    est = pt.tunable(bm=[512], bn=[512], bk=[512], buffering=[2], semantics=[SEM],
+                     vmem_estimate=lambda x, y, **kw: 64 * MiB, name="est")(matmul.fn)
+    cfg = dict(bm=512, bn=512, bk=512, buffering=2, semantics=SEM)
+    rejected = _check(est, cfg, (X, X), {}, "tpu_v6e", "model")
+    assert rejected[0] is Outcome.INFEASIBLE and "user estimator" in rejected[1]
+    assert _check(matmul, cfg, (X, X), {}, "tpu_v6e", "model") is None
+    spill = _check(matmul, dict(cfg, bm=1024, bn=1024), (X, X), {}, "tpu_v6e", "model",
+                   vreg_limit=1.0)
+    assert spill[0] is Outcome.INFEASIBLE and spill[2] == "vreg_pressure"
