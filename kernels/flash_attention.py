@@ -80,7 +80,23 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, sm_scale, caus
         o_ref[...] = (acc_ref[...] / l_ref[:, :1]).astype(o_ref.dtype)
 
 
-@pt.tunable(space="flash_attention", reference=flash_attention_reference)
+def _standin(args, kwargs, config):
+    """Fewer batch rows and KV-head groups (identical work each), same tiles (tpu-estimate)."""
+    from pallas_tune.estimate import shrink_parallel
+
+    q, k, v = args
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    bq, bkv = min(config["bq"], sq), min(config["bkv"], sk)
+    per_head = group * (sq // bq) * (sk // bkv)
+    (nb, nh), scale = shrink_parallel([b, hkv], per_head)
+    q2 = jax.ShapeDtypeStruct((nb, nh * group, sq, d), q.dtype)
+    kv2 = jax.ShapeDtypeStruct((nb, nh, sk, d), k.dtype)
+    return [q2, kv2, kv2], kwargs, scale
+
+
+@pt.tunable(space="flash_attention", reference=flash_attention_reference, standin=_standin)
 def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
                     bq: int, bkv: int):
     """softmax(q kᵀ · sm_scale) v per head; ``sm_scale=None`` means 1/√head_dim.

@@ -31,7 +31,19 @@ def _kernel(x_ref, w_ref, o_ref, *, eps):
     o_ref[...] = (x * inv * w_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
 
 
-@pt.tunable(space="rms_norm", reference=rms_norm_reference)
+def _standin(args, kwargs, config):
+    """Fewer row blocks (identical work each), same tile (tpu-estimate)."""
+    from pallas_tune.estimate import shrink_parallel
+
+    x, w = args
+    hidden = x.shape[-1]
+    rows = x.size // hidden
+    br = min(config["block_rows"], rows)
+    (nb,), scale = shrink_parallel([rows // br], 1)
+    return [jax.ShapeDtypeStruct((nb * br, hidden), x.dtype), w], kwargs, scale
+
+
+@pt.tunable(space="rms_norm", reference=rms_norm_reference, standin=_standin)
 def rms_norm(x, weight, *, eps: float = 1e-6, block_rows: int):
     """RMSNorm over the last axis of x (rows, hidden); weight (hidden,). Leading axes allowed."""
     shape = x.shape

@@ -30,6 +30,7 @@ class BlockInfo:
     is_output: bool
     trivial_window: bool = False  # Whole array, constant index: Mosaic single-buffers it.
     memory_space: str = ""  # "" (default, VMEM window), or e.g. "any", "smem".
+    grid_axes: tuple[int, ...] | None = None  # Grid axes its block index depends on (if known).
 
     @property
     def block_bytes(self) -> int:
@@ -139,6 +140,34 @@ def _body_values(jaxpr: Any) -> tuple[list[Any], Any, list[Any]]:
     return dots, largest, live
 
 
+def _dependent_axes(bm: Any, rank: int) -> tuple[int, ...] | None:
+    """Which grid axes the block index depends on, by evaluating the index map (None: unknown,
+    e.g. with scalar-prefetch operands)."""
+    closed = getattr(bm, "index_map_jaxpr", None)
+    if closed is None or rank == 0:
+        return ()
+    try:
+        from jax import core as jax_core
+
+        jaxpr = getattr(closed, "jaxpr", closed)
+        if len(jaxpr.invars) != rank:
+            return None
+        consts = getattr(closed, "consts", ())
+        eval_jaxpr = getattr(jax_core, "eval_jaxpr", None)
+        if eval_jaxpr is None:
+            from jax._src.core import eval_jaxpr
+        base = [int(x) for x in eval_jaxpr(jaxpr, consts, *([np.int32(0)] * rank))]
+        axes = []
+        for a in range(rank):
+            idx = [np.int32(0)] * rank
+            idx[a] = np.int32(1)
+            if [int(x) for x in eval_jaxpr(jaxpr, consts, *idx)] != base:
+                axes.append(a)
+        return tuple(axes)
+    except Exception:  # noqa: BLE001 - index maps we cannot evaluate: unknown.
+        return None
+
+
 def _space_name(aval: Any) -> str:
     space = getattr(aval, "memory_space", None)
     if space is None:
@@ -166,6 +195,7 @@ def _info(eqn: Any) -> PallasCallInfo:
                 buffer_count=count,
                 is_output=i >= n_in,
                 trivial_window=bool(getattr(bm, "has_trivial_window", lambda: False)()),
+                grid_axes=_dependent_axes(bm, len(gm.grid)),
                 memory_space=_space_name(getattr(bm, "transformed_block_aval", None)),
             )
         )

@@ -129,29 +129,32 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         from pallas_tune import _settings
 
         _settings.reload()
-    chip = chips.current_chip()
+    chip = chips.normalize_chip(args.chip) if args.chip else chips.current_chip()
+    kind = "estimate" if args.timer == "tpu-estimate" else "measured"
     print(f"pallas-tune sweep: {kernel.name} on {chip} ({len(specs)} shape(s), "
-          f"{args.trials} trials each, space of {kernel.space.size})")
+          f"{args.trials} trials each, space of {kernel.space.size}, timer {args.timer})")
     failures = 0
     for spec in specs:
         call_args, call_kwargs = build_call(kernel, spec)
         key = kernel.cache_key(*call_args, **call_kwargs)
-        if not args.force and kernel.cache.lookup(chip, kernel.name, key) is not None:
-            found = kernel.cache.lookup(chip, kernel.name, key)
-            if found and found[1].startswith(kernel.cache.user_root):
-                print(f"  {key}: cached, skipped (--force re-tunes)")
-                continue
+        user_file = kernel.cache.path(chip, kernel.name, kind=kind)
+        found = kernel.cache.lookup(chip, kernel.name, key)
+        if not args.force and found is not None and found[1] == user_file:
+            print(f"  {key}: cached, skipped (--force re-tunes)")
+            continue
         t0 = time.perf_counter()
         try:
             result = kernel.tune(*call_args, trials=args.trials, seed=args.seed,
                                  storage=args.storage, repeats=args.repeats,
-                                 verbose=args.verbose, **call_kwargs)
-        except PallasTuneError as e:
+                                 verbose=args.verbose, timer=args.timer, chip=chip,
+                                 workers=args.workers, **call_kwargs)
+        except (PallasTuneError, ValueError) as e:
             failures += 1
             print(f"  {key}: FAILED: {e}")
             continue
         counts = result.trials["outcome"].value_counts().to_dict()
-        print(f"  {key}: best {result.best} {result.best_ms:.4g} ms "
+        label = " (compiler estimate)" if kind == "estimate" else ""
+        print(f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
               f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
               f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
     return 1 if failures else 0
@@ -263,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--storage", help="Optuna storage URL (e.g. sqlite:///sweep.db): makes the "
                                      "sweep resumable and shareable across hosts")
     s.add_argument("--force", action="store_true", help="re-tune keys already in the user cache")
+    s.add_argument("--chip", help="the chip to tune for (default: this host's); another chip "
+                                  "needs --timer tpu-estimate")
+    s.add_argument("--timer", choices=("wallclock", "tpu-estimate"), default="wallclock",
+                   help="tpu-estimate: the TPU compiler's static cycle estimate, deviceless "
+                        "(needs libtpu; no TPU)")
+    s.add_argument("--workers", type=int, default=2,
+                   help="processes compiling candidates in parallel (tpu-estimate)")
     s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
     s.add_argument("-v", "--verbose", action="store_true", help="print every trial")
     s.set_defaults(func=cmd_sweep)

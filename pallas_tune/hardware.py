@@ -75,18 +75,22 @@ class ChipSpec:
         return self.bf16_flops / self.hbm_bw_bytes_per_s if self.hbm_bw_bytes_per_s else 0.0
 
 
-# name: (jax ChipVersion value, topology, scoped default MiB, usable MiB, tensorcores, fallback)
+# Per chip: JAX ChipVersion value, deviceless topology, default scoped VMEM (MiB), usable physical
+# VMEM (MiB), TensorCores, and the clock used to turn compiler cycle estimates into time. Clocks:
+# v4/v5e/v5p = peak bf16 FLOP/s per TensorCore / (4 MXUs x 128^2 MACs x 2); v6e = 1.75 GHz, from
+# the compiler estimate's own MXU asymptote (notes/libtpu-static-cost.md; the same formula with
+# JAX's 2 MXUs of 256^2 gives 3.5 GHz, so the estimate models 4 MXU-equivalents). 7x: unknown.
 _TPU: Final[dict[str, dict[str, Any]]] = {
     "tpu_v4": dict(version="v4", topology="v4:1x1x1", scoped=16, usable=16.0, cores=2,
-                   megacore=True, vregs=32,
+                   megacore=True, vregs=32, clock_hz=1.05e9,
                    fallback=dict(generation=4, vmem=16, smem=1024, mxu=128, n_mxu=4,
                                  bf16=1.38e14, int8=0, fp8=0, bw=6.15e11, hbm=17.2e9)),
     "tpu_v5e": dict(version="v5e", topology="v5e:1x1", scoped=16, usable=127.9375, cores=1,
-                    megacore=False,
+                    megacore=False, clock_hz=1.5e9,
                     fallback=dict(generation=5, vmem=128, smem=1024, mxu=128, n_mxu=4,
                                   bf16=1.97e14, int8=3.94e14, fp8=0, bw=8.2e11, hbm=17.2e9)),
     "tpu_v5p": dict(version="v5p", topology="v5p:1x1x1", scoped=16, usable=63.9375, cores=2,
-                    megacore=True,
+                    megacore=True, clock_hz=1.75e9,
                     fallback=dict(generation=5, vmem=64, smem=1024, mxu=128, n_mxu=4,
                                   bf16=2.30e14, int8=4.59e14, fp8=0, bw=1.23e12, hbm=51.5e9)),
     "tpu_v6e": dict(version="v6e", topology="v6e:1x1", scoped=32, usable=127.9375, cores=1,

@@ -60,6 +60,7 @@ class TrialRecord:
     max_abs_err: float | None = None
     detail: str = ""  # Failure kind, e.g. vmem_scoped_oom, block_rule, smem_oom.
     vmem_bytes: int | None = None  # Model (or compiler) VMEM figure, where known.
+    cycles: int | None = None  # Compiler cycle estimate (tpu-estimate timer).
 
     @property
     def median_ms(self) -> float:
@@ -84,6 +85,8 @@ class TrialRecord:
             out["detail"] = self.detail
         if self.vmem_bytes is not None:
             out["vmem_bytes"] = self.vmem_bytes
+        if self.cycles is not None:
+            out["estimated_cycles"] = self.cycles
         return out
 
 

@@ -30,7 +30,7 @@ from pallas_tune.space import Config, SearchSpace, load_space
 
 __all__ = ["TunableKernel", "interpret_mode", "tunable"]
 
-_RESERVED = ("default", "name", "key", "reference", "space", "inputs", "vmem_estimate")
+_RESERVED = ("default", "name", "key", "reference", "space", "inputs", "vmem_estimate", "standin")
 
 
 def _interpret_state() -> Any:
@@ -81,7 +81,8 @@ class TunableKernel:
     def __init__(self, fn: Callable[..., Any], space: SearchSpace, *, name: str | None,
                  key: Callable[..., Any] | None, reference: Callable[..., Any] | None,
                  inputs: Callable[..., Any] | None, cache: TuningCache | None = None,
-                 vmem_estimate: Callable[..., int] | None = None):
+                 vmem_estimate: Callable[..., int] | None = None,
+                 standin: Callable[..., Any] | None = None):
         space.check_function(fn)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -91,6 +92,7 @@ class TunableKernel:
         self.reference = reference
         self.inputs = inputs
         self.vmem_estimate = vmem_estimate
+        self.standin = standin
         self._cache = cache
         self._sig = inspect.signature(fn)
         self._tuned = frozenset(space.names)
@@ -304,6 +306,7 @@ def tunable(
     space: SearchSpace | str | None = None,
     inputs: Callable[..., Any] | None = None,
     vmem_estimate: Callable[..., int] | None = None,
+    standin: Callable[..., Any] | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -332,6 +335,9 @@ def tunable(
         ``jax.ShapeDtypeStruct`` arguments for tuning (default: random normal floats, zero ints).
       vmem_estimate: ``vmem_estimate(*args, **kwargs_and_config) -> bytes``, your own VMEM
         estimate, used by the tuner's feasibility filter instead of the automatic model.
+      standin: ``standin(args, kwargs, config) -> (args, kwargs, scale)``: a smaller problem with
+        the same tiles whose compiler estimate times ``scale`` stands for the full one (the
+        ``tpu-estimate`` timer compiles it instead; see :mod:`pallas_tune.estimate`).
       **choices: parameter name → list of choices.
 
     Raises:
@@ -360,7 +366,7 @@ def tunable(
         s = SearchSpace.from_choices(merged, default=default if default is not None
                                      else base_default)
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
-                             vmem_estimate=vmem_estimate)
+                             vmem_estimate=vmem_estimate, standin=standin)
 
     if fn is not None:
         if not callable(fn):

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 TUNE_OPTIONS: Final = (
     "timer", "repeats", "warmup", "write", "storage", "chip", "verbose", "min_time_s",
-    "study_name", "max_attempts", "feasibility", "vreg_limit",
+    "study_name", "max_attempts", "feasibility", "vreg_limit", "workers", "standin",
 )
 
 
@@ -137,6 +137,9 @@ def _freeze_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted(config.items()))
 
 
+TIMERS: Final = ("wallclock", "tpu-estimate")
+
+
 def tune(
     kernel: TunableKernel,
     args: Sequence[Any],
@@ -156,6 +159,8 @@ def tune(
     max_attempts: int | None = None,
     feasibility: str = "auto",
     vreg_limit: float | None = None,
+    workers: int = 2,
+    standin: bool = True,
 ) -> TuningResult:
     """Runs a TPE study over ``kernel.space`` for these arguments and caches the winner.
 
@@ -165,6 +170,12 @@ def tune(
     With ``storage`` (an Optuna storage URL such as ``sqlite:///tune.db``), the study is resumable
     and may be shared by several hosts: configs already measured there are not measured again.
 
+    ``timer``: ``"wallclock"`` runs each candidate on this host's device (interpret mode on a
+    CPU); ``"tpu-estimate"`` compiles each candidate deviceless for ``chip`` (a TPU) in
+    ``workers`` processes and uses the compiler's static cycle estimate (``standin``: on a
+    smaller problem with the same tiles where the kernel declares one), converted with the chip
+    clock. Estimates are written as cache entries of kind ``estimate``.
+
     ``feasibility`` (TPU chips): ``"model"`` rejects candidates the VMEM/SMEM model proves
     infeasible; ``"compile"`` also compiles borderline ones deviceless (libtpu) first; ``"auto"``
     (default) is ``"compile"`` where libtpu is installed and no TPU is attached, else ``"model"``
@@ -172,103 +183,143 @@ def tune(
     ``vreg_limit`` rejects candidates whose largest in-kernel value exceeds that many vector
     register files (spill risk); by default it is only recorded.
     """
-    if timer != "wallclock":
-        raise ValueError(f"timer={timer!r}: this version implements only 'wallclock'.")
+    if timer not in TIMERS:
+        raise ValueError(f"timer={timer!r} must be one of {TIMERS}.")
     if trials < 1:
         raise ValueError(f"trials={trials} must be at least 1.")
     import jax
     import optuna
 
+    from pallas_tune.hardware import chip_spec
+
     host_chip = chips.current_chip()
     chip = chips.normalize_chip(chip) if chip else host_chip
-    if chip != host_chip and timer == "wallclock":
+    estimating = timer == "tpu-estimate"
+    if estimating:
+        spec = chip_spec(chip)
+        if spec.platform != "tpu":
+            raise ValueError(f"timer='tpu-estimate' needs a TPU chip (chip='v6e', ...), not "
+                             f"{chip!r}.")
+        from pallas_tune import _compile
+
+        if not _compile.libtpu_available():
+            raise ValueError("timer='tpu-estimate' compiles with libtpu: pip install "
+                             "'pallas-tune[tpu]'.")
+        if not spec.clock_hz:
+            raise ValueError(f"no clock frequency is known for {chip!r}, so its cycle "
+                             "estimates cannot be converted to time.")
+    elif chip != host_chip:
         raise ValueError(
             f"chip={chip!r}: wall-clock timing here measures {host_chip!r}, so it cannot fill the "
-            f"cache of {chip!r}. Tune on that chip, or within pallas_tune.target({chip!r}) with a "
-            "timer that models it."
+            f"cache of {chip!r}. Tune on that chip, or use timer='tpu-estimate' for TPU chips."
         )
-    key = kernel.cache_key(*args, **kwargs)
-    interpret = chips.should_interpret()
-    concrete_args = _concrete(kernel, args, kwargs, seed or 0)
-    args_c, kwargs_c = concrete_args
+    with chips.target(chip, abstract_mesh=False) if estimating else _nullcontext():
+        key = kernel.cache_key(*args, **kwargs)
+    interpret = (not estimating) and chips.should_interpret()
+    if estimating:
+        from pallas_tune import _inspect
+
+        args_c, kwargs_c = _inspect.abstractify(args), dict(kwargs)
+    else:
+        args_c, kwargs_c = _concrete(kernel, args, kwargs, seed or 0)
 
     space = kernel.space
     encoder = _Encoder(space)
     records: list[TrialRecord] = []
     by_config: dict[tuple[Any, ...], TrialRecord] = {}
     reference_out = None
-    if kernel.reference is not None:
+    if kernel.reference is not None and not estimating:
         reference_out = jax.block_until_ready(kernel.reference(*args_c, **kwargs_c))
+    stage = "model" if estimating and feasibility == "auto" else _feasibility_mode(
+        feasibility, chip)
+    estimator = None
+    if estimating:
+        from pallas_tune.estimate import Estimator
 
-    stage = _feasibility_mode(feasibility, chip)
+        estimator = Estimator(workers)
 
-    def evaluate(config: dict[str, Any]) -> TrialRecord:
-        nonlocal reference_out
-        fz = _freeze_key(config)
-        if fz in by_config:
-            return by_config[fz]
-        number = len(records)
-        rejected = _check(kernel, config, args_c, kwargs_c, chip, stage, vreg_limit=vreg_limit)
-        if rejected is not None:
-            outcome, error, detail, vmem = rejected
-            rec = TrialRecord(number=number, config=config, outcome=outcome, error=error,
-                              detail=detail, vmem_bytes=vmem)
-        else:
-            outcome, m, out, err, max_err = measure(
-                kernel.fn, args_c, {**kwargs_c, **config}, interpret=interpret,
-                reference_out=reference_out, warmup=warmup, repeats=repeats,
-                min_time_s=min_time_s)
-            if outcome is Outcome.OK and reference_out is None:
-                reference_out = out  # The first good candidate (the default, tried first).
-            rec = TrialRecord(number=number, config=config, outcome=outcome, measurement=m,
-                              error=err, max_abs_err=max_err)
+    def record(rec: TrialRecord) -> TrialRecord:
         records.append(rec)
-        by_config[fz] = rec
-        logger.debug("trial %d %s -> %s %.4g ms", number, config, rec.outcome.value,
+        by_config[_freeze_key(rec.config)] = rec
+        logger.debug("trial %d %s -> %s %.4g ms", rec.number, rec.config, rec.outcome.value,
                      rec.median_ms)
         if verbose:
-            print(f"  [{number:3d}] {config} -> {rec.outcome.value}"
+            print(f"  [{rec.number:3d}] {rec.config} -> {rec.outcome.value}"
                   + (f" {rec.median_ms:.4g} ms" if rec.outcome is Outcome.OK else
                      f" ({rec.error[:120]})"))
         return rec
 
-    start = time.perf_counter()
-    measured = lambda: sum(r.measurement is not None for r in records)  # noqa: E731
-    if space.size <= trials:
-        for config in space.ordered_candidates():
-            evaluate(config)
-        strategy = "exhaustive"
-    else:
-        strategy = "tpe"
-        optuna.logging.disable_default_handler()
-        sampler = optuna.samplers.TPESampler(
-            seed=seed, multivariate=True, group=False, constant_liar=True,
-            n_startup_trials=max(1, min(10, trials // 3)))
-        study = optuna.create_study(
-            direction="minimize", sampler=sampler, storage=storage,
-            study_name=study_name or (f"{kernel.name}|{chip}|{key}" if storage else None),
-            load_if_exists=storage is not None)
-        _import_prior_trials(study, encoder, space, records, by_config)
-        if not any(t.state.is_finished() for t in study.trials):
-            default = next(space.ordered_candidates())
-            study.enqueue_trial(encoder.encode(default))
-        attempts = 0
-        limit = max_attempts or max(10 * trials, 100)
-        budget = trials  # In total: a resumed study only measures what is missing.
-        while measured() < budget and attempts < limit and len(by_config) < space.size:
-            attempts += 1
-            trial = study.ask()
-            config = encoder.suggest(trial)
-            seen = _freeze_key(config) in by_config
-            rec = evaluate(config)
-            trial.set_user_attr("outcome", rec.outcome.value)
-            if not seen and rec.error:
-                trial.set_user_attr("error", rec.error[:1000])
-            if rec.outcome is Outcome.OK:
-                trial.set_user_attr("median_ms", rec.median_ms)
-                study.tell(trial, rec.median_ms)
+    def evaluate_many(configs: Sequence[dict[str, Any]]) -> list[TrialRecord]:
+        """Evaluates new configs (filter first; estimates in parallel); returns one record each."""
+        nonlocal reference_out
+        todo: list[dict[str, Any]] = []
+        for config in configs:
+            fz = _freeze_key(config)
+            if fz in by_config or any(_freeze_key(c) == fz for c in todo):
+                continue
+            rejected = _check(kernel, config, args_c, kwargs_c, chip, stage,
+                              vreg_limit=vreg_limit)
+            if rejected is not None:
+                outcome, error, detail, vmem = rejected
+                record(TrialRecord(number=len(records), config=config, outcome=outcome,
+                                   error=error, detail=detail, vmem_bytes=vmem))
             else:
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                todo.append(config)
+        if estimator is not None and todo:
+            for config, r in zip(todo, estimator.map(kernel, args_c, kwargs_c, todo, chip,
+                                                     standin=standin), strict=True):
+                if r.ok:
+                    from pallas_tune.estimate import cycles_to_ms
+
+                    ms = cycles_to_ms(r.cycles, spec.clock_hz)
+                    rec = TrialRecord(number=len(records), config=config, outcome=Outcome.OK,
+                                      measurement=Measurement(times_ms=(ms,),
+                                                              compile_ms=r.compile_s * 1e3),
+                                      cycles=r.cycles, vmem_bytes=r.scoped_vmem_bytes,
+                                      detail=f"estimate x{r.scale:g}" if r.scale != 1 else "")
+                elif r.kind == "no_estimate":
+                    from pallas_tune.errors import MeasurementError
+
+                    raise MeasurementError(r.message)
+                else:
+                    from pallas_tune import _compile
+
+                    outcome = (Outcome.INFEASIBLE
+                               if r.kind in (*_compile.OOM_KINDS, _compile.BLOCK_RULE)
+                               else Outcome.COMPILE_ERROR)
+                    rec = TrialRecord(number=len(records), config=config, outcome=outcome,
+                                      error=f"compiler: {r.message[:2000]}", detail=r.kind)
+                record(rec)
+        else:
+            for config in todo:
+                outcome, m, out, err, max_err = measure(
+                    kernel.fn, args_c, {**kwargs_c, **config}, interpret=interpret,
+                    reference_out=reference_out, warmup=warmup, repeats=repeats,
+                    min_time_s=min_time_s)
+                if outcome is Outcome.OK and reference_out is None:
+                    reference_out = out  # The first good candidate (the default, tried first).
+                detail = err[1:err.index("]")] if err.startswith("[") else ""
+                record(TrialRecord(number=len(records), config=config, outcome=outcome,
+                                   measurement=m, error=err, max_abs_err=max_err,
+                                   detail=detail))
+        return [by_config[_freeze_key(c)] for c in configs]
+
+    start = time.perf_counter()
+    batch = estimator.workers if estimator is not None else 1
+    try:
+        if space.size <= trials:
+            candidates = list(space.ordered_candidates())
+            for i in range(0, len(candidates), max(batch, 1) * 4):
+                evaluate_many(candidates[i:i + max(batch, 1) * 4])
+            strategy = "exhaustive"
+        else:
+            strategy = "tpe"
+            _tpe(kernel, space, encoder, evaluate_many, records, by_config, trials=trials,
+                 seed=seed, storage=storage, chip=chip, key=key, study_name=study_name,
+                 max_attempts=max_attempts, batch=batch)
+    finally:
+        if estimator is not None:
+            estimator.close()
     elapsed = time.perf_counter() - start
 
     ok = [r for r in records if r.outcome is Outcome.OK]
@@ -283,32 +334,101 @@ def tune(
             f"{first.error if first else 'n/a'}"
         )
     best = min(ok, key=lambda r: r.median_ms)
-    device = jax.devices()[0]
-    provenance = {
-        "kind": "measured",
-        "chip": chip,
-        "device_kind": device.device_kind,
-        "platform": device.platform,
-        "interpret": interpret,
-        "timer": timer,
-        "timing_note": ("wall clock of interpret-mode execution on the CPU: tracks grid steps, "
-                        "not TPU performance") if interpret else "wall clock around "
-                        "block_until_ready",
-        "warmup": warmup,
-        "repeats": repeats,
+    if estimating:
+        provenance = {
+            "kind": "estimate",
+            "chip": chip,
+            "device_kind": spec.device_kind,
+            "platform": "tpu",
+            "interpret": False,
+            "timer": timer,
+            "timing_note": ("static cycle estimate of the TPU compiler (deviceless libtpu "
+                            f"compile), converted at {spec.clock_hz / 1e9:g} GHz: an estimate, "
+                            "not a measurement"),
+            "clock_hz": spec.clock_hz,
+            "standin": standin,
+        }
+    else:
+        device = jax.devices()[0]
+        provenance = {
+            "kind": "measured",
+            "chip": chip,
+            "device_kind": device.device_kind,
+            "platform": device.platform,
+            "interpret": interpret,
+            "timer": timer,
+            "timing_note": ("wall clock of interpret-mode execution on the CPU: tracks grid "
+                            "steps, not TPU performance") if interpret else "wall clock around "
+                            "block_until_ready",
+            "warmup": warmup,
+            "repeats": repeats,
+        }
+    provenance.update({
         "strategy": strategy,
         "trials_measured": len(ok),
         "tuning_s": round(elapsed, 3),
         "seed": seed,
         "versions": versions(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
+    })
     result = TuningResult(kernel=kernel.name, chip=chip, key=key, records=tuple(records),
                           best_record=best, provenance=provenance)
     if write:
-        path = kernel.cache.write(chip, kernel.name, key, result.to_entry())
+        path = kernel.cache.write(chip, kernel.name, key, result.to_entry(),
+                                  kind=provenance["kind"])
         result = dataclasses.replace(result, cache_path=path)
     return result
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _tpe(kernel: TunableKernel, space: Any, encoder: _Encoder, evaluate_many: Any,
+         records: list[TrialRecord], by_config: dict[tuple[Any, ...], TrialRecord], *,
+         trials: int, seed: int | None, storage: str | None, chip: str, key: str,
+         study_name: str | None, max_attempts: int | None, batch: int) -> None:
+    """Optuna TPE over the space via ask/tell, ``batch`` candidates in flight at a time."""
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    sampler = optuna.samplers.TPESampler(
+        seed=seed, multivariate=True, group=False, constant_liar=True,
+        n_startup_trials=max(1, min(10, trials // 3)))
+    study = optuna.create_study(
+        direction="minimize", sampler=sampler, storage=storage,
+        study_name=study_name or (f"{kernel.name}|{chip}|{key}" if storage else None),
+        load_if_exists=storage is not None)
+    _import_prior_trials(study, encoder, space, records, by_config)
+    if not any(t.state.is_finished() for t in study.trials):
+        study.enqueue_trial(encoder.encode(next(space.ordered_candidates())))
+    attempts = 0
+    limit = max_attempts or max(10 * trials, 100)
+
+    def measured() -> int:
+        return sum(r.measurement is not None for r in records)
+
+    # `trials` in total: a resumed study only measures what is missing.
+    while measured() < trials and attempts < limit and len(by_config) < space.size:
+        n = max(1, min(batch, trials - measured()))
+        asked = [study.ask() for _ in range(n)]
+        attempts += n
+        configs = [encoder.suggest(t) for t in asked]
+        seen = [_freeze_key(c) in by_config for c in configs]
+        recs = evaluate_many(configs)
+        for trial, rec, was_seen in zip(asked, recs, seen, strict=True):
+            trial.set_user_attr("outcome", rec.outcome.value)
+            if not was_seen and rec.error:
+                trial.set_user_attr("error", rec.error[:1000])
+            if rec.outcome is Outcome.OK:
+                trial.set_user_attr("median_ms", rec.median_ms)
+                study.tell(trial, rec.median_ms)
+            else:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
 
 def _feasibility_mode(mode: str, chip: str) -> str:

@@ -1,0 +1,193 @@
+"""The ``tpu-estimate`` timer: the TPU compiler's own static cycle estimate, on a CPU host.
+
+With ``--xla_jf_dump_static_llo_profile_to=<dir>`` in ``LIBTPU_INIT_ARGS`` when libtpu loads, a
+deviceless compile annotates each Pallas kernel's custom call with ``"estimated_cycles"``: the
+whole kernel, every grid step, DMA/compute overlap modelled (notes/libtpu-static-cost.md). The
+flag adds 1.4-4 ms of compile time per grid step and must be set before libtpu initialises, so
+estimates run in worker processes of their own (spawned, each with its own dump directory and
+``ALLOW_MULTIPLE_LIBTPU_LOAD=1``), in parallel, leaving the calling process's libtpu untouched.
+
+Cost control: a kernel may declare ``standin=`` on ``@tunable``: a function returning a smaller
+problem with the same tiles (fewer steps along parallel grid axes) and the factor to scale its
+estimate by. The shipped kernels do; benchmarks/tpu_estimate.py checks the scaled figures
+against full compiles.
+
+Figures are compiler estimates converted with the chip's clock, never measurements; cache entries
+written from them are of kind ``estimate`` and lose to any measured entry.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import importlib
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+__all__ = ["EstimateResult", "Estimator", "estimate_flag_missing_message"]
+
+FLAG: Final = "--xla_jf_dump_static_llo_profile_to"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EstimateResult:
+    ok: bool
+    kind: str  # "ok" or a compile failure kind (see _compile), or "no_estimate".
+    cycles: int | None = None  # Scaled to the full problem.
+    standin_cycles: int | None = None
+    scale: float = 1.0
+    compile_s: float = 0.0
+    scoped_vmem_bytes: int | None = None
+    message: str = ""
+
+
+def _init_worker() -> None:
+    dump = tempfile.mkdtemp(prefix=f"pallas-tune-llo-{os.getpid()}-")
+    args = os.environ.get("LIBTPU_INIT_ARGS", "")
+    if FLAG not in args:
+        os.environ["LIBTPU_INIT_ARGS"] = f"{args} {FLAG}={dump}".strip()
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@functools.cache
+def _load(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _to_specs(args: Any) -> Any:
+    import jax
+
+    def conv(a: Any) -> Any:
+        if hasattr(a, "shape") and hasattr(a, "dtype"):
+            return ("__array__", tuple(a.shape), str(a.dtype))
+        return a
+
+    return jax.tree_util.tree_map(conv, args)
+
+
+def _from_specs(args: Any) -> Any:
+    import jax
+
+    def conv(a: Any) -> Any:
+        if isinstance(a, tuple) and len(a) == 3 and a[0] == "__array__":
+            return jax.ShapeDtypeStruct(a[1], a[2])
+        return a
+
+    return jax.tree_util.tree_map(conv, args, is_leaf=lambda x: isinstance(x, tuple)
+                                  and len(x) == 3 and x[0] == "__array__")
+
+
+def _job(ref: str, args: Any, kwargs: dict[str, Any], config: dict[str, Any], chip: str,
+         use_standin: bool) -> EstimateResult:
+    from pallas_tune import _compile
+
+    kernel = _load(ref)
+    fn = getattr(kernel, "fn", kernel)
+    args, kwargs = _from_specs(args), _from_specs(kwargs)
+    scale = 1.0
+    standin = getattr(kernel, "standin", None)
+    if use_standin and standin is not None:
+        args, kwargs, scale = standin(list(args), dict(kwargs), dict(config))
+    result = _compile.compile_deviceless(fn, args, {**kwargs, **config}, chip=chip)
+    if not result.ok:
+        return EstimateResult(ok=False, kind=result.kind, message=result.message,
+                              compile_s=result.compile_s, scale=scale)
+    if not result.estimated_cycles:
+        return EstimateResult(ok=False, kind="no_estimate", compile_s=result.compile_s,
+                              scale=scale, message=estimate_flag_missing_message())
+    cycles = sum(result.estimated_cycles)
+    return EstimateResult(ok=True, kind="ok", cycles=int(round(cycles * scale)),
+                          standin_cycles=cycles, scale=scale, compile_s=result.compile_s,
+                          scoped_vmem_bytes=result.scoped_vmem_bytes)
+
+
+def estimate_flag_missing_message() -> str:
+    from importlib import metadata
+
+    try:
+        version = metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        version = "not installed"
+    return (f"libtpu {version} compiled the kernel but reported no \"estimated_cycles\" with "
+            f"{FLAG}; the flag is internal to libtpu and may have changed. Pin libtpu 0.0.42-0.0.50 "
+            "(tested), or allow the roofline fallback (tune(..., estimate_fallback='roofline')).")
+
+
+class Estimator:
+    """A pool of worker processes that compile candidates deviceless and return estimates."""
+
+    def __init__(self, workers: int = 2):
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker)
+        self.workers = max(1, workers)
+
+    def map(self, kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+            configs: Sequence[Mapping[str, Any]], chip: str, *, standin: bool = True
+            ) -> list[EstimateResult]:
+        ref = kernel_ref(kernel)
+        a, k = _to_specs(list(args)), _to_specs(dict(kwargs))
+        futures = [self._pool.submit(_job, ref, a, k, dict(c), chip, standin) for c in configs]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result())
+            except Exception as e:  # noqa: BLE001 - a crashed worker is a failed candidate.
+                out.append(EstimateResult(ok=False, kind="compile_error",
+                                          message=f"{type(e).__name__}: {e}"))
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Estimator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def kernel_ref(kernel: Any) -> str:
+    """``module:qualname`` under which worker processes can import the kernel."""
+    fn = getattr(kernel, "fn", kernel)
+    ref = f"{fn.__module__}:{fn.__qualname__}"
+    if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
+        raise ValueError(
+            f"the tpu-estimate timer compiles in worker processes, which must import the kernel; "
+            f"{ref} is not importable. Define it at the top level of an importable module."
+        )
+    return ref
+
+
+def cycles_to_ms(cycles: int, clock_hz: float) -> float:
+    return cycles / clock_hz * 1e3
+
+
+def shrink_parallel(blocks: Sequence[int], other_steps: int, target_steps: int = 128
+                    ) -> tuple[list[int], float]:
+    """Fewer blocks along parallel grid axes (identical work per block), keeping at least
+    ``target_steps`` grid steps in all. Returns the new block counts and the scale factor."""
+    new = list(blocks)
+    full = other_steps
+    for b in blocks:
+        full *= b
+    for i in range(len(new)):
+        rest = other_steps
+        for j, b in enumerate(new):
+            if j != i:
+                rest *= b
+        need = -(-target_steps // max(1, rest))
+        new[i] = max(1, min(new[i], need))
+    steps = other_steps
+    for b in new:
+        steps *= b
+    return new, full / steps

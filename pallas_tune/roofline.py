@@ -1,0 +1,75 @@
+"""A roofline cost model for Pallas TPU kernels, from the traced pallas_call alone.
+
+Per kernel: FLOPs = the dot FLOPs of one grid step × the number of steps; HBM bytes = for every
+window, its block bytes × how often it is fetched (a block is refetched whenever an axis at or
+outside the innermost grid axis its index depends on advances); time = max(FLOPs / peak,
+bytes / bandwidth) + steps × a fixed per-step cost. It ignores masking (causal blocks skipped)
+and overlap details: use it to rank and to seed searches, not as a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+from pallas_tune import _inspect
+from pallas_tune.hardware import ChipSpec, chip_spec
+
+__all__ = ["RooflineEstimate", "roofline", "roofline_calls"]
+
+# Fixed cost of one grid step (pipeline bookkeeping, DMA issue), ~0.27 µs on v6e by the compiler
+# estimate of 128^3 matmul tiles (notes/libtpu-static-cost.md).
+STEP_OVERHEAD_S: Final = 0.3e-6
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RooflineEstimate:
+    flops: float
+    hbm_bytes: float
+    steps: int
+    time_s: float
+
+    @property
+    def time_ms(self) -> float:
+        return self.time_s * 1e3
+
+
+def roofline_calls(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec) -> RooflineEstimate:
+    flops = nbytes = 0.0
+    steps_total = 0
+    time_s = 0.0
+    for call in calls:
+        grid = [g if g > 0 else 1 for g in call.grid]
+        steps = math.prod(grid) if grid else 1
+        f = 0.0
+        for shape, _dtype, k, _lhs, _ops in call.dots:
+            f += 2.0 * math.prod(shape) * k
+        f *= steps
+        b = 0.0
+        for blk in call.blocks:
+            if blk.memory_space in ("any", "hbm", "semaphore"):
+                continue
+            axes = blk.grid_axes
+            if axes is None:
+                fetches = steps
+            elif not axes:
+                fetches = 1
+            else:
+                fetches = math.prod(grid[: max(axes) + 1])
+            b += blk.block_bytes * fetches
+        flops += f
+        nbytes += b
+        steps_total += steps
+        peak = spec.bf16_flops or 1e14
+        bw = spec.hbm_bw_bytes_per_s or 1e12
+        time_s += max(f / peak, b / bw) + steps * STEP_OVERHEAD_S
+    return RooflineEstimate(flops=flops, hbm_bytes=nbytes, steps=steps_total, time_s=time_s)
+
+
+def roofline(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
+             chip: str = "v6e") -> RooflineEstimate:
+    """Roofline time of ``fn(*args, **kwargs)``'s pallas_calls on ``chip`` (a model)."""
+    return roofline_calls(_inspect.find_pallas_calls(getattr(fn, "fn", fn), args, kwargs),
+                          chip_spec(chip))

@@ -1,0 +1,83 @@
+"""The tpu-estimate timer: the TPU compiler's static cycle estimate, deviceless (needs libtpu)."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_tune as pt
+from conftest import subprocess_env
+from pallas_tune.estimate import Estimator, shrink_parallel
+from pallas_tune.kernels.matmul import matmul
+
+SEM = ("parallel", "parallel", "arbitrary")
+X = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+
+
+def test_shrink_parallel_keeps_enough_steps():
+    blocks, scale = shrink_parallel([16, 16], 16, target_steps=128)
+    assert blocks[0] * blocks[1] * 16 >= 128 and scale == 16 * 16 * 16 / (blocks[0] * blocks[1] * 16)
+    assert shrink_parallel([2, 2], 8) == ([2, 2], 1.0)  # Small problems stay whole.
+
+
+@pytest.mark.libtpu
+def test_matmul_2048_estimates_rank_tiles_and_buffering():
+    cfgs = [dict(bm=t, bn=t, bk=t, buffering=2, semantics=SEM) for t in (128, 256, 512)]
+    cfgs.append(dict(bm=512, bn=512, bk=512, buffering=1, semantics=SEM))
+    with Estimator(2) as est:
+        r128, r256, r512, r512_b1 = est.map(matmul, (X, X), {}, cfgs, "v6e")
+    assert all(r.ok for r in (r128, r256, r512, r512_b1))
+    assert r128.cycles > r256.cycles > r512.cycles  # Strictly better with bigger tiles.
+    assert r512_b1.cycles > r512.cycles  # Buffered(1) loses the DMA/compute overlap.
+    assert r128.scale > 1 and r512.scale == 1  # 4096 steps were estimated on a stand-in.
+
+
+@pytest.mark.libtpu
+def test_standin_within_5_percent_of_full_compile():
+    cfg = [dict(bm=256, bn=256, bk=256, buffering=2, semantics=SEM)]
+    with Estimator(1) as est:
+        (scaled,) = est.map(matmul, (X, X), {}, cfg, "v6e", standin=True)
+        (full,) = est.map(matmul, (X, X), {}, cfg, "v6e", standin=False)
+    assert scaled.scale > 1
+    assert abs(scaled.cycles - full.cycles) / full.cycles < 0.05
+
+
+@pytest.mark.libtpu
+def test_sweep_with_tpu_estimate_on_a_cpu_host_writes_estimates(cache_dir):
+    env = subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir)
+    r = subprocess.run([sys.executable, "-m", "pallas_tune.cli", "sweep", "toy_kernels:scale",
+                        "--shapes", "x=256x512:float32", "--chip", "v6e", "--timer",
+                        "tpu-estimate", "--trials", "4"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "compiler estimate" in r.stdout
+    data = json.loads((cache_dir / "tpu_v6e" / "toy_kernels.scale.estimate.json").read_text())
+    assert data["kind"] == "estimate"
+    (entry,) = data["entries"].values()
+    assert entry["provenance"]["kind"] == "estimate"
+    assert entry["provenance"]["timer"] == "tpu-estimate"
+    assert all("estimated_cycles" in t for t in entry["trials"] if t["outcome"] == "ok")
+    show = subprocess.run([sys.executable, "-m", "pallas_tune.cli", "show"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert "ESTIMATE" in show.stdout and "tpu_v6e" in show.stdout
+    # A measured entry for the same chip and key wins over the estimate.
+    import toy_kernels
+
+    key = "x=256x512:float32,factor=2.0"
+    toy_kernels.scale.cache.write("tpu_v6e", toy_kernels.scale.name, key,
+                                  {"config": {"br": 8, "bc": 128, "buffering": 1}})
+    toy_kernels.scale._memo.clear()
+    with pt.target("v6e"):
+        cfg = toy_kernels.scale.config_for(jax.ShapeDtypeStruct((256, 512), jnp.float32))
+    assert cfg.source == "cache" and dict(cfg) == {"br": 8, "bc": 128, "buffering": 1}
+    toy_kernels.scale._memo.clear()
+
+
+def test_estimate_timer_refuses_non_tpu_chip(cache_dir, fresh):
+    with pytest.raises(ValueError, match="needs a TPU chip"):
+        fresh.scale.tune(fresh.ones(), timer="tpu-estimate", chip="cpu")
+    with pytest.raises(ValueError, match="cannot fill the cache of 'tpu_v6e'"):
+        fresh.scale.tune(fresh.ones(), chip="v6e")
