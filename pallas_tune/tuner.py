@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import logging
 import math
 import platform
@@ -161,6 +162,7 @@ def tune(
     vreg_limit: float | None = None,
     workers: int = 2,
     standin: bool = True,
+    estimate_fallback: str | None = None,
 ) -> TuningResult:
     """Runs a TPE study over ``kernel.space`` for these arguments and caches the winner.
 
@@ -174,7 +176,10 @@ def tune(
     CPU); ``"tpu-estimate"`` compiles each candidate deviceless for ``chip`` (a TPU) in
     ``workers`` processes and uses the compiler's static cycle estimate (``standin``: on a
     smaller problem with the same tiles where the kernel declares one), converted with the chip
-    clock. Estimates are written as cache entries of kind ``estimate``.
+    clock. Estimates are written as cache entries of kind ``estimate``. Before a stand-in is
+    trusted, one candidate is estimated both ways; beyond 5% apart, the run compiles full
+    problems instead. ``estimate_fallback="roofline"`` uses :mod:`pallas_tune.roofline` where
+    libtpu returns no estimate (else that is an error naming the libtpu version).
 
     ``feasibility`` (TPU chips): ``"model"`` rejects candidates the VMEM/SMEM model proves
     infeasible; ``"compile"`` also compiles borderline ones deviceless (libtpu) first; ``"auto"``
@@ -233,10 +238,14 @@ def tune(
     stage = "model" if estimating and feasibility == "auto" else _feasibility_mode(
         feasibility, chip)
     estimator = None
+    standin_check: dict[str, Any] = {}
     if estimating:
         from pallas_tune.estimate import Estimator
 
         estimator = Estimator(workers)
+        if standin and kernel.standin is not None:
+            standin, standin_check = _check_standin(kernel, estimator, args_c, kwargs_c, chip,
+                                                    stage)
 
     def record(rec: TrialRecord) -> TrialRecord:
         records.append(rec)
@@ -278,9 +287,19 @@ def tune(
                                       cycles=r.cycles, vmem_bytes=r.scoped_vmem_bytes,
                                       detail=f"estimate x{r.scale:g}" if r.scale != 1 else "")
                 elif r.kind == "no_estimate":
-                    from pallas_tune.errors import MeasurementError
+                    if estimate_fallback != "roofline":
+                        from pallas_tune.errors import MeasurementError
 
-                    raise MeasurementError(r.message)
+                        raise MeasurementError(r.message)
+                    from pallas_tune import _inspect
+                    from pallas_tune.roofline import roofline_calls
+
+                    rl = roofline_calls(_inspect.find_pallas_calls(
+                        kernel.fn, args_c, {**kwargs_c, **config}), spec)
+                    rec = TrialRecord(number=len(records), config=config, outcome=Outcome.OK,
+                                      measurement=Measurement(times_ms=(rl.time_ms,),
+                                                              compile_ms=r.compile_s * 1e3),
+                                      detail="roofline model (libtpu returned no estimate)")
                 else:
                     from pallas_tune import _compile
 
@@ -347,7 +366,11 @@ def tune(
                             "not a measurement"),
             "clock_hz": spec.clock_hz,
             "standin": standin,
+            "standin_check": standin_check,
         }
+        if any("roofline" in r.detail for r in ok):
+            provenance["timer"] = "tpu-estimate+roofline"
+            provenance["timing_note"] += "; some candidates by the roofline MODEL (no estimate)"
     else:
         device = jax.devices()[0]
         provenance = {
@@ -378,6 +401,35 @@ def tune(
                                   kind=provenance["kind"])
         result = dataclasses.replace(result, cache_path=path)
     return result
+
+
+def _check_standin(kernel: TunableKernel, estimator: Any, args: Sequence[Any],
+                   kwargs: Mapping[str, Any], chip: str, stage: str
+                   ) -> tuple[bool, dict[str, Any]]:
+    """Estimates one candidate on the stand-in and in full; trusts the stand-in within 5%.
+
+    Picks the feasible candidate with the smallest stand-in scale above 1 (the cheapest full
+    compile that still exercises the scaling)."""
+    best = None
+    for config in itertools.islice(kernel.space.ordered_candidates(), 512):
+        if _check(kernel, config, args, kwargs, chip, stage) is not None:
+            continue
+        try:
+            _, _, scale = kernel.standin(list(args), dict(kwargs), dict(config))
+        except Exception:  # noqa: BLE001 - a stand-in that fails is not used.
+            return False, {"error": "stand-in raised"}
+        if scale > 1 and (best is None or scale < best[1]):
+            best = (config, scale)
+    if best is None:
+        return True, {"note": "no candidate needed a stand-in"}
+    config, scale = best
+    (scaled,) = estimator.map(kernel, args, kwargs, [config], chip, standin=True)
+    (full,) = estimator.map(kernel, args, kwargs, [config], chip, standin=False)
+    if not (scaled.ok and full.ok):
+        return False, {"config": config, "error": "stand-in or full compile failed"}
+    err = abs(scaled.cycles - full.cycles) / full.cycles
+    return err <= 0.05, {"config": config, "scale": scale, "relative_error": round(err, 4),
+                         "trusted": err <= 0.05}
 
 
 class _nullcontext:

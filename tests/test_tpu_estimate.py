@@ -81,3 +81,23 @@ def test_estimate_timer_refuses_non_tpu_chip(cache_dir, fresh):
         fresh.scale.tune(fresh.ones(), timer="tpu-estimate", chip="cpu")
     with pytest.raises(ValueError, match="cannot fill the cache of 'tpu_v6e'"):
         fresh.scale.tune(fresh.ones(), chip="v6e")
+
+
+@pytest.mark.libtpu
+def test_tune_checks_the_standin_and_records_it(cache_dir):
+    x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+    small = pt.tunable(bm=[128, 256], bn=[256], bk=[512], buffering=[2], semantics=[SEM],
+                       standin=matmul.standin, name="mm_small")(matmul.fn)
+    # Importable for the worker processes under the name of the function it wraps.
+    res = small.tune(x, x, trials=4, timer="tpu-estimate", chip="v6e", write=False)
+    check = res.provenance["standin_check"]
+    assert check["trusted"] and check["relative_error"] < 0.05
+    assert res.provenance["kind"] == "estimate"
+
+
+def test_roofline_ranks_tiles():
+    from pallas_tune.roofline import roofline
+
+    times = [roofline(matmul, (X, X), dict(bm=t, bn=t, bk=t, buffering=2, semantics=SEM),
+                      chip="v6e").time_ms for t in (128, 256, 512, 1024)]
+    assert times == sorted(times, reverse=True)
