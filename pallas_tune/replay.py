@@ -1,0 +1,191 @@
+"""Replay search strategies on exhaustively measured landscapes (Kernel Tuner cache files).
+
+``run(path, strategy="default", budget=50, seed=0)`` loads a Kernel Tuner cache file (the format
+of shared/landscapes and of benchmarks/landscapes; gzip or plain JSON), runs the named strategy
+as if each lookup were a measurement, and returns the times in evaluation order. An evaluation
+draws one of the config's recorded repeats at random (so it is noisy, as a real measurement);
+a failed config costs an evaluation and returns ``inf``; a config is never evaluated twice (a
+re-proposal is answered from what was measured, at no cost). The space is the file's
+``tune_params`` restricted to the configurations the file holds, and strategies only propose
+from it.
+
+Strategies: ``"random"`` (without replacement), ``"grid"`` (file order), ``"tpe"`` (Optuna's
+TPE, all parameters categorical), ``"default"`` (pallas-tune's: multivariate TPE over ordinal
+encodings of numeric parameters, as the tuner uses, exhaustive when the space fits the budget).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["Landscape", "STRATEGIES", "load", "run"]
+
+
+class Landscape:
+    """A measured space: configs (tuples in ``keys`` order) → list of repeat times or None."""
+
+    def __init__(self, keys: Sequence[str], params: dict[str, list[Any]],
+                 times: dict[tuple[Any, ...], list[float] | None], name: str = ""):
+        self.keys = list(keys)
+        self.params = params
+        self.times = times
+        self.configs = list(times)
+        self.name = name
+
+    @property
+    def optimum(self) -> float:
+        return min(statistics_mean(t) for t in self.times.values() if t)
+
+
+def statistics_mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
+
+
+def load(path: str) -> Landscape:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        data = json.load(f)
+    keys = data["tune_params_keys"]
+    times: dict[tuple[Any, ...], list[float] | None] = {}
+    for rec in data["cache"].values():
+        config = tuple(_freeze(rec[k]) for k in keys)
+        t = rec.get("time")
+        if isinstance(t, int | float) and math.isfinite(t):
+            reps = [float(x) for x in rec.get("times") or [t] if isinstance(x, int | float)]
+            times[config] = reps or [float(t)]
+        else:
+            times[config] = None
+    return Landscape(keys, data["tune_params"], times, name=data.get("kernel_name", path))
+
+
+Strategy = Callable[[Landscape, int, int, Callable[[tuple[Any, ...]], float]], None]
+
+
+def _random(land: Landscape, budget: int, seed: int, evaluate) -> None:
+    order = list(land.configs)
+    random.Random(seed).shuffle(order)
+    for c in order[:budget]:
+        evaluate(c)
+
+
+def _grid(land: Landscape, budget: int, seed: int, evaluate) -> None:
+    del seed  # Deterministic.
+    for c in land.configs[:budget]:
+        evaluate(c)
+
+
+def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, ordinal: bool,
+            multivariate: bool, startup: int) -> None:
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    valid = set(land.configs)
+    present = [sorted({c[i] for c in land.configs}, key=_sort_key) for i in range(len(land.keys))]
+    numeric = [ordinal and all(isinstance(v, int | float) and not isinstance(v, bool)
+                               for v in vals) for vals in present]
+    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=multivariate,
+                                         group=multivariate, n_startup_trials=startup)
+    study = optuna.create_study(direction="minimize", sampler=sampler)
+    rng = random.Random(seed)
+    measured: dict[tuple[Any, ...], float] = {}
+
+    def suggest(trial: Any) -> tuple[Any, ...]:
+        config = []
+        for i, (name, vals) in enumerate(zip(land.keys, present, strict=True)):
+            if len(vals) == 1:
+                config.append(vals[0])
+            elif numeric[i]:
+                config.append(vals[trial.suggest_int(name, 0, len(vals) - 1)])
+            else:
+                config.append(vals[trial.suggest_categorical(name, list(range(len(vals))))])
+        return tuple(config)
+
+    def encode(c: tuple[Any, ...]) -> dict[str, int]:
+        return {name: vals.index(v) for name, vals, v in zip(land.keys, present, c, strict=True)
+                if len(vals) > 1}
+
+    def tell(trial: Any, value: float) -> None:
+        if math.isfinite(value):
+            study.tell(trial, value)
+        else:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+    misses = 0
+    while len(measured) < min(budget, len(valid)):
+        trial = study.ask()
+        c = suggest(trial)
+        if c in measured:  # Answer from what was measured: no evaluation.
+            tell(trial, measured[c])
+            misses += 1
+        elif c not in valid:  # Outside the constrained space: never evaluated, not counted.
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            misses += 1
+        else:
+            misses = 0
+            measured[c] = evaluate(c)
+            tell(trial, measured[c])
+            continue
+        if misses >= 50:  # Stuck: measure an unmeasured valid config at random, and learn it.
+            c = rng.choice([x for x in land.configs if x not in measured])
+            study.enqueue_trial(encode(c))
+            trial = study.ask()
+            assert suggest(trial) == c
+            measured[c] = evaluate(c)
+            tell(trial, measured[c])
+            misses = 0
+
+
+def _sort_key(v: Any) -> tuple[int, Any]:
+    return (0, v) if isinstance(v, int | float) and not isinstance(v, bool) else (1, str(v))
+
+
+def _tpe(land, budget, seed, evaluate):
+    _optuna(land, budget, seed, evaluate, ordinal=False, multivariate=False,
+            startup=10)
+
+
+def _default(land, budget, seed, evaluate):
+    if len(land.configs) <= budget:
+        return _random(land, budget, seed, evaluate)
+    _optuna(land, budget, seed, evaluate, ordinal=True, multivariate=True,
+            startup=max(5, min(10, budget // 5)))
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "default": _default, "tpe": _tpe, "random": _random, "grid": _grid,
+}
+
+
+def run(path: str | Landscape, strategy: str = "default", budget: int = 50, seed: int = 0
+        ) -> list[float]:
+    """Replays ``strategy`` on a landscape; returns measured times in evaluation order (inf for
+    failed configs). Deterministic for a given seed."""
+    land = path if isinstance(path, Landscape) else load(path)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} must be one of {sorted(STRATEGIES)}")
+    rng = random.Random(seed * 7919 + 1)
+    out: list[float] = []
+    seen: dict[tuple[Any, ...], float] = {}
+
+    def evaluate(c: tuple[Any, ...]) -> float:
+        if c in seen:
+            return seen[c]
+        if len(out) >= budget:
+            return seen.get(c, math.inf)
+        reps = land.times.get(c)
+        value = rng.choice(reps) if reps else math.inf
+        seen[c] = value
+        out.append(value)
+        return value
+
+    STRATEGIES[strategy](land, budget, seed, evaluate)
+    return out

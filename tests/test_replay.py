@@ -1,0 +1,58 @@
+import gzip
+import json
+import math
+import os
+
+import pytest
+
+from pallas_tune import replay
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def _synthetic(tmp_path, gz=True):
+    cache = {}
+    for a in (1, 2, 4, 8, 16):
+        for b in (32, 64, 128, 256):
+            if a * b > 2048:
+                continue  # Restricted space: not every product point is present.
+            t = abs(math.log2(a) - 2) + abs(math.log2(b) - 6) + 1.0
+            rec = {"a": a, "b": b, "time": t, "times": [t, t * 1.01, t * 0.99]}
+            if (a, b) == (16, 32):
+                rec["time"] = "RuntimeFailedConfig"
+            cache[f"{a},{b}"] = rec
+    data = {"device_name": "synthetic", "kernel_name": "toy", "problem_size": [1],
+            "tune_params_keys": ["a", "b"], "tune_params": {"a": [1, 2, 4, 8, 16],
+                                                            "b": [32, 64, 128, 256]},
+            "objective": "time", "cache": cache}
+    path = tmp_path / ("land.json.gz" if gz else "land.json")
+    with (gzip.open(path, "wt") if gz else open(path, "w")) as f:
+        json.dump(data, f)
+    return str(path)
+
+
+@pytest.mark.parametrize("strategy", sorted(replay.STRATEGIES))
+def test_deterministic_and_no_duplicates(tmp_path, strategy):
+    path = _synthetic(tmp_path)
+    a = replay.run(path, strategy=strategy, budget=12, seed=3)
+    b = replay.run(path, strategy=strategy, budget=12, seed=3)
+    assert a == b and len(a) == 12
+
+
+def test_counts_failures_and_never_repeats(tmp_path):
+    path = _synthetic(tmp_path, gz=False)
+    land = replay.load(path)
+    assert len(land.configs) == 19 and land.optimum == pytest.approx(1.0)
+    seq = replay.run(path, strategy="random", budget=30, seed=0)
+    assert len(seq) == 19 and sum(math.isinf(x) for x in seq) == 1  # Each config once.
+
+
+def test_default_strategy_finds_the_optimum_on_the_shipped_estimate_landscape():
+    path = os.path.join(REPO, "benchmarks", "landscapes", "matmul_2048_bf16_v6e_estimate.json")
+    if not os.path.exists(path):
+        pytest.skip("landscape not generated")
+    land = replay.load(path)
+    hits = [min(replay.run(land, "default", budget=40, seed=s)) <= land.optimum * 1.05
+            for s in range(5)]
+    assert sum(hits) >= 4
