@@ -1,0 +1,111 @@
+"""Chunked linear attention with exponential decay (retention), forward.
+
+For each (batch, head): S_t = γ S_{t-1} + k_tᵀ v_t and o_t = q_t S_t, with a scalar decay γ in
+(0, 1] (γ = 1: plain causal linear attention). The kernel walks the sequence in chunks of C
+positions, the chunk axis "arbitrary" with the (head_dim, head_dim) f32 state in VMEM scratch:
+
+  O = ((Q Kᵀ) ⊙ D) V + (γ^{i+1} Q) S_prev,    D[i, j] = γ^{i-j} for i ≥ j, else 0
+  S = γ^C S_prev + (γ^{C-1-j} K)ᵀ V
+
+The chunk size trades MXU-friendly (C, C) intra-chunk work against sequential steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import pallas_tune as pt
+
+__all__ = ["linear_attention", "linear_attention_reference"]
+
+
+def linear_attention_reference(q, k, v, *, decay: float = 1.0):
+    """The recurrence itself, by lax.scan over time (f32 state)."""
+    b, h, t, d = q.shape
+
+    def per_head(qh, kh, vh):
+        def step(s, x):
+            qt, kt, vt = x
+            s = decay * s + jnp.outer(kt, vt)
+            return s, qt @ s
+
+        _, o = lax.scan(step, jnp.zeros((d, vh.shape[-1]), jnp.float32),
+                        (qh.astype(jnp.float32), kh.astype(jnp.float32),
+                         vh.astype(jnp.float32)))
+        return o
+
+    out = jax.vmap(jax.vmap(per_head))(q, k, v)
+    return out.astype(q.dtype)
+
+
+def _kernel(q_ref, k_ref, v_ref, o_ref, s_ref, *, chunk, log_decay):
+    c = pl.program_id(1)
+
+    @pl.when(c == 0)
+    def _init():
+        s_ref[...] = jnp.zeros_like(s_ref)
+
+    q = q_ref[...].astype(jnp.float32)
+    k = k_ref[...].astype(jnp.float32)
+    v = v_ref[...].astype(jnp.float32)
+    row = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    col = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    diff = (row - col).astype(jnp.float32)
+    mask = jnp.where(row >= col, jnp.exp(diff * log_decay), 0.0)
+    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32) * mask
+    intra = jnp.dot(scores, v, preferred_element_type=jnp.float32)
+    pos = lax.broadcasted_iota(jnp.int32, (chunk, 1), 0).astype(jnp.float32)
+    inter = jnp.dot(q * jnp.exp((pos + 1.0) * log_decay), s_ref[...],
+                    preferred_element_type=jnp.float32)
+    o_ref[...] = (intra + inter).astype(o_ref.dtype)
+    k_decayed = k * jnp.exp((chunk - 1.0 - pos) * log_decay)
+    s_ref[...] = s_ref[...] * math.exp(chunk * log_decay) + lax.dot_general(
+        k_decayed, v, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _standin(args, kwargs, config):
+    """Fewer (batch, head) rows, identical work each (tpu-estimate)."""
+    from pallas_tune.estimate import shrink_parallel
+
+    q, k, v = args
+    b, h, t, d = q.shape
+    c = min(config["chunk"], t)
+    (nb, nh), scale = shrink_parallel([b, h], t // c)
+    shape = lambda x: jax.ShapeDtypeStruct((nb, nh, t, x.shape[-1]), x.dtype)  # noqa: E731
+    return [shape(q), shape(k), shape(v)], kwargs, scale
+
+
+@pt.tunable(space="linear_attention", reference=linear_attention_reference, standin=_standin)
+def linear_attention(q, k, v, *, decay: float = 1.0, chunk: int):
+    """Causal linear attention with decay γ=``decay`` over q, k, v of (batch, heads, seq, dim).
+
+    The chunk is clamped to the sequence length; the sequence must be a multiple of it.
+    """
+    b, h, t, d = q.shape
+    dv = v.shape[-1]
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"decay={decay} must be in (0, 1]")
+    c = min(chunk, t)
+    bh = b * h
+    spec = lambda last: pl.BlockSpec((None, c, last), lambda i, j: (i, j, 0))  # noqa: E731
+    out = pl.pallas_call(
+        functools.partial(_kernel, chunk=c, log_decay=math.log(decay)),
+        out_shape=jax.ShapeDtypeStruct((bh, t, dv), q.dtype),
+        grid=(bh, pl.cdiv(t, c)),
+        in_specs=[spec(d), spec(d), spec(dv)],
+        out_specs=spec(dv),
+        scratch_shapes=[pltpu.VMEM((d, dv), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        name=f"linear_attention_{c}",
+    )(q.reshape(bh, t, d), k.reshape(bh, t, d), v.reshape(bh, t, dv))
+    return out.reshape(b, h, t, dv)
