@@ -19,6 +19,7 @@ from pallas_tune.chips import normalize_chip as normalize_chip
 from pallas_tune.chips import target as target
 from pallas_tune.errors import CacheFormatError as CacheFormatError
 from pallas_tune.errors import CacheMissError as CacheMissError
+from pallas_tune.errors import InvalidConfig as InvalidConfig
 from pallas_tune.errors import MeasurementError as MeasurementError
 from pallas_tune.errors import NoFeasibleConfigError as NoFeasibleConfigError
 from pallas_tune.errors import PallasTuneError as PallasTuneError
@@ -56,6 +57,7 @@ __all__ = [
     "CacheMissError",
     "ChipSpec",
     "Config",
+    "InvalidConfig",
     "MeasurementError",
     "NoFeasibleConfigError",
     "PallasTuneError",

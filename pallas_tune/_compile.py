@@ -88,7 +88,7 @@ class CompileResult:
 # What the compiler actually allocated, in each kernel's backend config (memory space 1 is VMEM).
 _SCOPED_RE: Final = re.compile(
     r'used_scoped_memory_configs":\[\{"memory_space":"1","offset":"\d+","size":"(\d+)"')
-_CYCLES_RE: Final = re.compile(r'"estimated_cycles":"(\d+)"')
+_CYCLES_RE: Final = re.compile(r'bundle_analysis_data":\{"estimated_cycles":"(\d+)"')
 
 
 def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 __all__ = [
+    "InvalidConfig",
     "CacheFormatError",
     "CacheMissError",
     "MeasurementError",
@@ -25,6 +26,11 @@ class PallasTuneError(Exception):
 
 class SearchSpaceError(PallasTuneError, ValueError):
     """A declared search space is invalid (unknown parameter, empty or unhashable choices)."""
+
+
+class InvalidConfig(SearchSpaceError):
+    """Raised by a kernel (while traced) for a config that cannot work for these arguments,
+    e.g. ``block_k`` not dividing ``block_k_major``. The tuner records it as ``infeasible``."""
 
 
 class CacheFormatError(PallasTuneError, ValueError):

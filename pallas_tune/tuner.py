@@ -511,8 +511,12 @@ def _check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any]
     from pallas_tune import _compile, _inspect, feasibility
     from pallas_tune.hardware import chip_spec
 
+    from pallas_tune.errors import InvalidConfig
+
     try:
         calls = _inspect.find_pallas_calls(kernel.fn, args, {**kwargs, **config})
+    except InvalidConfig as e:
+        return Outcome.INFEASIBLE, f"invalid config: {e}", "invalid_config", None
     except Exception as e:  # noqa: BLE001 - a candidate that cannot be traced cannot run.
         return (Outcome.COMPILE_ERROR, f"tracing failed: {type(e).__name__}: {e}", "trace_error",
                 None)
