@@ -45,7 +45,13 @@ class EstimateResult:
     message: str = ""
 
 
-def _init_worker() -> None:
+def _init_worker(memory_limit_bytes: int | None = None) -> None:
+    if memory_limit_bytes:
+        # A pathological compile (seen: a (2048, 2048) f32 attention tile at S=8192 grew past
+        # 24 GB) must fail in its worker, not take down the host through the OOM killer.
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     dump = tempfile.mkdtemp(prefix=f"pallas-tune-llo-{os.getpid()}-")
     args = os.environ.get("LIBTPU_INIT_ARGS", "")
     if FLAG not in args:
@@ -122,29 +128,71 @@ def estimate_flag_missing_message() -> str:
             "(tested), or allow the roofline fallback (tune(..., estimate_fallback='roofline')).")
 
 
-class Estimator:
-    """A pool of worker processes that compile candidates deviceless and return estimates."""
+def _default_memory_limit(workers: int) -> int | None:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return max(4 << 30, total // (workers + 1))
 
-    def __init__(self, workers: int = 2):
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=max(1, workers), mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker)
+
+class Estimator:
+    """A pool of worker processes that compile candidates deviceless and return estimates.
+
+    A worker that dies (a compiler abort, a memory limit) costs only its candidate: the pool is
+    restarted, the other candidates are retried one at a time, and the culprit is recorded as a
+    ``compile_error`` with detail ``worker_crashed``. Each worker's address space is capped
+    (default: host memory / (workers + 1)) so one runaway compile cannot exhaust the host.
+    """
+
+    def __init__(self, workers: int = 2, *, memory_limit_bytes: int | None = -1):
         self.workers = max(1, workers)
+        self._limit = (_default_memory_limit(self.workers) if memory_limit_bytes == -1
+                       else memory_limit_bytes)
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        return concurrent.futures.ProcessPoolExecutor(
+            max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker, initargs=(self._limit,))
+
+    def _restart(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._new_pool()
 
     def map(self, kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
             configs: Sequence[Mapping[str, Any]], chip: str, *, standin: bool = True
             ) -> list[EstimateResult]:
         ref = kernel_ref(kernel)
         a, k = _to_specs(list(args)), _to_specs(dict(kwargs))
-        futures = [self._pool.submit(_job, ref, a, k, dict(c), chip, standin) for c in configs]
-        out = []
+        job = (ref, a, k)
+        futures = [self._pool.submit(_job, *job, dict(c), chip, standin) for c in configs]
+        out: list[EstimateResult | None] = []
+        broken = False
         for f in futures:
             try:
                 out.append(f.result())
-            except Exception as e:  # noqa: BLE001 - a crashed worker is a failed candidate.
+            except concurrent.futures.process.BrokenProcessPool:
+                out.append(None)
+                broken = True
+            except Exception as e:  # noqa: BLE001 - a failed job is a failed candidate.
                 out.append(EstimateResult(ok=False, kind="compile_error",
                                           message=f"{type(e).__name__}: {e}"))
-        return out
+        if broken:
+            # Retry each lost candidate alone in a fresh pool, to find the one that kills it.
+            for i, c in enumerate(configs):
+                if out[i] is not None:
+                    continue
+                self._restart()
+                try:
+                    out[i] = self._pool.submit(_job, *job, dict(c), chip, standin).result()
+                except concurrent.futures.process.BrokenProcessPool:
+                    out[i] = EstimateResult(
+                        ok=False, kind="worker_crashed",
+                        message="the compile worker died (compiler abort or the worker memory "
+                                f"limit of {(self._limit or 0) >> 20} MiB); candidate skipped")
+                    self._restart()
+        return [r for r in out if r is not None]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -101,3 +101,18 @@ def test_roofline_ranks_tiles():
     times = [roofline(matmul, (X, X), dict(bm=t, bn=t, bk=t, buffering=2, semantics=SEM),
                       chip="v6e").time_ms for t in (128, 256, 512, 1024)]
     assert times == sorted(times, reverse=True)
+
+
+
+
+@pytest.mark.libtpu
+def test_a_dying_compile_worker_costs_only_its_candidate():
+    import toy_kernels
+
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    cfgs = [dict(br=8, bc=128, buffering=2), dict(br=16, bc=128, buffering=2)]
+    with Estimator(2) as est:
+        results = est.map(toy_kernels.crashy, (x,), {}, cfgs + [dict(br=64, bc=256, buffering=2)],
+                          "v6e", standin=False)
+    kinds = [r.kind for r in results]
+    assert kinds[0] == "ok" and kinds[1] == "ok" and kinds[2] == "worker_crashed"

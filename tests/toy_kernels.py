@@ -63,3 +63,13 @@ add = pt.tunable(unroll=[1, 2])(plain_add)
 
 def ones(shape=(64, 256), dtype=jnp.float32):
     return jnp.arange(shape[0] * shape[1], dtype=jnp.float32).reshape(shape).astype(dtype)
+
+
+@pt.tunable(br=[8, 16, 64], bc=[128, 256], buffering=[2])
+def crashy(x, *, br, bc, buffering):
+    """Like `scale`, but the process dies for br=64 (a stand-in for a compiler abort)."""
+    if br == 64:
+        import os
+
+        os.abort()
+    return scale.fn(x, br=br, bc=bc, buffering=buffering)
