@@ -166,29 +166,22 @@ def measure(
     warmup: int = 1,
     repeats: int = 5,
     min_time_s: float = 0.0,
+    precompiled: tuple[Any, float] | None = None,
 ) -> tuple[Outcome, Measurement | None, Any, str, float | None]:
-    """Compiles and times ``fn(*args, **kwargs)``.
+    """Compiles (unless ``precompiled`` = (executable or exception, compile ms)) and times
+    ``fn(*args, **kwargs)``.
 
     Returns (outcome, measurement, output, error text, max_abs_err).
     """
-    from pallas_tune.tunable import interpret_mode
-
-    jitted = jax.jit(lambda *a: fn(*a, **kwargs))
-    t0 = time.perf_counter()
-    try:
-        if interpret:
-            with interpret_mode():
-                compiled = jitted.lower(*args).compile()
-        else:
-            compiled = jitted.lower(*args).compile()
-    except Exception as e:  # noqa: BLE001 - a candidate that fails to compile is data.
-        text = _short_error(e)
+    compiled, compile_ms = precompiled if precompiled is not None else compile_candidate(
+        fn, args, kwargs, interpret=interpret)
+    if isinstance(compiled, BaseException):
+        text = _short_error(compiled)
         from pallas_tune._compile import OOM_KINDS, classify_error
 
         kind = classify_error(text)
         outcome = Outcome.INFEASIBLE if kind in OOM_KINDS else Outcome.COMPILE_ERROR
         return outcome, None, None, f"[{kind}] {text}", None
-    compile_ms = (time.perf_counter() - t0) * 1e3
     try:
         out = jax.block_until_ready(compiled(*args))
         for _ in range(max(0, warmup - 1)):
@@ -218,5 +211,50 @@ def measure(
     return Outcome.OK, Measurement(times_ms=tuple(times), compile_ms=compile_ms), out, "", err
 
 
+def compile_candidate(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                      *, interpret: bool) -> tuple[Any, float]:
+    """(compiled executable, or the exception that compiling raised; compile time in ms).
+    Thread-safe: XLA compiles release the GIL, so a batch can compile concurrently."""
+    from pallas_tune.tunable import interpret_mode
+
+    jitted = jax.jit(lambda *a: fn(*a, **kwargs))
+    t0 = time.perf_counter()
+    try:
+        if interpret:
+            with interpret_mode():
+                compiled = jitted.lower(*args).compile()
+        else:
+            compiled = jitted.lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - a candidate that fails to compile is data.
+        return e, (time.perf_counter() - t0) * 1e3
+    return compiled, (time.perf_counter() - t0) * 1e3
+
+
 def format_exc() -> str:
     return traceback.format_exc(limit=5)
+
+
+def retime_interleaved(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                       configs: Sequence[Mapping[str, Any]], *, interpret: bool,
+                       rounds: int = 5) -> list[list[float]]:
+    """Times the given configs interleaved (A B C A B C ...), ``rounds`` runs each, so that
+    drift in clocks, thermals or host load hits every candidate alike. Returns ms per config."""
+    from pallas_tune.tunable import interpret_mode
+
+    compiled = []
+    for config in configs:
+        jitted = jax.jit(lambda *a, _c=dict(config): fn(*a, **kwargs, **_c))
+        if interpret:
+            with interpret_mode():
+                compiled.append(jitted.lower(*args).compile())
+        else:
+            compiled.append(jitted.lower(*args).compile())
+    for c in compiled:  # Warm up each once more.
+        jax.block_until_ready(c(*args))
+    times: list[list[float]] = [[] for _ in compiled]
+    for _ in range(rounds):
+        for i, c in enumerate(compiled):
+            t = time.perf_counter()
+            jax.block_until_ready(c(*args))
+            times[i].append((time.perf_counter() - t) * 1e3)
+    return times

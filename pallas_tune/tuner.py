@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 TUNE_OPTIONS: Final = (
     "timer", "repeats", "warmup", "write", "storage", "chip", "verbose", "min_time_s",
     "study_name", "max_attempts", "feasibility", "vreg_limit", "workers", "standin",
+    "estimate_fallback", "isolate", "timeout_s", "retime_top", "compile_workers",
 )
 
 
@@ -163,6 +164,10 @@ def tune(
     workers: int = 2,
     standin: bool = True,
     estimate_fallback: str | None = None,
+    isolate: bool | None = None,
+    timeout_s: float | None = None,
+    retime_top: int = 3,
+    compile_workers: int | None = None,
 ) -> TuningResult:
     """Runs a TPE study over ``kernel.space`` for these arguments and caches the winner.
 
@@ -187,6 +192,16 @@ def tune(
     (on a TPU the measurement compile itself is the second stage); ``"off"`` checks block rules only.
     ``vreg_limit`` rejects candidates whose largest in-kernel value exceeds that many vector
     register files (spill risk); by default it is only recorded.
+
+    ``isolate`` measures in a worker process (see :mod:`pallas_tune.isolation`), with
+    ``timeout_s`` per candidate (compile and run): a hang is recorded as ``timeout`` and a crash
+    as ``runtime_error``, and tuning goes on. Giving ``timeout_s`` implies ``isolate``. In-process
+    measurement (the default) is faster. Before the winner is written, the ``retime_top`` best
+    are re-timed interleaved (A B C A B C ...) and the winner is chosen on those times.
+
+    ``compile_workers``: in-process, a batch of that many candidates is compiled concurrently
+    (threads, joblib) and then measured one at a time. Default: 1 on a CPU backend (compiling and
+    interpreting share the cores), 4 on an accelerator.
     """
     if timer not in TIMERS:
         raise ValueError(f"timer={timer!r} must be one of {TIMERS}.")
@@ -237,6 +252,22 @@ def tune(
         reference_out = jax.block_until_ready(kernel.reference(*args_c, **kwargs_c))
     stage = "model" if estimating and feasibility == "auto" else _feasibility_mode(
         feasibility, chip)
+    if isolate is None:
+        isolate = timeout_s is not None
+    if compile_workers is None:
+        compile_workers = 1 if (estimating or jax.default_backend() == "cpu") else 4
+    n_compile = max(1, compile_workers)
+    runner = None
+    if isolate and not estimating:
+        from pallas_tune.estimate import kernel_ref
+        from pallas_tune.isolation import IsolatedRunner
+
+        runner = IsolatedRunner(kernel_ref(kernel), args_c, kwargs_c, interpret=interpret,
+                                timeout_s=timeout_s)
+        if reference_out is not None:
+            import numpy as np
+
+            runner.set_reference(jax.tree_util.tree_map(np.asarray, reference_out))
     estimator = None
     standin_check: dict[str, Any] = {}
     if estimating:
@@ -310,13 +341,30 @@ def tune(
                                       error=f"compiler: {r.message[:2000]}", detail=r.kind)
                 record(rec)
         else:
-            for config in todo:
-                outcome, m, out, err, max_err = measure(
-                    kernel.fn, args_c, {**kwargs_c, **config}, interpret=interpret,
-                    reference_out=reference_out, warmup=warmup, repeats=repeats,
-                    min_time_s=min_time_s)
+            precompiled: dict[int, tuple[Any, float]] = {}
+            if runner is None and n_compile > 1 and len(todo) > 1:
+                import joblib
+
+                from pallas_tune.measure import compile_candidate
+
+                jobs = (joblib.delayed(compile_candidate)(kernel.fn, args_c, {**kwargs_c, **c},
+                                                          interpret=interpret) for c in todo)
+                done = joblib.Parallel(n_jobs=n_compile, prefer="threads")(jobs)
+                precompiled = dict(enumerate(done))
+            for i, config in enumerate(todo):
+                if runner is not None:
+                    outcome, m, out, err, max_err = runner.measure(
+                        config, want_output=reference_out is None, warmup=warmup,
+                        repeats=repeats, min_time_s=min_time_s)
+                else:
+                    outcome, m, out, err, max_err = measure(
+                        kernel.fn, args_c, {**kwargs_c, **config}, interpret=interpret,
+                        reference_out=reference_out, warmup=warmup, repeats=repeats,
+                        min_time_s=min_time_s, precompiled=precompiled.get(i))
                 if outcome is Outcome.OK and reference_out is None:
                     reference_out = out  # The first good candidate (the default, tried first).
+                    if runner is not None:
+                        runner.set_reference(out)
                 detail = err[1:err.index("]")] if err.startswith("[") else ""
                 record(TrialRecord(number=len(records), config=config, outcome=outcome,
                                    measurement=m, error=err, max_abs_err=max_err,
@@ -324,7 +372,7 @@ def tune(
         return [by_config[_freeze_key(c)] for c in configs]
 
     start = time.perf_counter()
-    batch = estimator.workers if estimator is not None else 1
+    batch = estimator.workers if estimator is not None else n_compile
     try:
         if space.size <= trials:
             candidates = list(space.ordered_candidates())
@@ -336,9 +384,15 @@ def tune(
             _tpe(kernel, space, encoder, evaluate_many, records, by_config, trials=trials,
                  seed=seed, storage=storage, chip=chip, key=key, study_name=study_name,
                  max_attempts=max_attempts, batch=batch)
+        retimed = None
+        if not estimating and retime_top > 1:
+            retimed = _retime(kernel, records, args_c, kwargs_c, interpret, runner, retime_top,
+                              rounds=max(3, repeats))
     finally:
         if estimator is not None:
             estimator.close()
+        if runner is not None:
+            runner.close()
     elapsed = time.perf_counter() - start
 
     ok = [r for r in records if r.outcome is Outcome.OK]
@@ -353,6 +407,8 @@ def tune(
             f"{first.error if first else 'n/a'}"
         )
     best = min(ok, key=lambda r: r.median_ms)
+    if retimed:
+        best = retimed["winner"]
     if estimating:
         provenance = {
             "kind": "estimate",
@@ -385,7 +441,11 @@ def tune(
                             "block_until_ready",
             "warmup": warmup,
             "repeats": repeats,
+            "isolated": runner is not None,
+            "timeout_s": timeout_s,
         }
+        if retimed:
+            provenance["retimed_interleaved"] = retimed["table"]
     provenance.update({
         "strategy": strategy,
         "trials_measured": len(ok),
@@ -401,6 +461,39 @@ def tune(
                                   kind=provenance["kind"])
         result = dataclasses.replace(result, cache_path=path)
     return result
+
+
+def _retime(kernel: TunableKernel, records: list[TrialRecord], args: Sequence[Any],
+            kwargs: Mapping[str, Any], interpret: bool, runner: Any, top: int, *, rounds: int
+            ) -> dict[str, Any] | None:
+    """Re-times the ``top`` best interleaved; returns the winner and a table, or None."""
+    from pallas_tune.measure import retime_interleaved
+
+    ok = sorted((r for r in records if r.outcome is Outcome.OK), key=lambda r: r.median_ms)
+    if len(ok) < 2:
+        return None
+    cands = ok[:top]
+    configs = [r.config for r in cands]
+    try:
+        if runner is not None:
+            times = runner.retime(configs, rounds)
+        else:
+            times = retime_interleaved(kernel.fn, args, kwargs, configs, interpret=interpret,
+                                       rounds=rounds)
+    except Exception:  # noqa: BLE001 - keep the search's ranking if re-timing fails.
+        logger.warning("interleaved re-timing failed; keeping the search's ranking",
+                       exc_info=True)
+        return None
+    if not times:
+        return None
+    import statistics
+
+    medians = [statistics.median(t) for t in times]
+    i = min(range(len(cands)), key=lambda j: medians[j])
+    table = [{"config": c, "search_median_ms": r.median_ms, "interleaved_median_ms": m,
+              "interleaved_ms": t} for c, r, m, t in zip(configs, cands, medians, times,
+                                                         strict=True)]
+    return {"winner": cands[i], "table": table}
 
 
 def _check_standin(kernel: TunableKernel, estimator: Any, args: Sequence[Any],

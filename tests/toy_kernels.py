@@ -73,3 +73,35 @@ def crashy(x, *, br, bc, buffering):
 
         os.abort()
     return scale.fn(x, br=br, bc=bc, buffering=buffering)
+
+
+def _host(fn, x):
+    return jax.pure_callback(fn, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def _hang(a):
+    import time
+
+    time.sleep(600)
+    return a
+
+
+def _abort(a):
+    import os
+
+    os.abort()
+
+
+def _raise(a):
+    raise RuntimeError("this candidate fails at run time")
+
+
+@pt.tunable(mode=["good", "raise", "hang", "abort", "wrong"], br=[8, 16],
+            reference=scale_reference, default={"mode": "good", "br": 8})
+def misbehaving(x, *, factor=2.0, mode, br):
+    """`scale` plus four ways to fail at run time: raise, hang, kill the process, wrong values."""
+    out = scale.fn(x, factor=factor + (1.0 if mode == "wrong" else 0.0), br=br, bc=128,
+                   buffering=2)
+    if mode in ("raise", "hang", "abort"):
+        out = _host({"raise": _raise, "hang": _hang, "abort": _abort}[mode], out)
+    return out
