@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 import statistics
 import time
 import traceback
@@ -36,6 +37,7 @@ class Outcome(str, enum.Enum):
 class Measurement:
     times_ms: tuple[float, ...]
     compile_ms: float
+    timer: str = "wallclock"  # What produced times_ms (a profiler timer may fall back).
 
     @property
     def median_ms(self) -> float:
@@ -77,6 +79,7 @@ class TrialRecord:
             out["spread_ms"] = self.measurement.spread_ms
             out["times_ms"] = list(self.measurement.times_ms)
             out["compile_ms"] = self.measurement.compile_ms
+            out["timer"] = self.measurement.timer
         if self.max_abs_err is not None:
             out["max_abs_err"] = self.max_abs_err
         if self.error:
@@ -167,6 +170,8 @@ def measure(
     repeats: int = 5,
     min_time_s: float = 0.0,
     precompiled: tuple[Any, float] | None = None,
+    timer: str = "wallclock",
+    event_regex: str | None = None,
 ) -> tuple[Outcome, Measurement | None, Any, str, float | None]:
     """Compiles (unless ``precompiled`` = (executable or exception, compile ms)) and times
     ``fn(*args, **kwargs)``.
@@ -197,6 +202,15 @@ def measure(
         leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
         if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)) for x in leaves):
             return Outcome.MISMATCH, None, out, "output holds NaN/Inf", None
+    if timer == "profiler":
+        try:
+            device_times = profile_device_times(compiled, args, repeats, event_regex)
+        except Exception as e:  # noqa: BLE001
+            return Outcome.RUNTIME_ERROR, None, None, _short_error(e), None
+        if device_times:
+            return (Outcome.OK, Measurement(times_ms=tuple(device_times), compile_ms=compile_ms,
+                                            timer="profiler"), out, "", err)
+        timer = "wallclock (profiler saw no device events)"
     times = []
     start = time.perf_counter()
     try:
@@ -208,7 +222,55 @@ def measure(
                 break
     except Exception as e:  # noqa: BLE001
         return Outcome.RUNTIME_ERROR, None, None, _short_error(e), None
-    return Outcome.OK, Measurement(times_ms=tuple(times), compile_ms=compile_ms), out, "", err
+    return (Outcome.OK, Measurement(times_ms=tuple(times), compile_ms=compile_ms, timer=timer),
+            out, "", err)
+
+
+def profile_device_times(compiled: Any, args: Sequence[Any], n: int,
+                         event_regex: str | None) -> list[float] | None:
+    """Per-call device time (ms) from an in-process profiler trace, or None without device events.
+
+    Runs ``n`` calls under ``jax.profiler`` and sums, on every ``/device:`` plane, the events of
+    its "XLA Ops" line (all lines if it has none) whose names match ``event_regex`` (e.g. the
+    pallas_call names; default: every op), as tokamax's XprofProfileSession does on TPU. Events
+    are split evenly into the ``n`` calls in start order.
+    """
+    import re
+    import tempfile
+
+    pattern = re.compile(event_regex) if event_regex else None
+    with tempfile.TemporaryDirectory(prefix="pallas-tune-prof-") as d:
+        jax.profiler.start_trace(d)
+        try:
+            for _ in range(n):
+                jax.block_until_ready(compiled(*args))
+        finally:
+            data = jax.profiler.stop_trace()
+        if data is None:  # Older JAX: read the xplane file.
+            import glob
+
+            from jax.profiler import ProfileData
+
+            files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+            if not files:
+                return None
+            with open(files[0], "rb") as f:
+                data = ProfileData.from_serialized_xspace(f.read())
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:") or "CUSTOM" in plane.name:
+            continue
+        lines = list(plane.lines)
+        ops = [ln for ln in lines if ln.name == "XLA Ops"] or lines
+        for line in ops:
+            for ev in line.events:
+                if pattern is None or pattern.search(ev.name):
+                    events.append((ev.start_ns, ev.duration_ns))
+    if not events or len(events) % n:
+        return None
+    events.sort()
+    per_call = len(events) // n
+    return [sum(d for _, d in events[i * per_call:(i + 1) * per_call]) / 1e6 for i in range(n)]
 
 
 def compile_candidate(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

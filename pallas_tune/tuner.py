@@ -139,7 +139,7 @@ def _freeze_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted(config.items()))
 
 
-TIMERS: Final = ("wallclock", "tpu-estimate")
+TIMERS: Final = ("wallclock", "profiler", "tpu-estimate")
 
 
 def tune(
@@ -178,7 +178,9 @@ def tune(
     and may be shared by several hosts: configs already measured there are not measured again.
 
     ``timer``: ``"wallclock"`` runs each candidate on this host's device (interpret mode on a
-    CPU); ``"tpu-estimate"`` compiles each candidate deviceless for ``chip`` (a TPU) in
+    CPU) and times calls around ``block_until_ready``; ``"profiler"`` takes device time of the
+    kernel's ops from an in-process profiler trace (TPU, GPU), falling back to wall clock (and
+    saying so per trial) where the trace has no device events, as on a CPU; ``"tpu-estimate"`` compiles each candidate deviceless for ``chip`` (a TPU) in
     ``workers`` processes and uses the compiler's static cycle estimate (``standin``: on a
     smaller problem with the same tiles where the kernel declares one), converted with the chip
     clock. Estimates are written as cache entries of kind ``estimate``. Before a stand-in is
@@ -352,15 +354,17 @@ def tune(
                 done = joblib.Parallel(n_jobs=n_compile, prefer="threads")(jobs)
                 precompiled = dict(enumerate(done))
             for i, config in enumerate(todo):
+                timing = dict(warmup=warmup, repeats=repeats, min_time_s=min_time_s,
+                              timer=timer,
+                              event_regex=_event_regex(kernel, config, args_c, kwargs_c)
+                              if timer == "profiler" else None)
                 if runner is not None:
                     outcome, m, out, err, max_err = runner.measure(
-                        config, want_output=reference_out is None, warmup=warmup,
-                        repeats=repeats, min_time_s=min_time_s)
+                        config, want_output=reference_out is None, **timing)
                 else:
                     outcome, m, out, err, max_err = measure(
                         kernel.fn, args_c, {**kwargs_c, **config}, interpret=interpret,
-                        reference_out=reference_out, warmup=warmup, repeats=repeats,
-                        min_time_s=min_time_s, precompiled=precompiled.get(i))
+                        reference_out=reference_out, precompiled=precompiled.get(i), **timing)
                 if outcome is Outcome.OK and reference_out is None:
                     reference_out = out  # The first good candidate (the default, tried first).
                     if runner is not None:
@@ -461,6 +465,21 @@ def tune(
                                   kind=provenance["kind"])
         result = dataclasses.replace(result, cache_path=path)
     return result
+
+
+def _event_regex(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
+                 kwargs: Mapping[str, Any]) -> str | None:
+    """A regex for the profiler events of the candidate's pallas_calls (by their names)."""
+    import re
+
+    from pallas_tune import _inspect
+
+    try:
+        names = [c.name for c in _inspect.find_pallas_calls(kernel.fn, args,
+                                                             {**kwargs, **config}) if c.name]
+    except Exception:  # noqa: BLE001
+        return None
+    return "|".join(re.escape(n) for n in dict.fromkeys(names)) or None
 
 
 def _retime(kernel: TunableKernel, records: list[TrialRecord], args: Sequence[Any],

@@ -101,3 +101,11 @@ def test_parallel_compile_serial_measure(cache_dir, fresh):
     assert (df.outcome == "ok").sum() == 8 and df.compile_ms.notna().all()
     configs = [tuple(sorted(r.config.items())) for r in res.records]
     assert len(configs) == len(set(configs))
+
+
+def test_profiler_timer_falls_back_and_says_so_on_cpu(cache_dir, fresh):
+    res = fresh.scale.tune(fresh.ones(), trials=3, seed=0, repeats=2, timer="profiler")
+    ok = [r for r in res.records if r.measurement is not None]
+    assert ok and all(r.measurement.timer.startswith("wallclock (profiler saw no device")
+                      for r in ok)
+    assert res.provenance["timer"] == "profiler"
