@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 TUNE_OPTIONS: Final = (
     "timer", "repeats", "warmup", "write", "storage", "chip", "verbose", "min_time_s",
     "study_name", "max_attempts", "feasibility", "vreg_limit", "workers", "standin",
-    "estimate_fallback", "isolate", "timeout_s", "retime_top", "compile_workers",
+    "estimate_fallback", "isolate", "timeout_s", "retime_top", "compile_workers", "warm_start",
+    "patience",
 )
 
 
@@ -166,6 +167,8 @@ def tune(
     timeout_s: float | None = None,
     retime_top: int = 3,
     compile_workers: int | None = None,
+    warm_start: int = 6,
+    patience: int | None = None,
 ) -> TuningResult:
     """Runs a TPE study over ``kernel.space`` for these arguments and caches the winner.
 
@@ -383,9 +386,11 @@ def tune(
             strategy = "exhaustive"
         else:
             strategy = "tpe"
+            seeds = warm_start_configs(kernel, args_c, kwargs_c, chip, key, limit=warm_start) \
+                if warm_start else [next(space.ordered_candidates())]
             _tpe(kernel, space, encoder, evaluate_many, records, by_config, trials=trials,
                  seed=seed, storage=storage, chip=chip, key=key, study_name=study_name,
-                 max_attempts=max_attempts, batch=batch)
+                 max_attempts=max_attempts, batch=batch, warm=seeds, patience=patience)
         retimed = None
         if not estimating and retime_top > 1:
             retimed = _retime(kernel, records, args_c, kwargs_c, interpret, runner, retime_top,
@@ -463,6 +468,55 @@ def tune(
                                   kind=provenance["kind"])
         result = dataclasses.replace(result, cache_path=path)
     return result
+
+
+def warm_start_configs(kernel: TunableKernel, args: Sequence[Any], kwargs: Mapping[str, Any],
+                       chip: str, key: str, *, limit: int = 6) -> list[dict[str, Any]]:
+    """Configs worth measuring first: the declared default, the winners of the nearest tuned
+    shapes (same kernel and chip, by key distance; only those valid here), then for TPU chips
+    the roofline model's best picks. Deduplicated, at most ``limit``."""
+    from pallas_tune import _inspect, keys
+    from pallas_tune.hardware import chip_spec
+    from pallas_tune.roofline import roofline_calls
+
+    space = kernel.space
+    out: list[dict[str, Any]] = []
+
+    def add(config: Mapping[str, Any]) -> None:
+        c = {k: config[k] for k in space.names}
+        if c not in out and c in space and len(out) < limit:
+            out.append(c)
+
+    add(next(space.ordered_candidates()))
+    near = []
+    if kernel.key_fn is None:
+        for other, entry, _ in kernel.cache.entries(chip, kernel.name):
+            d = keys.key_distance(key, other)
+            if other != key and math.isfinite(d):
+                near.append((d, other, entry))
+    from pallas_tune.space import _freeze
+
+    for _, _, entry in sorted(near, key=lambda t: (t[0], t[1]))[:limit]:
+        config = {k: _freeze(v) for k, v in entry.get("config", {}).items()}
+        if set(config) == set(space.names) and not kernel.violations(config, args, kwargs):
+            add(config)
+    try:
+        spec = chip_spec(chip)
+    except ValueError:
+        spec = None
+    if spec is not None and spec.platform == "tpu" and len(out) < limit and space.size <= 4096:
+        ranked = []
+        for config in space:
+            try:
+                calls = _inspect.find_pallas_calls(kernel.fn, args, {**kwargs, **config})
+            except Exception:  # noqa: BLE001
+                continue
+            if _inspect.block_rule_violations(calls):
+                continue
+            ranked.append((roofline_calls(calls, spec).time_s, config))
+        for _, config in sorted(ranked, key=lambda t: t[0])[: limit - len(out)]:
+            add(config)
+    return out
 
 
 def _event_regex(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
@@ -553,8 +607,12 @@ class _nullcontext:
 def _tpe(kernel: TunableKernel, space: Any, encoder: _Encoder, evaluate_many: Any,
          records: list[TrialRecord], by_config: dict[tuple[Any, ...], TrialRecord], *,
          trials: int, seed: int | None, storage: str | None, chip: str, key: str,
-         study_name: str | None, max_attempts: int | None, batch: int) -> None:
-    """Optuna TPE over the space via ask/tell, ``batch`` candidates in flight at a time."""
+         study_name: str | None, max_attempts: int | None, batch: int,
+         warm: Sequence[Mapping[str, Any]] = (), patience: int | None = None) -> None:
+    """Optuna TPE over the space via ask/tell, ``batch`` candidates in flight at a time.
+
+    ``warm`` configs are enqueued first (in order); with ``patience``, the search stops once that
+    many measurements in a row failed to improve the best by more than 1%."""
     import optuna
 
     optuna.logging.disable_default_handler()
@@ -567,15 +625,26 @@ def _tpe(kernel: TunableKernel, space: Any, encoder: _Encoder, evaluate_many: An
         load_if_exists=storage is not None)
     _import_prior_trials(study, encoder, space, records, by_config)
     if not any(t.state.is_finished() for t in study.trials):
-        study.enqueue_trial(encoder.encode(next(space.ordered_candidates())))
+        for config in warm:
+            study.enqueue_trial(encoder.encode(config), skip_if_exists=True)
     attempts = 0
     limit = max_attempts or max(10 * trials, 100)
 
     def measured() -> int:
         return sum(r.measurement is not None for r in records)
 
+    def plateaued() -> bool:
+        if not patience:
+            return False
+        times = [r.median_ms for r in records if r.measurement is not None]
+        if len(times) <= patience:
+            return False
+        best_before = min(times[:-patience])
+        return min(times[-patience:]) > best_before * 0.99
+
     # `trials` in total: a resumed study only measures what is missing.
-    while measured() < trials and attempts < limit and len(by_config) < space.size:
+    while (measured() < trials and attempts < limit and len(by_config) < space.size
+           and not plateaued()):
         n = max(1, min(batch, trials - measured()))
         asked = [study.ask() for _ in range(n)]
         attempts += n
