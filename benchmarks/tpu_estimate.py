@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import time
 
@@ -57,12 +58,17 @@ def _spearman(a: pd.Series, b: pd.Series) -> float:
 
 
 def _landscape(name, kernel, key, df, spec):
+    # Kernel Tuner format: scalar parameter values (tuples joined with ","), an int problem size.
     names = list(kernel.space.names)
+
+    def flat(v):
+        return ",".join(map(str, v)) if isinstance(v, tuple | list) else v
+
     cache = {}
     for _, r in df.iterrows():
-        values = [r[n] for n in names]
-        k = ",".join(str(list(v)) if isinstance(v, tuple) else str(v) for v in values)
-        rec = {n: (list(v) if isinstance(v, tuple) else v) for n, v in zip(names, values)}
+        values = [flat(r[n]) for n in names]
+        k = ",".join(str(v) for v in values)
+        rec = dict(zip(names, values))
         if r["ok"]:
             rec.update(time=r["est_ms"], times=[r["est_ms"]])
         else:
@@ -70,9 +76,10 @@ def _landscape(name, kernel, key, df, spec):
         cache[k] = rec
     out = {
         "device_name": f"{spec.device_kind} (libtpu static cycle ESTIMATE, deviceless)",
-        "kernel_name": name, "problem_size": key, "tune_params_keys": names,
-        "tune_params": {p.name: [list(c) if isinstance(c, tuple) else c for c in p.choices]
-                        for p in kernel.space.params},
+        "kernel_name": name, "pallas_tune_key": key,
+        "problem_size": [int(x) for x in re.findall(r"=(\d+)x", key)] or [1],
+        "tune_params_keys": names,
+        "tune_params": {p.name: [flat(c) for c in p.choices] for p in kernel.space.params},
         "objective": "time", "cache": cache,
     }
     os.makedirs(os.path.join(HERE, "landscapes"), exist_ok=True)
