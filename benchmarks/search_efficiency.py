@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
-import json
 import math
 import os
 import statistics

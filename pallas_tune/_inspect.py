@@ -69,7 +69,7 @@ def _subjaxprs(params: dict[str, Any]) -> Iterator[Any]:
     def visit(v: Any) -> Iterator[Any]:
         if hasattr(v, "eqns"):  # Jaxpr
             yield v
-        elif hasattr(v, "jaxpr") and hasattr(getattr(v, "jaxpr"), "eqns"):  # ClosedJaxpr
+        elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):  # ClosedJaxpr
             yield v.jaxpr
         elif isinstance(v, tuple | list):
             for x in v:

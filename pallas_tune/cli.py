@@ -164,7 +164,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from pallas_tune.cache import default_cache
 
     rows = []
-    for path, root, data in default_cache().scan():
+    for _path, root, data in default_cache().scan():
         where = "shipped" if root != default_cache().user_root else "user"
         if "error" in data:
             rows.append(("?", "?", "?", f"UNREADABLE: {data['error']}", "", "", where))

@@ -13,7 +13,6 @@ import math
 import os
 import statistics
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -292,8 +291,6 @@ def compile_candidate(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     return compiled, (time.perf_counter() - t0) * 1e3
 
 
-def format_exc() -> str:
-    return traceback.format_exc(limit=5)
 
 
 def retime_interleaved(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

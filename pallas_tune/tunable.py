@@ -30,9 +30,6 @@ from pallas_tune.space import Config, SearchSpace, load_space
 
 __all__ = ["TunableKernel", "interpret_mode", "tunable"]
 
-_RESERVED = ("default", "name", "key", "reference", "space", "inputs", "vmem_estimate", "standin")
-
-
 def _interpret_state() -> Any:
     """JAX's interpret-mode override, read when a pallas_call is traced.
 

@@ -5,6 +5,7 @@ Never imported on the dispatch path: ``import pallas_tune`` and cached calls do 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -211,7 +212,6 @@ def tune(
     if trials < 1:
         raise ValueError(f"trials={trials} must be at least 1.")
     import jax
-    import optuna
 
     from pallas_tune.hardware import chip_spec
 
@@ -236,7 +236,7 @@ def tune(
             f"chip={chip!r}: wall-clock timing here measures {host_chip!r}, so it cannot fill the "
             f"cache of {chip!r}. Tune on that chip, or use timer='tpu-estimate' for TPU chips."
         )
-    with chips.target(chip, abstract_mesh=False) if estimating else _nullcontext():
+    with chips.target(chip, abstract_mesh=False) if estimating else contextlib.nullcontext():
         key = kernel.cache_key(*args, **kwargs)
     interpret = (not estimating) and chips.should_interpret()
     if estimating:
@@ -594,14 +594,6 @@ def _check_standin(kernel: TunableKernel, estimator: Any, args: Sequence[Any],
     err = abs(scaled.cycles - full.cycles) / full.cycles
     return err <= 0.05, {"config": config, "scale": scale, "relative_error": round(err, 4),
                          "trusted": err <= 0.05}
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _tpe(kernel: TunableKernel, space: Any, encoder: _Encoder, evaluate_many: Any,

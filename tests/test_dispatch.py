@@ -1,6 +1,5 @@
 """Trace-time dispatch: resolution order, explicit keywords, misses, modes, zero overhead."""
 
-import json
 import re
 import subprocess
 import sys
