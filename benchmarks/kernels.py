@@ -32,6 +32,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--kernels", nargs="+", default=KERNELS)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--shapes-per-kernel", type=int, default=None,
+                   help="only the first N shapes of each kernel's shape sets")
     a = p.parse_args()
     if not _compile.libtpu_available():
         print("libtpu is not installed (pip install 'pallas-tune[tpu]'): nothing to estimate.")
@@ -48,7 +50,7 @@ def main() -> None:
             kernel = cli._load_kernel(loaded["kernel"])
             module = __import__(kernel.fn.__module__, fromlist=["_"])
             reference = getattr(module, f"{name}_reference")
-            for shape in loaded["shapes"]:
+            for shape in loaded["shapes"][: a.shapes_per_kernel]:
                 spec_str = cli._spec_items(shape)
                 args, kwargs = cli.build_call(kernel, spec_str)
                 with pt.target("v6e", abstract_mesh=False):
