@@ -153,3 +153,18 @@ def test_warm_start_from_a_neighbour_shape_beats_a_cold_start(cache_dir):
         assert max(warm_first) == 1.0 and min(cold_first) > 1.0
     finally:
         tuner_mod.measure = orig
+
+
+def test_warm_start_uses_roofline_picks_for_tpu_chips(cache_dir):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_tune.kernels.matmul import matmul
+    from pallas_tune.tuner import warm_start_configs
+
+    x = jax.ShapeDtypeStruct((1536, 1536), jnp.bfloat16)  # No tuned neighbour that fits.
+    picks = warm_start_configs(matmul, (x, x), {}, "tpu_v6e", matmul.cache_key(x, x), limit=4)
+    assert picks[0] == dict(matmul.space.default)
+    assert len(picks) == 4 and all(p in matmul.space for p in picks)
+    # The roofline prefers big tiles over the 256^3 default.
+    assert all(p["bm"] * p["bn"] >= 512 * 512 for p in picks[1:])
