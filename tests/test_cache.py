@@ -101,3 +101,9 @@ def test_unknown_schema_names_the_fix(tmp_path):
     p.write_text(json.dumps({"schema": 99, "entries": {}}))
     with pytest.raises(pt.CacheFormatError, match="schema 99.*pallas-tune sweep"):
         read_file(str(p))
+
+
+def test_written_files_are_readable_by_others(tmp_path):
+    c = TuningCache(str(tmp_path), use_shipped=False)
+    path = c.write("cpu", "k", "key", _entry(1))
+    assert os.stat(path).st_mode & 0o044  # Group/other read, as umask allows (not mkstemp's 0600).
