@@ -82,13 +82,18 @@ class CompileResult:
     compile_s: float
     scoped_vmem_bytes: int | None = None  # What the compiler allocated (max over kernels).
     estimated_cycles: tuple[int, ...] = ()  # Static cycle estimates, if the dump flag is set.
+    # XLA's own per-fusion cost-model cycles (another source, present for XLA fusions only).
+    model_cycles: tuple[int, ...] = ()
     hlo_text: str = ""
 
 
 # What the compiler actually allocated, in each kernel's backend config (memory space 1 is VMEM).
 _SCOPED_RE: Final = re.compile(
     r'used_scoped_memory_configs":\[\{"memory_space":"1","offset":"\d+","size":"(\d+)"')
+# The LLO static profile of each compiled op (what libtpu's dump flag adds); 0 where an op had
+# none. XLA fusions also carry their cost model's "estimated_cycles" next to their window bounds.
 _CYCLES_RE: Final = re.compile(r'bundle_analysis_data":\{"estimated_cycles":"(\d+)"')
+_MODEL_CYCLES_RE: Final = re.compile(r'"input_window_bounds":\[[^\]]*\],"estimated_cycles":"(\d+)"')
 
 
 def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -146,6 +151,8 @@ def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
                              compile_s=time.perf_counter() - t0)
     sizes = [int(s) for s in _SCOPED_RE.findall(text)]
     cycles = tuple(int(c) for c in _CYCLES_RE.findall(text))
+    model = tuple(int(c) for c in _MODEL_CYCLES_RE.findall(text))
     return CompileResult(ok=True, kind="ok", message="", compile_s=time.perf_counter() - t0,
                          scoped_vmem_bytes=max(sizes) if sizes else None,
-                         estimated_cycles=cycles, hlo_text=text if keep_text else "")
+                         estimated_cycles=cycles, model_cycles=model,
+                         hlo_text=text if keep_text else "")

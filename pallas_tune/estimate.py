@@ -43,6 +43,8 @@ class EstimateResult:
     compile_s: float = 0.0
     scoped_vmem_bytes: int | None = None
     message: str = ""
+    ops_without_estimate: int = 0  # Compiled ops whose LLO estimate was 0 (not counted).
+    model_cycles: int | None = None  # XLA's cost model, summed over fusions (XLA programs).
 
 
 def _init_worker(memory_limit_bytes: int | None = None) -> None:
@@ -113,7 +115,10 @@ def _job(ref: str, args: Any, kwargs: dict[str, Any], config: dict[str, Any], ch
     cycles = sum(result.estimated_cycles)
     return EstimateResult(ok=True, kind="ok", cycles=int(round(cycles * scale)),
                           standin_cycles=cycles, scale=scale, compile_s=result.compile_s,
-                          scoped_vmem_bytes=result.scoped_vmem_bytes)
+                          scoped_vmem_bytes=result.scoped_vmem_bytes,
+                          ops_without_estimate=sum(c == 0 for c in result.estimated_cycles),
+                          model_cycles=int(round(sum(result.model_cycles) * scale))
+                          if result.model_cycles else None)
 
 
 def estimate_flag_missing_message() -> str:
