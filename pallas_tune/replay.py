@@ -135,7 +135,7 @@ def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, ordinal: bool,
             measured[c] = evaluate(c)
             tell(trial, measured[c])
             continue
-        if misses >= 50:  # Stuck: measure an unmeasured valid config at random, and learn it.
+        if misses >= 10:  # Stuck: measure an unmeasured valid config at random, and learn it.
             c = rng.choice([x for x in land.configs if x not in measured])
             study.enqueue_trial(encode(c))
             trial = study.ask()
