@@ -17,23 +17,21 @@ def _qkv(shape, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_adapter(causal):
+@pytest.mark.parametrize("adapter,blocks", [
+    (upstream.flash_attention, dict(block_q=128, block_k_major=256, block_k=128)),
+    (upstream.splash_attention, dict(block_q=128, block_kv=256, block_kv_compute=128)),
+])
+def test_attention_adapters_match_reference(adapter, blocks, causal):
     q, k, v = _qkv((1, 2, 256, 128))
-    out = upstream.flash_attention(q, k, v, causal=causal, block_q=128, block_k_major=256,
-                                   block_k=128)
+    out = adapter(q, k, v, causal=causal, **blocks)
     ref = flash_attention_reference(q, k, v, causal=causal)
     np.testing.assert_allclose(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_invalid_block_combination_is_reported():
+    q, k, v = _qkv((1, 2, 256, 128))
     with pytest.raises(pt.InvalidConfig, match="must divide"):
         upstream.flash_attention(q, k, v, block_q=128, block_k_major=128, block_k=256)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_splash_attention_adapter(causal):
-    q, k, v = _qkv((1, 2, 256, 128))
-    out = upstream.splash_attention(q, k, v, causal=causal, block_q=128, block_kv=256,
-                                    block_kv_compute=128)
-    ref = flash_attention_reference(q, k, v, causal=causal)
-    np.testing.assert_allclose(out, ref, atol=2e-3, rtol=2e-3)
 
 
 def test_megablox_adapter():
