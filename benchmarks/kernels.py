@@ -22,7 +22,6 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pallas_tune as pt  # noqa: E402
 from pallas_tune import _compile, cli  # noqa: E402
 from pallas_tune.estimate import Estimator, cycles_to_ms  # noqa: E402
 from pallas_tune.hardware import chip_spec  # noqa: E402
@@ -56,9 +55,8 @@ def main() -> None:
             for shape in loaded["shapes"][: a.shapes_per_kernel]:
                 spec_str = cli._spec_items(shape)
                 args, kwargs = cli.build_call(kernel, spec_str)
-                with pt.target("v6e", abstract_mesh=False):
-                    key = kernel.cache_key(*args, **kwargs)
-                    found = kernel.cache.lookup("tpu_v6e", kernel.name, key)
+                key = kernel.cache_key(*args, **kwargs)
+                found = kernel.cache.lookup("tpu_v6e", kernel.name, key)
                 tuned = found[0]["config"] if found else None
                 default = dict(kernel.space.default)
                 configs = [c for c in (tuned, default) if c is not None]

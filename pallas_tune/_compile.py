@@ -119,30 +119,15 @@ def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
 
     device = _topology_device(spec.topology)
     sharding = SingleDeviceSharding(device)
-    abstract = _inspect.abstractify(args)
-
-    def place(a: Any) -> Any:
-        if isinstance(a, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
-        return a
-
-    placed = jax.tree_util.tree_map(place, abstract)
-    leaves, treedef = jax.tree_util.tree_flatten(placed)
-    is_arr = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
-
-    def flat_fn(*arrs: Any) -> Any:
-        it = iter(arrs)
-        full = [next(it) if a else x for x, a in zip(leaves, is_arr, strict=True)]
-        return fn(*jax.tree_util.tree_unflatten(treedef, full), **kwargs)
+    flat_fn, arrays = _inspect.array_function(fn, args, kwargs)
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in arrays]
 
     t0 = time.perf_counter()
     try:
         # The abstract mesh tells Pallas' TPU lowering the target generation (some kernels need
         # it, e.g. for tiling); the placed arguments make XLA compile for the topology device.
         with chips.target(spec.name, abstract_mesh=True):
-            lowered = jax.jit(flat_fn).trace(
-                *[x for x, a in zip(leaves, is_arr, strict=True) if a]
-            ).lower(lowering_platforms=("tpu",))
+            lowered = jax.jit(flat_fn).trace(*placed).lower(lowering_platforms=("tpu",))
             compiled = lowered.compile()
         text = compiled.as_text()
     except Exception as e:  # noqa: BLE001 - compiler failures are results here.

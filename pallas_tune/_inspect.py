@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import jax
@@ -246,6 +246,21 @@ def abstractify(args: Sequence[Any]) -> list[Any]:
     return [jax.tree_util.tree_map(conv, a) for a in args]
 
 
+def array_function(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+                   ) -> tuple[Callable[..., Any], list[jax.ShapeDtypeStruct]]:
+    """``fn(*args, **kwargs)`` as a function of its array leaves only (non-array arguments
+    closed over as static), and those leaves as ShapeDtypeStructs (shardings kept)."""
+    leaves, treedef = jax.tree_util.tree_flatten(abstractify(args))
+    is_arr = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+
+    def flat_fn(*arrs: Any) -> Any:
+        it = iter(arrs)
+        full = [next(it) if a else x for x, a in zip(leaves, is_arr, strict=True)]
+        return fn(*jax.tree_util.tree_unflatten(treedef, full), **kwargs)
+
+    return flat_fn, [x for x, a in zip(leaves, is_arr, strict=True) if a]
+
+
 def find_pallas_calls(
     fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
 ) -> list[PallasCallInfo]:
@@ -253,17 +268,8 @@ def find_pallas_calls(
 
     Non-array arguments are closed over (treated as static). Raises whatever tracing raises.
     """
-    abstract = abstractify(args)
-    leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    is_arr = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
-    arr_leaves = [x for x, a in zip(leaves, is_arr, strict=True) if a]
-
-    def flat_fn(*arrs: Any) -> Any:
-        it = iter(arrs)
-        full = [next(it) if a else x for x, a in zip(leaves, is_arr, strict=True)]
-        return fn(*jax.tree_util.tree_unflatten(treedef, full), **kwargs)
-
-    closed = jax.make_jaxpr(flat_fn)(*arr_leaves)
+    flat_fn, arrays = array_function(fn, args, kwargs)
+    closed = jax.make_jaxpr(flat_fn)(*arrays)
     return [_info(e) for e in _walk(closed.jaxpr)]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import re
 from collections.abc import Iterator
 from typing import Any, Final
@@ -120,14 +119,12 @@ def _abstract_mesh_platform() -> str | None:
     return getattr(device, "platform", None)
 
 
-@functools.cache
 def _detected_chip() -> str:
     import jax
 
     return normalize_chip(jax.devices()[0].device_kind)
 
 
-@functools.cache
 def _default_backend() -> str:
     import jax
 

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import math
 import os
@@ -25,23 +24,16 @@ class CLIUsageError(Exception):
 
 
 def _load_kernel(ref: str) -> Any:
+    from pallas_tune import _refs
     from pallas_tune.tunable import TunableKernel
 
-    if ":" not in ref:
-        raise CLIUsageError(f"kernel {ref!r} must be MODULE:NAME, e.g. pallas_tune.kernels.matmul:matmul")
-    mod_name, attr = ref.split(":", 1)
     sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise CLIUsageError(f"cannot import module {mod_name!r}: {e}") from None
+        obj = _refs.load(ref)
+    except (ValueError, ImportError, AttributeError) as e:
+        raise CLIUsageError(f"cannot load kernel {ref!r}: {e}") from None
     finally:
         sys.path.pop(0)
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise CLIUsageError(f"module {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
     if not isinstance(obj, TunableKernel):
         raise CLIUsageError(f"{ref} is not a @pallas_tune.tunable kernel (got {type(obj).__name__})")
     return obj

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import importlib
 import multiprocessing
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
+
+from pallas_tune._refs import kernel_ref, load
 
 __all__ = ["EstimateResult", "Estimator", "estimate_flag_missing_message"]
 
@@ -62,15 +62,6 @@ def _init_worker(memory_limit_bytes: int | None = None) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-@functools.cache
-def _load(ref: str) -> Any:
-    module, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _to_specs(args: Any) -> Any:
     import jax
 
@@ -98,7 +89,7 @@ def _job(ref: str, args: Any, kwargs: dict[str, Any], config: dict[str, Any], ch
          use_standin: bool) -> EstimateResult:
     from pallas_tune import _compile
 
-    kernel = _load(ref)
+    kernel = load(ref)
     fn = getattr(kernel, "fn", kernel)
     args, kwargs = _from_specs(args), _from_specs(kwargs)
     scale = 1.0
@@ -197,7 +188,8 @@ class Estimator:
                         message="the compile worker died (compiler abort or the worker memory "
                                 f"limit of {(self._limit or 0) >> 20} MiB); candidate skipped")
                     self._restart()
-        return [r for r in out if r is not None]
+        assert all(r is not None for r in out)
+        return out  # type: ignore[return-value]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -207,18 +199,6 @@ class Estimator:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def kernel_ref(kernel: Any) -> str:
-    """``module:qualname`` under which worker processes can import the kernel."""
-    fn = getattr(kernel, "fn", kernel)
-    ref = f"{fn.__module__}:{fn.__qualname__}"
-    if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
-        raise ValueError(
-            f"the tpu-estimate timer compiles in worker processes, which must import the kernel; "
-            f"{ref} is not importable. Define it at the top level of an importable module."
-        )
-    return ref
 
 
 def cycles_to_ms(cycles: int, clock_hz: float) -> float:

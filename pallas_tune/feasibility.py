@@ -218,7 +218,7 @@ def check_feasible(fn: Callable[..., Any], *args: Any, chip: str = "v6e", compil
                        detail="trace_error")
     verdict = model_verdict(calls, spec, vreg_limit=vreg_limit)
     if estimator is not None and verdict.detail != _compile.BLOCK_RULE:
-        verdict = _with_estimate(verdict, int(estimator(*args, **kwargs)))
+        verdict = with_user_estimate(verdict, int(estimator(*args, **kwargs)))
     if compile and spec.platform == "tpu":
         result = _compile.compile_deviceless(fn_raw, args, kwargs, chip=spec.name)
         return compiler_verdict(verdict, result)
@@ -271,7 +271,7 @@ def model_verdict(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec, *,
                    **common)
 
 
-def _with_estimate(v: Verdict, est: int) -> Verdict:
+def with_user_estimate(v: Verdict, est: int) -> Verdict:
     ok = est <= v.limit_bytes
     return dataclasses.replace(
         v, ok=ok, status="ok" if ok else "infeasible", vmem_bytes=est,

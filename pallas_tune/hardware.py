@@ -130,14 +130,12 @@ def _jax_tpu_info(version: str) -> Any | None:
 def chip_spec(chip: str) -> ChipSpec:
     """The ChipSpec of a chip name or device_kind ("v6e", "TPU v6 lite", "nvidia_h100", "cpu")."""
     name = normalize_chip(chip)
-    return _chip_spec(name) if name in _TPU or name in _GPU or name == "cpu" else _unknown(chip, name)
-
-
-def _unknown(chip: str, name: str) -> ChipSpec:
-    raise ValueError(
-        f"unknown chip {chip!r} (normalised {name!r}); known: {known_chips()}. Use a short name "
-        "such as 'v6e' or a device_kind such as 'TPU v6 lite'."
-    )
+    if name not in known_chips():
+        raise ValueError(
+            f"unknown chip {chip!r} (normalised {name!r}); known: {known_chips()}. Use a short "
+            "name such as 'v6e' or a device_kind such as 'TPU v6 lite'."
+        )
+    return _chip_spec(name)
 
 
 @functools.cache
@@ -174,10 +172,9 @@ def _chip_spec(name: str) -> ChipSpec:
                         smem_per_block_bytes=g["smem"], registers_per_sm=g["regs"],
                         bf16_flops=g["bf16"], hbm_bw_bytes_per_s=g["bw"], hbm_bytes=int(g["hbm"]),
                         lanes=32, sublanes=1)
-    if name == "cpu":
-        # Interpret mode: no VMEM limit applies; a kernel's blocks live in host memory.
-        return ChipSpec(name="cpu", device_kind="cpu", platform="cpu")
-    return _unknown(name, name)  # Unreachable: chip_spec filters unknown names.
+    assert name == "cpu", name  # chip_spec admits only known names.
+    # Interpret mode: no VMEM limit applies; a kernel's blocks live in host memory.
+    return ChipSpec(name="cpu", device_kind="cpu", platform="cpu")
 
 
 def known_chips() -> list[str]:

@@ -34,10 +34,10 @@ def _worker_main(conn: Any, ref: str, args: Sequence[Any], kwargs: Mapping[str, 
         import jax
         import jax.numpy as jnp
 
-        from pallas_tune.estimate import _load
+        from pallas_tune._refs import load
         from pallas_tune.measure import measure
 
-        kernel = _load(ref)
+        kernel = load(ref)
         fn = getattr(kernel, "fn", kernel)
         args = jax.tree_util.tree_map(lambda a: jnp.asarray(a) if hasattr(a, "dtype") else a,
                                       list(args))

@@ -298,16 +298,12 @@ def retime_interleaved(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
                        rounds: int = 5) -> list[list[float]]:
     """Times the given configs interleaved (A B C A B C ...), ``rounds`` runs each, so that
     drift in clocks, thermals or host load hits every candidate alike. Returns ms per config."""
-    from pallas_tune.tunable import interpret_mode
-
     compiled = []
     for config in configs:
-        jitted = jax.jit(lambda *a, _c=dict(config): fn(*a, **kwargs, **_c))
-        if interpret:
-            with interpret_mode():
-                compiled.append(jitted.lower(*args).compile())
-        else:
-            compiled.append(jitted.lower(*args).compile())
+        executable, _ = compile_candidate(fn, args, {**kwargs, **config}, interpret=interpret)
+        if isinstance(executable, BaseException):
+            raise executable
+        compiled.append(executable)
     for c in compiled:  # Warm up each once more.
         jax.block_until_ready(c(*args))
     times: list[list[float]] = [[] for _ in compiled]

@@ -10,8 +10,8 @@ re-proposal is answered from what was measured, at no cost). The space is the fi
 from it.
 
 Strategies: ``"random"`` (without replacement), ``"grid"`` (file order), ``"tpe"`` (Optuna's
-TPE, all parameters categorical), ``"default"`` (pallas-tune's: multivariate TPE over ordinal
-encodings of numeric parameters, as the tuner uses, exhaustive when the space fits the budget).
+TPE as it comes: independent, 10 startup trials), ``"default"`` (pallas-tune's, as the tuner
+searches: multivariate TPE over categorical parameters, 5 startup trials).
 """
 
 from __future__ import annotations
@@ -83,17 +83,17 @@ def _grid(land: Landscape, budget: int, seed: int, evaluate) -> None:
         evaluate(c)
 
 
-def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, ordinal: bool,
-            multivariate: bool, startup: int) -> None:
+def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, multivariate: bool,
+            startup: int) -> None:
+    """TPE over the landscape's values, encoded as the tuner encodes a space (categorical)."""
     import optuna
+
+    from pallas_tune.space import SearchSpace, TrialEncoder
 
     optuna.logging.disable_default_handler()
     valid = set(land.configs)
-    present = [sorted({c[i] for c in land.configs}, key=_sort_key) for i in range(len(land.keys))]
-    # Ordinal (integer index) only for powers of two, i.e. log2 steps: evenly spaced values as
-    # ordinals did far worse on the shared landscapes (notes/search-baselines.md).
-    numeric = [ordinal and all(isinstance(v, int) and not isinstance(v, bool) and v > 0
-                               and v & (v - 1) == 0 for v in vals) for vals in present]
+    encoder = TrialEncoder(SearchSpace.from_choices({
+        k: sorted({c[i] for c in land.configs}, key=_sort_key) for i, k in enumerate(land.keys)}))
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=multivariate,
                                          group=multivariate, n_startup_trials=startup)
     study = optuna.create_study(direction="minimize", sampler=sampler)
@@ -101,19 +101,11 @@ def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, ordinal: bool,
     measured: dict[tuple[Any, ...], float] = {}
 
     def suggest(trial: Any) -> tuple[Any, ...]:
-        config = []
-        for i, (name, vals) in enumerate(zip(land.keys, present, strict=True)):
-            if len(vals) == 1:
-                config.append(vals[0])
-            elif numeric[i]:
-                config.append(vals[trial.suggest_int(name, 0, len(vals) - 1)])
-            else:
-                config.append(vals[trial.suggest_categorical(name, list(range(len(vals))))])
-        return tuple(config)
+        config = encoder.suggest(trial)
+        return tuple(config[k] for k in land.keys)
 
     def encode(c: tuple[Any, ...]) -> dict[str, int]:
-        return {name: vals.index(v) for name, vals, v in zip(land.keys, present, c, strict=True)
-                if len(vals) > 1}
+        return encoder.encode(dict(zip(land.keys, c, strict=True)))
 
     def tell(trial: Any, value: float) -> None:
         # Failed and invalid configs are told +inf, not FAIL: TPE ignores failed trials, so it
@@ -151,8 +143,7 @@ def _sort_key(v: Any) -> tuple[int, Any]:
 
 def _tpe(land, budget, seed, evaluate):
     """Optuna's TPE as it comes: every parameter categorical, independent, 10 startup trials."""
-    _optuna(land, budget, seed, evaluate, ordinal=False, multivariate=False,
-            startup=10)
+    _optuna(land, budget, seed, evaluate, multivariate=False, startup=10)
 
 
 DEFAULT_STARTUP = 5
@@ -164,7 +155,7 @@ def _default(land, budget, seed, evaluate):
     config twice, a space smaller than the budget is searched exhaustively in TPE's order.
     Chosen on the shared landscapes over 12 seeds @50 (conv 0.82, pnpoly 0.97, dedisp 1.00)
     against log2-ordinal encodings (0.76) and 8-10 startup trials."""
-    _optuna(land, budget, seed, evaluate, ordinal=False, multivariate=True,
+    _optuna(land, budget, seed, evaluate, multivariate=True,
             startup=min(DEFAULT_STARTUP, max(1, budget // 5)))
 
 

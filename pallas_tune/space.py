@@ -16,7 +16,7 @@ from typing import Any
 
 from pallas_tune.errors import SearchSpaceError
 
-__all__ = ["Config", "Param", "SearchSpace", "load_space"]
+__all__ = ["Config", "Param", "SearchSpace", "TrialEncoder", "load_space"]
 
 _SOURCES = ("cache", "nearest", "default", "explicit", "tuned")
 
@@ -163,6 +163,32 @@ class SearchSpace:
                 f"tunable parameter {p.name!r} is not a parameter of {where}{sig}; add it as a "
                 "keyword-only argument or remove it from the decorator."
             )
+
+
+class TrialEncoder:
+    """Maps configs to and from Optuna trial parameters: every parameter categorical, over its
+    choice indices (so any hashable choice works). Calls only ``trial.suggest_categorical``.
+
+    Replayed on the shared measured landscapes (benchmarks/search_efficiency.py), multivariate TPE
+    over categorical parameters beat log2-ordinal encodings of the power-of-two sizes (@50: 0.82
+    against 0.76 on the convolution space, equal elsewhere).
+    """
+
+    def __init__(self, space: SearchSpace):
+        self.params = space.params
+
+    def suggest(self, trial: Any) -> dict[str, Any]:
+        return {p.name: p.choices[trial.suggest_categorical(p.name, list(range(len(p.choices))))]
+                if len(p.choices) > 1 else p.choices[0] for p in self.params}
+
+    def encode(self, config: Mapping[str, Any]) -> dict[str, int]:
+        return {p.name: p.choices.index(config[p.name]) for p in self.params
+                if len(p.choices) > 1}
+
+    def decode(self, params: Mapping[str, int]) -> dict[str, Any]:
+        """The config of a stored trial's params (KeyError/IndexError if it is not ours)."""
+        return {p.name: p.choices[params[p.name]] if len(p.choices) > 1 else p.choices[0]
+                for p in self.params}
 
 
 class Config(Mapping[str, Any]):

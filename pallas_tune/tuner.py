@@ -5,9 +5,9 @@ Never imported on the dispatch path: ``import pallas_tune`` and cached calls do 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
+import inspect
 import itertools
 import logging
 import math
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Final
 from pallas_tune import chips
 from pallas_tune.errors import NoFeasibleConfigError
 from pallas_tune.measure import Measurement, Outcome, TrialRecord, make_inputs, measure
+from pallas_tune.space import TrialEncoder
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -28,13 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["TUNE_OPTIONS", "TuningResult", "tune"]
 
 logger = logging.getLogger(__name__)
-
-TUNE_OPTIONS: Final = (
-    "timer", "repeats", "warmup", "write", "storage", "chip", "verbose", "min_time_s",
-    "study_name", "max_attempts", "feasibility", "vreg_limit", "workers", "standin",
-    "estimate_fallback", "isolate", "timeout_s", "retime_top", "compile_workers", "warm_start",
-    "patience",
-)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,37 +96,6 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return out
-
-
-class _Encoder:
-    """Maps configs to Optuna distributions: every parameter categorical (over choice indices).
-
-    Replayed on the shared measured landscapes (benchmarks/search_efficiency.py), multivariate TPE
-    over categorical parameters beat log2-ordinal encodings of the power-of-two sizes (@50: 0.82
-    against 0.76 on the convolution space, equal elsewhere).
-    """
-
-    def __init__(self, space: Any):
-        self.params = space.params
-        self.ordinal = {p.name: False for p in self.params}
-        self.sorted = {p.name: sorted(p.choices) if self.ordinal[p.name] else list(p.choices)
-                       for p in self.params}
-
-    def suggest(self, trial: Any) -> dict[str, Any]:
-        out = {}
-        for p in self.params:
-            choices = self.sorted[p.name]
-            if len(choices) == 1:
-                out[p.name] = choices[0]
-            elif self.ordinal[p.name]:
-                out[p.name] = choices[trial.suggest_int(p.name, 0, len(choices) - 1)]
-            else:
-                out[p.name] = choices[trial.suggest_categorical(p.name, list(range(len(choices))))]
-        return out
-
-    def encode(self, config: Mapping[str, Any]) -> dict[str, int]:
-        return {p.name: self.sorted[p.name].index(config[p.name]) for p in self.params
-                if len(p.choices) > 1}
 
 
 def _freeze_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -236,8 +199,7 @@ def tune(
             f"chip={chip!r}: wall-clock timing here measures {host_chip!r}, so it cannot fill the "
             f"cache of {chip!r}. Tune on that chip, or use timer='tpu-estimate' for TPU chips."
         )
-    with chips.target(chip, abstract_mesh=False) if estimating else contextlib.nullcontext():
-        key = kernel.cache_key(*args, **kwargs)
+    key = kernel.cache_key(*args, **kwargs)
     interpret = (not estimating) and chips.should_interpret()
     if estimating:
         from pallas_tune import _inspect
@@ -247,7 +209,7 @@ def tune(
         args_c, kwargs_c = _concrete(kernel, args, kwargs, seed or 0)
 
     space = kernel.space
-    encoder = _Encoder(space)
+    encoder = TrialEncoder(space)
     records: list[TrialRecord] = []
     by_config: dict[tuple[Any, ...], TrialRecord] = {}
     reference_out = None
@@ -262,7 +224,7 @@ def tune(
     n_compile = max(1, compile_workers)
     runner = None
     if isolate and not estimating:
-        from pallas_tune.estimate import kernel_ref
+        from pallas_tune._refs import kernel_ref
         from pallas_tune.isolation import IsolatedRunner
 
         runner = IsolatedRunner(kernel_ref(kernel), args_c, kwargs_c, interpret=interpret,
@@ -296,18 +258,20 @@ def tune(
         """Evaluates new configs (filter first; estimates in parallel); returns one record each."""
         nonlocal reference_out
         todo: list[dict[str, Any]] = []
+        names: list[str | None] = []  # Profiler event regex per candidate in todo.
         for config in configs:
             fz = _freeze_key(config)
             if fz in by_config or any(_freeze_key(c) == fz for c in todo):
                 continue
-            rejected = _check(kernel, config, args_c, kwargs_c, chip, stage,
-                              vreg_limit=vreg_limit)
+            rejected, calls = _check(kernel, config, args_c, kwargs_c, chip, stage,
+                                     vreg_limit=vreg_limit)
             if rejected is not None:
                 outcome, error, detail, vmem = rejected
                 record(TrialRecord(number=len(records), config=config, outcome=outcome,
                                    error=error, detail=detail, vmem_bytes=vmem))
             else:
                 todo.append(config)
+                names.append(_event_regex(calls))
         if estimator is not None and todo:
             for config, r in zip(todo, estimator.map(kernel, args_c, kwargs_c, todo, chip,
                                                      standin=standin), strict=True):
@@ -356,9 +320,7 @@ def tune(
                 precompiled = dict(enumerate(done))
             for i, config in enumerate(todo):
                 timing = dict(warmup=warmup, repeats=repeats, min_time_s=min_time_s,
-                              timer=timer,
-                              event_regex=_event_regex(kernel, config, args_c, kwargs_c)
-                              if timer == "profiler" else None)
+                              timer=timer, event_regex=names[i] if timer == "profiler" else None)
                 if runner is not None:
                     outcome, m, out, err, max_err = runner.measure(
                         config, want_output=reference_out is None, **timing)
@@ -470,6 +432,12 @@ def tune(
     return result
 
 
+# The tuner options a kernel's .tune() takes out of its keyword arguments: tune()'s own.
+TUNE_OPTIONS: Final = tuple(
+    n for n, p in inspect.signature(tune).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and n not in ("trials", "seed"))
+
+
 def warm_start_configs(kernel: TunableKernel, args: Sequence[Any], kwargs: Mapping[str, Any],
                        chip: str, key: str, *, limit: int = 6) -> list[dict[str, Any]]:
     """Configs worth measuring first: the declared default, the winners of the nearest tuned
@@ -519,19 +487,12 @@ def warm_start_configs(kernel: TunableKernel, args: Sequence[Any], kwargs: Mappi
     return out
 
 
-def _event_regex(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
-                 kwargs: Mapping[str, Any]) -> str | None:
-    """A regex for the profiler events of the candidate's pallas_calls (by their names)."""
+def _event_regex(calls: Sequence[Any]) -> str | None:
+    """A regex for the profiler events of a candidate's pallas_calls (by their names)."""
     import re
 
-    from pallas_tune import _inspect
-
-    try:
-        names = [c.name for c in _inspect.find_pallas_calls(kernel.fn, args,
-                                                             {**kwargs, **config}) if c.name]
-    except Exception:  # noqa: BLE001
-        return None
-    return "|".join(re.escape(n) for n in dict.fromkeys(names)) or None
+    names = dict.fromkeys(c.name for c in calls if c.name)
+    return "|".join(re.escape(n) for n in names) or None
 
 
 def _retime(kernel: TunableKernel, records: list[TrialRecord], args: Sequence[Any],
@@ -576,7 +537,7 @@ def _check_standin(kernel: TunableKernel, estimator: Any, args: Sequence[Any],
     compile that still exercises the scaling)."""
     best = None
     for config in itertools.islice(kernel.space.ordered_candidates(), 512):
-        if _check(kernel, config, args, kwargs, chip, stage) is not None:
+        if _check(kernel, config, args, kwargs, chip, stage)[0] is not None:
             continue
         try:
             _, _, scale = kernel.standin(list(args), dict(kwargs), dict(config))
@@ -596,7 +557,7 @@ def _check_standin(kernel: TunableKernel, estimator: Any, args: Sequence[Any],
                          "trusted": err <= 0.05}
 
 
-def _tpe(kernel: TunableKernel, space: Any, encoder: _Encoder, evaluate_many: Any,
+def _tpe(kernel: TunableKernel, space: Any, encoder: TrialEncoder, evaluate_many: Any,
          records: list[TrialRecord], by_config: dict[tuple[Any, ...], TrialRecord], *,
          trials: int, seed: int | None, storage: str | None, chip: str, key: str,
          study_name: str | None, max_attempts: int | None, batch: int,
@@ -615,7 +576,7 @@ def _tpe(kernel: TunableKernel, space: Any, encoder: _Encoder, evaluate_many: An
         direction="minimize", sampler=sampler, storage=storage,
         study_name=study_name or (f"{kernel.name}|{chip}|{key}" if storage else None),
         load_if_exists=storage is not None)
-    _import_prior_trials(study, encoder, space, records, by_config)
+    _import_prior_trials(study, encoder, records, by_config)
     if not any(t.state.is_finished() for t in study.trials):
         for config in warm:
             study.enqueue_trial(encoder.encode(config), skip_if_exists=True)
@@ -677,55 +638,55 @@ def _feasibility_mode(mode: str, chip: str) -> str:
 
 def _check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
            kwargs: Mapping[str, Any], chip: str, stage: str, *, vreg_limit: float | None = None
-           ) -> tuple[Outcome, str, str, int | None] | None:
+           ) -> tuple[tuple[Outcome, str, str, int | None] | None, list[Any]]:
     """Filters a candidate before any measurement: block rules, then (TPU) the VMEM model, then
-    (borderline, stage "compile") a deviceless compile. Returns None when it may be measured."""
-    from pallas_tune import _compile, _inspect, feasibility
-    from pallas_tune.hardware import chip_spec
+    (borderline, stage "compile") a deviceless compile.
 
+    Returns (rejection or None when it may be measured, the traced pallas_calls)."""
+    from pallas_tune import _compile, _inspect, feasibility
     from pallas_tune.errors import InvalidConfig
+    from pallas_tune.hardware import chip_spec
 
     try:
         calls = _inspect.find_pallas_calls(kernel.fn, args, {**kwargs, **config})
     except InvalidConfig as e:
-        return Outcome.INFEASIBLE, f"invalid config: {e}", "invalid_config", None
+        return (Outcome.INFEASIBLE, f"invalid config: {e}", "invalid_config", None), []
     except Exception as e:  # noqa: BLE001 - a candidate that cannot be traced cannot run.
         return (Outcome.COMPILE_ERROR, f"tracing failed: {type(e).__name__}: {e}", "trace_error",
-                None)
+                None), []
     if stage == "off":
         problems = _inspect.block_rule_violations(calls)
         if problems:
-            return Outcome.INFEASIBLE, "; ".join(problems), _compile.BLOCK_RULE, None
-        return None
+            return (Outcome.INFEASIBLE, "; ".join(problems), _compile.BLOCK_RULE, None), calls
+        return None, calls
     spec = chip_spec(chip)
     verdict = feasibility.model_verdict(calls, spec, vreg_limit=vreg_limit)
     if kernel.vmem_estimate is not None and verdict.detail != _compile.BLOCK_RULE:
         est = int(kernel.vmem_estimate(*args, **kwargs, **config))
-        verdict = feasibility._with_estimate(verdict, est)
+        verdict = feasibility.with_user_estimate(verdict, est)
     if verdict.status == "infeasible":
-        return Outcome.INFEASIBLE, f"model: {verdict.reason}", verdict.detail, verdict.vmem_bytes
+        return (Outcome.INFEASIBLE, f"model: {verdict.reason}", verdict.detail,
+                verdict.vmem_bytes), calls
     if verdict.status == "borderline" and stage == "compile":
         result = _compile.compile_deviceless(kernel.fn, args, {**kwargs, **config}, chip=chip)
         if not result.ok:
             outcome = (Outcome.INFEASIBLE if result.kind in (*_compile.OOM_KINDS,
                                                               _compile.BLOCK_RULE)
                        else Outcome.COMPILE_ERROR)
-            return outcome, f"compiler: {result.message[:2000]}", result.kind, verdict.vmem_bytes
-    return None
+            return (outcome, f"compiler: {result.message[:2000]}", result.kind,
+                    verdict.vmem_bytes), calls
+    return None, calls
 
 
-def _import_prior_trials(study: Any, encoder: _Encoder, space: Any,
+def _import_prior_trials(study: Any, encoder: TrialEncoder,
                          records: list[TrialRecord], by_config: dict[tuple[Any, ...], TrialRecord]
                          ) -> None:
     """Adopts the finished trials of a resumed (stored) study, so nothing is measured twice."""
     for t in study.trials:
         if not t.state.is_finished() or not t.params:
             continue
-        config = {}
         try:
-            for p in space.params:
-                choices = encoder.sorted[p.name]
-                config[p.name] = choices[t.params[p.name]] if len(choices) > 1 else choices[0]
+            config = encoder.decode(t.params)
         except (KeyError, IndexError):
             continue
         fz = _freeze_key(config)

@@ -162,9 +162,9 @@ def test_tuner_filter_uses_the_kernel_estimator_and_vreg_limit():
     est = pt.tunable(bm=[512], bn=[512], bk=[512], buffering=[2], semantics=[SEM],
                      vmem_estimate=lambda x, y, **kw: 64 * MiB, name="est")(matmul.fn)
     cfg = dict(bm=512, bn=512, bk=512, buffering=2, semantics=SEM)
-    rejected = _check(est, cfg, (X, X), {}, "tpu_v6e", "model")
+    rejected, _ = _check(est, cfg, (X, X), {}, "tpu_v6e", "model")
     assert rejected[0] is Outcome.INFEASIBLE and "user estimator" in rejected[1]
-    assert _check(matmul, cfg, (X, X), {}, "tpu_v6e", "model") is None
-    spill = _check(matmul, dict(cfg, bm=1024, bn=1024), (X, X), {}, "tpu_v6e", "model",
-                   vreg_limit=1.0)
+    assert _check(matmul, cfg, (X, X), {}, "tpu_v6e", "model")[0] is None
+    spill, _ = _check(matmul, dict(cfg, bm=1024, bn=1024), (X, X), {}, "tpu_v6e", "model",
+                      vreg_limit=1.0)
     assert spill[0] is Outcome.INFEASIBLE and spill[2] == "vreg_pressure"

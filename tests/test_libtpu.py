@@ -50,10 +50,10 @@ def test_tuner_two_stage_filter_rejects_a_borderline_oom_before_measuring():
     from pallas_tune.tuner import _check
 
     cfg = dict(bm=2048, bn=2048, bk=1024, buffering=1, semantics=SEM)
-    outcome, error, detail, _ = _check(matmul, cfg, (X, X), {}, "tpu_v6e", "compile")
+    (outcome, error, detail, _), _ = _check(matmul, cfg, (X, X), {}, "tpu_v6e", "compile")
     assert outcome is Outcome.INFEASIBLE and detail == "vmem_scoped_oom"
     assert error.startswith("compiler:")
     ok = dict(bm=2048, bn=2048, bk=256, buffering=2, semantics=SEM)
-    assert _check(matmul, ok, (X, X), {}, "tpu_v6e", "compile") is None
-    model_only = _check(matmul, dict(cfg, bk=2048), (X, X), {}, "tpu_v5e", "model")
+    assert _check(matmul, ok, (X, X), {}, "tpu_v6e", "compile")[0] is None
+    model_only, _ = _check(matmul, dict(cfg, bk=2048), (X, X), {}, "tpu_v5e", "model")
     assert model_only[0] is Outcome.INFEASIBLE and model_only[1].startswith("model:")
