@@ -9,9 +9,15 @@ re-proposal is answered from what was measured, at no cost). The space is the fi
 ``tune_params`` restricted to the configurations the file holds, and strategies only propose
 from it.
 
-Strategies: ``"random"`` (without replacement), ``"grid"`` (file order), ``"tpe"`` (Optuna's
-TPE as it comes: independent, 10 startup trials), ``"default"`` (pallas-tune's, as the tuner
-searches: multivariate TPE over categorical parameters, 5 startup trials).
+Strategies: ``"default"`` (pallas-tune's, as the tuner searches: Bayesian optimization with a
+Gaussian process over the enumerated candidates, :mod:`pallas_tune.search`), ``"tpe"`` (Optuna's
+TPE as it comes: independent, 10 startup trials), ``"tpe-mv"`` (the tuner's previous default:
+multivariate TPE over categorical parameters, 5 startup trials), ``"random"`` (without
+replacement) and ``"grid"`` (file order).
+
+``warm_start``: configs (dicts or tuples in the file's key order) measured first, in order, as
+the tuner measures its warm starts (the declared default, the nearest tuned shapes' winners, a
+roofline model's picks) before it searches; strategies then learn from them.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import gzip
 import json
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["Landscape", "STRATEGIES", "load", "run"]
@@ -36,6 +42,7 @@ class Landscape:
         self.times = times
         self.configs = list(times)
         self.name = name
+        self._choices: list[list[Any]] | None = None
 
     @property
     def optimum(self) -> float:
@@ -67,24 +74,48 @@ def load(path: str) -> Landscape:
     return Landscape(keys, data["tune_params"], times, name=data.get("kernel_name", path))
 
 
-Strategy = Callable[[Landscape, int, int, Callable[[tuple[Any, ...]], float]], None]
+Evaluate = Callable[[tuple[Any, ...]], float]
+Strategy = Callable[[Landscape, int, int, Evaluate, dict[tuple[Any, ...], float]], None]
 
 
-def _random(land: Landscape, budget: int, seed: int, evaluate) -> None:
+def _random(land: Landscape, budget: int, seed: int, evaluate, measured) -> None:
     order = list(land.configs)
     random.Random(seed).shuffle(order)
-    for c in order[:budget]:
+    for c in order:
+        if len(measured) >= budget:
+            break
         evaluate(c)
 
 
-def _grid(land: Landscape, budget: int, seed: int, evaluate) -> None:
+def _grid(land: Landscape, budget: int, seed: int, evaluate, measured) -> None:
     del seed  # Deterministic.
-    for c in land.configs[:budget]:
+    for c in land.configs:
+        if len(measured) >= budget:
+            break
         evaluate(c)
 
 
-def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, multivariate: bool,
-            startup: int) -> None:
+def _choices(land: Landscape) -> list[list[Any]]:
+    """Per parameter, the values the file's configs take, sorted."""
+    if land._choices is None:
+        land._choices = [sorted({c[i] for c in land.configs}, key=_sort_key)
+                         for i in range(len(land.keys))]
+    return land._choices
+
+
+def _gp(land: Landscape, budget: int, seed: int, evaluate, measured) -> None:
+    from pallas_tune.search import DEFAULT_STARTUP, CandidateBO
+
+    bo = CandidateBO(land.configs, _choices(land), seed=seed, n_startup=DEFAULT_STARTUP)
+    while len(measured) < budget:
+        c = bo.propose(measured)
+        if c is None:
+            break
+        evaluate(c)
+
+
+def _optuna(land: Landscape, budget: int, seed: int, evaluate, measured_so_far, *,
+            multivariate: bool, startup: int) -> None:
     """TPE over the landscape's values, encoded as the tuner encodes a space (categorical)."""
     import optuna
 
@@ -92,13 +123,13 @@ def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, multivariate: 
 
     optuna.logging.disable_default_handler()
     valid = set(land.configs)
-    encoder = TrialEncoder(SearchSpace.from_choices({
-        k: sorted({c[i] for c in land.configs}, key=_sort_key) for i, k in enumerate(land.keys)}))
+    encoder = TrialEncoder(SearchSpace.from_choices(dict(zip(land.keys, _choices(land),
+                                                             strict=True))))
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=multivariate,
                                          group=multivariate, n_startup_trials=startup)
     study = optuna.create_study(direction="minimize", sampler=sampler)
     rng = random.Random(seed)
-    measured: dict[tuple[Any, ...], float] = {}
+    measured = measured_so_far
 
     def suggest(trial: Any) -> tuple[Any, ...]:
         config = encoder.suggest(trial)
@@ -112,6 +143,11 @@ def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, multivariate: 
         # would keep proposing the same region; an infinite value puts it in the "bad" group.
         study.tell(trial, value if math.isfinite(value) else math.inf)
 
+    for c, value in list(measured.items()):  # Warm starts: learned, not measured again.
+        study.enqueue_trial(encode(c))
+        trial = study.ask()
+        suggest(trial)
+        tell(trial, value)
     misses = 0
     while len(measured) < min(budget, len(valid)):
         trial = study.ask()
@@ -124,16 +160,14 @@ def _optuna(land: Landscape, budget: int, seed: int, evaluate, *, multivariate: 
             misses += 1
         else:
             misses = 0
-            measured[c] = evaluate(c)
-            tell(trial, measured[c])
+            tell(trial, evaluate(c))
             continue
         if misses >= 10:  # Stuck: measure an unmeasured valid config at random, and learn it.
             c = rng.choice([x for x in land.configs if x not in measured])
             study.enqueue_trial(encode(c))
             trial = study.ask()
             assert suggest(trial) == c
-            measured[c] = evaluate(c)
-            tell(trial, measured[c])
+            tell(trial, evaluate(c))
             misses = 0
 
 
@@ -141,33 +175,29 @@ def _sort_key(v: Any) -> tuple[int, Any]:
     return (0, v) if isinstance(v, int | float) and not isinstance(v, bool) else (1, str(v))
 
 
-def _tpe(land, budget, seed, evaluate):
+def _tpe(land, budget, seed, evaluate, measured):
     """Optuna's TPE as it comes: every parameter categorical, independent, 10 startup trials."""
-    _optuna(land, budget, seed, evaluate, multivariate=False, startup=10)
+    _optuna(land, budget, seed, evaluate, measured, multivariate=False, startup=10)
 
 
-DEFAULT_STARTUP = 5
-
-
-def _default(land, budget, seed, evaluate):
-    """pallas-tune's: multivariate TPE over categorical parameters with 5 random startup trials,
-    failed and invalid proposals told +inf, invalid ones not counted; as it never measures a
-    config twice, a space smaller than the budget is searched exhaustively in TPE's order.
-    Chosen on the shared landscapes over 12 seeds @50 (conv 0.82, pnpoly 0.97, dedisp 1.00)
-    against log2-ordinal encodings (0.76) and 8-10 startup trials."""
-    _optuna(land, budget, seed, evaluate, multivariate=True,
-            startup=min(DEFAULT_STARTUP, max(1, budget // 5)))
+def _tpe_mv(land, budget, seed, evaluate, measured):
+    """The tuner's default before the GP: multivariate TPE over categorical parameters with 5
+    random startup trials, failed and invalid proposals told +inf, invalid ones not counted."""
+    _optuna(land, budget, seed, evaluate, measured, multivariate=True,
+            startup=min(5, max(1, budget // 5)))
 
 
 STRATEGIES: dict[str, Strategy] = {
-    "default": _default, "tpe": _tpe, "random": _random, "grid": _grid,
+    "default": _gp, "tpe": _tpe, "tpe-mv": _tpe_mv, "random": _random, "grid": _grid,
 }
 
 
-def run(path: str | Landscape, strategy: str = "default", budget: int = 50, seed: int = 0
-        ) -> list[float]:
+def run(path: str | Landscape, strategy: str = "default", budget: int = 50, seed: int = 0, *,
+        warm_start: Sequence[Mapping[str, Any] | Sequence[Any]] = ()) -> list[float]:
     """Replays ``strategy`` on a landscape; returns measured times in evaluation order (inf for
-    failed configs). Deterministic for a given seed."""
+    failed configs). Deterministic for a given seed. ``warm_start`` configs (dicts by parameter
+    name, or tuples in the file's key order; those not in the file are skipped) are measured
+    first."""
     land = path if isinstance(path, Landscape) else load(path)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {sorted(STRATEGIES)}")
@@ -186,5 +216,21 @@ def run(path: str | Landscape, strategy: str = "default", budget: int = 50, seed
         out.append(value)
         return value
 
-    STRATEGIES[strategy](land, budget, seed, evaluate)
+    for w in warm_start:
+        c = _as_tuple(land, w)
+        if c in land.times and len(out) < budget:
+            evaluate(c)
+    STRATEGIES[strategy](land, min(budget, len(land.configs)), seed, evaluate, seen)
     return out
+
+
+def _as_tuple(land: Landscape, config: Mapping[str, Any] | Sequence[Any]) -> tuple[Any, ...]:
+    values = [config.get(k) for k in land.keys] if isinstance(config, Mapping) else list(config)
+    choices = _choices(land)
+    out = []
+    for v, ch in zip(values, choices, strict=True):
+        v = _freeze(v)
+        if isinstance(v, tuple) and v not in ch:  # Kernel Tuner files join tuples by commas.
+            v = ",".join(map(str, v))
+        out.append(v)
+    return tuple(out)

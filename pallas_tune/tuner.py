@@ -133,8 +133,15 @@ def tune(
     compile_workers: int | None = None,
     warm_start: int = 6,
     patience: int | None = None,
+    sampler: str = "gp",
 ) -> TuningResult:
-    """Runs a TPE study over ``kernel.space`` for these arguments and caches the winner.
+    """Searches ``kernel.space`` for these arguments and caches the winner.
+
+    The search is an Optuna study. ``sampler="gp"`` (default) proposes, after the warm starts
+    (``warm_start``: the declared default, the winners of the nearest tuned shapes, a roofline
+    model's picks) and 5 random configs, the candidate of highest expected improvement under a
+    Gaussian process fitted to every measurement (:mod:`pallas_tune.search`; spaces of more than
+    ``GP_MAX_CANDIDATES`` points use TPE); ``sampler="tpe"`` is Optuna's multivariate TPE.
 
     Candidates that break the TPU block rules (or fail to trace) are recorded as ``infeasible``
     and never compiled or measured; no config is measured twice. When the space has no more
@@ -174,6 +181,8 @@ def tune(
         raise ValueError(f"timer={timer!r} must be one of {TIMERS}.")
     if trials < 1:
         raise ValueError(f"trials={trials} must be at least 1.")
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler={sampler!r} must be one of {SAMPLERS}.")
     import jax
 
     from pallas_tune.hardware import chip_spec
@@ -347,12 +356,13 @@ def tune(
                 evaluate_many(candidates[i:i + max(batch, 1) * 4])
             strategy = "exhaustive"
         else:
-            strategy = "tpe"
+            strategy = sampler if space.size <= GP_MAX_CANDIDATES else "tpe"
             seeds = warm_start_configs(kernel, args_c, kwargs_c, chip, key, limit=warm_start) \
                 if warm_start else [next(space.ordered_candidates())]
-            _tpe(kernel, space, encoder, evaluate_many, records, by_config, trials=trials,
-                 seed=seed, storage=storage, chip=chip, key=key, study_name=study_name,
-                 max_attempts=max_attempts, batch=batch, warm=seeds, patience=patience)
+            _search(kernel, space, encoder, evaluate_many, records, by_config, trials=trials,
+                    seed=seed, storage=storage, chip=chip, key=key, study_name=study_name,
+                    max_attempts=max_attempts, batch=batch, warm=seeds, patience=patience,
+                    sampler_name=strategy)
         retimed = None
         if not estimating and retime_top > 1:
             retimed = _retime(kernel, records, args_c, kwargs_c, interpret, runner, retime_top,
@@ -557,21 +567,20 @@ def _check_standin(kernel: TunableKernel, estimator: Any, args: Sequence[Any],
                          "trusted": err <= 0.05}
 
 
-def _tpe(kernel: TunableKernel, space: Any, encoder: TrialEncoder, evaluate_many: Any,
+def _search(kernel: TunableKernel, space: Any, encoder: TrialEncoder, evaluate_many: Any,
          records: list[TrialRecord], by_config: dict[tuple[Any, ...], TrialRecord], *,
          trials: int, seed: int | None, storage: str | None, chip: str, key: str,
          study_name: str | None, max_attempts: int | None, batch: int,
-         warm: Sequence[Mapping[str, Any]] = (), patience: int | None = None) -> None:
-    """Optuna TPE over the space via ask/tell, ``batch`` candidates in flight at a time.
+         warm: Sequence[Mapping[str, Any]] = (), patience: int | None = None,
+         sampler_name: str = "gp") -> None:
+    """An Optuna study over the space via ask/tell, ``batch`` candidates in flight at a time.
 
     ``warm`` configs are enqueued first (in order); with ``patience``, the search stops once that
     many measurements in a row failed to improve the best by more than 1%."""
     import optuna
 
     optuna.logging.disable_default_handler()
-    sampler = optuna.samplers.TPESampler(
-        seed=seed, multivariate=True, group=False, constant_liar=True,
-        n_startup_trials=max(1, min(5, trials // 5)))
+    sampler = _sampler(space, encoder, sampler_name, seed=seed, trials=trials)
     study = optuna.create_study(
         direction="minimize", sampler=sampler, storage=storage,
         study_name=study_name or (f"{kernel.name}|{chip}|{key}" if storage else None),
@@ -599,9 +608,11 @@ def _tpe(kernel: TunableKernel, space: Any, encoder: TrialEncoder, evaluate_many
     while (measured() < trials and attempts < limit and len(by_config) < space.size
            and not plateaued()):
         n = max(1, min(batch, trials - measured()))
-        asked = [study.ask() for _ in range(n)]
+        asked, configs = [], []
+        for _ in range(n):  # Suggest before the next ask, so that one sees this one pending.
+            asked.append(study.ask())
+            configs.append(encoder.suggest(asked[-1]))
         attempts += n
-        configs = [encoder.suggest(t) for t in asked]
         seen = [_freeze_key(c) in by_config for c in configs]
         recs = evaluate_many(configs)
         for trial, rec, was_seen in zip(asked, recs, seen, strict=True):
@@ -614,6 +625,33 @@ def _tpe(kernel: TunableKernel, space: Any, encoder: TrialEncoder, evaluate_many
             else:
                 # +inf, not FAIL: TPE ignores failed trials and would keep proposing there.
                 study.tell(trial, math.inf)
+
+
+# Spaces up to this size are searched by the GP over every candidate; larger ones by TPE.
+GP_MAX_CANDIDATES: Final = 50_000
+SAMPLERS: Final = ("gp", "tpe")
+
+
+def _sampler(space: Any, encoder: TrialEncoder, name: str, *, seed: int | None, trials: int
+             ) -> Any:
+    """``"gp"``: :class:`pallas_tune.search.CandidateSampler` (a GP's expected improvement over
+    every candidate of the space); ``"tpe"`` (and spaces over ``GP_MAX_CANDIDATES``):
+    multivariate TPE with constant liar. Both see running trials, so batches spread out."""
+    import optuna
+
+    if name == "gp" and space.size <= GP_MAX_CANDIDATES:
+        from optuna.distributions import CategoricalDistribution
+
+        from pallas_tune.search import CandidateSampler
+
+        multi = [p for p in space.params if len(p.choices) > 1]
+        return CandidateSampler(
+            [encoder.encode(c) for c in space],
+            {p.name: CategoricalDistribution(list(range(len(p.choices)))) for p in multi},
+            values={p.name: p.choices for p in multi}, seed=seed)
+    return optuna.samplers.TPESampler(
+        seed=seed, multivariate=True, group=False, constant_liar=True,
+        n_startup_trials=max(1, min(5, trials // 5)))
 
 
 def _feasibility_mode(mode: str, chip: str) -> str:

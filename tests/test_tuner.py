@@ -15,8 +15,8 @@ def test_tune_writes_cache_and_returns_result(cache_dir, fresh):
     df = res.trials
     assert {"br", "bc", "buffering", "outcome", "median_ms", "error"} <= set(df.columns)
     ok = df[df.outcome == "ok"]
-    assert len(ok) == 6  # TPE path: space of 16 > 6 trials, 6 measured.
-    assert res.provenance["strategy"] == "tpe"
+    assert len(ok) == 6  # Search path: space of 16 > 6 trials, 6 measured.
+    assert res.provenance["strategy"] == "gp"
     # The winner is the best of the 3 fastest after interleaved re-timing.
     assert res.best_ms in sorted(ok.median_ms)[:3]
     table = res.provenance["retimed_interleaved"]
