@@ -139,7 +139,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             result = kernel.tune(*call_args, trials=args.trials, seed=args.seed,
                                  storage=args.storage, repeats=args.repeats,
                                  verbose=args.verbose, timer=args.timer, chip=chip,
-                                 workers=args.workers, **call_kwargs)
+                                 workers=args.workers, sampler=args.sampler, **call_kwargs)
         except (PallasTuneError, ValueError) as e:
             failures += 1
             print(f"  {key}: FAILED: {e}")
@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(needs libtpu; no TPU)")
     s.add_argument("--workers", type=int, default=2,
                    help="processes compiling candidates in parallel (tpu-estimate)")
+    s.add_argument("--sampler", choices=("gp", "tpe"), default="gp",
+                   help="gp: a Gaussian process's expected improvement over every candidate "
+                        "(default); tpe: Optuna's multivariate TPE")
     s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
     s.add_argument("-v", "--verbose", action="store_true", help="print every trial")
     s.set_defaults(func=cmd_sweep)

@@ -12,8 +12,8 @@ from it.
 Strategies: ``"default"`` (pallas-tune's, as the tuner searches: Bayesian optimization with a
 Gaussian process over the enumerated candidates, :mod:`pallas_tune.search`), ``"tpe"`` (Optuna's
 TPE as it comes: independent, 10 startup trials), ``"tpe-mv"`` (the tuner's previous default:
-multivariate TPE over categorical parameters, 5 startup trials), ``"random"`` (without
-replacement) and ``"grid"`` (file order).
+multivariate TPE over categorical parameters, 5 startup trials), ``"optuna-gp"`` (Optuna's
+GPSampler; needs PyTorch), ``"random"`` (without replacement) and ``"grid"`` (file order).
 
 ``warm_start``: configs (dicts or tuples in the file's key order) measured first, in order, as
 the tuner measures its warm starts (the declared default, the nearest tuned shapes' winners, a
@@ -115,8 +115,9 @@ def _gp(land: Landscape, budget: int, seed: int, evaluate, measured) -> None:
 
 
 def _optuna(land: Landscape, budget: int, seed: int, evaluate, measured_so_far, *,
-            multivariate: bool, startup: int) -> None:
-    """TPE over the landscape's values, encoded as the tuner encodes a space (categorical)."""
+            multivariate: bool = False, startup: int = 10, sampler: Any = None) -> None:
+    """An Optuna sampler (TPE unless given) over the landscape's values, encoded as the tuner
+    encodes a space (categorical)."""
     import optuna
 
     from pallas_tune.space import SearchSpace, TrialEncoder
@@ -125,8 +126,9 @@ def _optuna(land: Landscape, budget: int, seed: int, evaluate, measured_so_far, 
     valid = set(land.configs)
     encoder = TrialEncoder(SearchSpace.from_choices(dict(zip(land.keys, _choices(land),
                                                              strict=True))))
-    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=multivariate,
-                                         group=multivariate, n_startup_trials=startup)
+    if sampler is None:
+        sampler = optuna.samplers.TPESampler(seed=seed, multivariate=multivariate,
+                                             group=multivariate, n_startup_trials=startup)
     study = optuna.create_study(direction="minimize", sampler=sampler)
     rng = random.Random(seed)
     measured = measured_so_far
@@ -187,8 +189,17 @@ def _tpe_mv(land, budget, seed, evaluate, measured):
             startup=min(5, max(1, budget // 5)))
 
 
+def _optuna_gp(land, budget, seed, evaluate, measured):
+    """Optuna's GPSampler as it comes (needs PyTorch), over the categorical encoding."""
+    import optuna
+
+    _optuna(land, budget, seed, evaluate, measured,
+            sampler=optuna.samplers.GPSampler(seed=seed, n_startup_trials=5))
+
+
 STRATEGIES: dict[str, Strategy] = {
     "default": _gp, "tpe": _tpe, "tpe-mv": _tpe_mv, "random": _random, "grid": _grid,
+    "optuna-gp": _optuna_gp,
 }
 
 

@@ -35,8 +35,16 @@ FIT_POINTS = 160
 # 5 is nearly as fast and safer on spaces with more parameters.
 DEFAULT_STARTUP = 5
 
-# Largest number of candidates scored per proposal; bigger spaces are subsampled (plus the
-# neighbours of the best configs so far).
+# From 20 measurements on, log times above this quantile are capped at it, and expected
+# improvement is taken over the best minus XI (in standard deviations of the capped log times).
+# Replayed on the convolution landscape (one config within 5% of the optimum among 4362; 8 seeds,
+# 300 evaluations): neither → 0 of 8 seeds found it, cap 0.5 → 2, cap 0.5 and XI 0.3 → 6; over 20
+# seeds that setting found it in a median of 196.5 evaluations (random search: 2629.5) and kept
+# pnpoly, dedispersion and the v6e estimate landscapes as good as without.
+CAP_QUANTILE = 0.5
+XI = 0.3
+
+# Largest number of candidates scored per proposal; bigger spaces score a random subsample.
 MAX_SCORED = 20_000
 
 
@@ -184,14 +192,16 @@ class CandidateBO:
     The first ``n_startup`` proposals (after any warm starts the caller measured) are random,
     then each is the candidate of highest expected improvement in log time under a GP fitted to
     the finite measurements, with failed configs counted as the worst time seen (so the search
-    moves away from them without a separate classifier). Pending configs are filled in with the
+    moves away from them without a separate classifier) and times slower than the
+    ``cap_quantile`` capped there; ``xi`` asks for that much improvement (exploration). Pending configs are filled in with the
     GP's mean (kriging believer), so a batch of proposals spreads out.
     """
 
     def __init__(self, candidates: Sequence[tuple[Hashable, ...]],
                  choices: Sequence[Sequence[Hashable]], *, seed: int | None = 0,
                  n_startup: int = DEFAULT_STARTUP, refit_every: int = 5,
-                 values: Sequence[Sequence[Any]] | None = None):
+                 values: Sequence[Sequence[Any]] | None = None,
+                 cap_quantile: float = CAP_QUANTILE, xi: float = XI):
         if not candidates:
             raise ValueError("CandidateBO needs at least one candidate")
         self.candidates = list(candidates)
@@ -204,6 +214,8 @@ class CandidateBO:
         self.rng = np.random.default_rng(seed)
         self.n_startup = n_startup
         self.refit_every = max(1, refit_every)
+        self.cap_quantile = cap_quantile
+        self.xi = xi
         self._gp = _GP(self.x.shape[1], self.rng)
         self._fits = 0
         self._fitted_at = -1
@@ -230,6 +242,10 @@ class CandidateBO:
         worst = max(math.log(v) for v in finite)
         idx = np.array([i for i, _ in known])
         y = np.array([math.log(v) if math.isfinite(v) and v > 0 else worst for _, v in known])
+        if self.cap_quantile < 1 and len(y) >= 20:
+            # Output capping: what is slower than the median only tells "bad"; its exact size
+            # would make the GP model the slow half, not the fast region that matters.
+            y = np.minimum(y, np.quantile(y, self.cap_quantile))
         mean, std = y.mean(), y.std() or 1.0
         ys = (y - mean) / std
         n = len(idx)
@@ -247,7 +263,7 @@ class CandidateBO:
             free = self.rng.choice(free, MAX_SCORED, replace=False)
         mu, sd = self._gp.predict(self.x[free])
         best = ys[np.array([math.isfinite(v) for _, v in known])].min()
-        ei = _expected_improvement(mu, sd, best)
+        ei = _expected_improvement(mu, sd, best - self.xi)
         top = np.flatnonzero(ei >= ei.max() * (1 - 1e-9))
         return int(free[top[self.rng.integers(top.size)]])
 

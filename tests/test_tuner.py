@@ -49,10 +49,17 @@ def test_block_rule_violations_never_measured_and_mismatch_rejected(cache_dir, f
     assert res.best["wrong"] is False
 
 
-def test_no_config_is_measured_twice(cache_dir, fresh):
-    res = fresh.scale.tune(fresh.ones(), trials=12, seed=3, repeats=1)
+@pytest.mark.parametrize("sampler", ["gp", "tpe"])
+def test_no_config_is_measured_twice(cache_dir, fresh, sampler):
+    res = fresh.scale.tune(fresh.ones(), trials=12, seed=3, repeats=1, sampler=sampler)
     configs = [tuple(sorted(r.config.items())) for r in res.records]
     assert len(configs) == len(set(configs))
+    assert res.provenance["strategy"] == sampler
+
+
+def test_unknown_sampler_is_rejected(cache_dir, fresh):
+    with pytest.raises(ValueError, match="sampler='cma' must be one of"):
+        fresh.scale.tune(fresh.ones(), trials=4, sampler="cma")
 
 
 def test_all_failing_raises_with_summary(cache_dir):
