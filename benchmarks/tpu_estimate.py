@@ -2,7 +2,7 @@
 
 For a 2048^3 bf16 matmul and a Llama-3.1-8B flash attention (32 q heads, 8 KV heads, head_dim
 128, S=2048, causal) on v6e, prints:
-- the estimated time of the tuned config (TPE, 24 trials), of the declared default, of the worst
+- the estimated time of the tuned config (default search, 24 trials), of the declared default, of the worst
   feasible config and of the exhaustive optimum;
 - the Spearman rank correlation between our roofline model and the compiler estimate over the
   whole space;
@@ -142,7 +142,7 @@ def main() -> None:
         print(f"   space {len(df)} configs: {len(ok)} compile, "
               f"{(~df.ok).sum()} rejected by the compiler ({df[~df.ok].kind.value_counts().to_dict()})")
         print(f"   {'config':58s} {'est ms':>9s}")
-        print(f"   {'tuned (TPE, ' + str(a.trials) + ' trials): ' + str(tuned.best)[:44]:58s} "
+        print(f"   {'tuned (' + str(a.trials) + ' trials): ' + str(tuned.best)[:44]:58s} "
               f"{tuned.best_ms:9.4f}")
         print(f"   {'declared default: ' + str(default)[:40]:58s} {float(d_row.est_ms.iloc[0]):9.4f}")
         print(f"   {'worst feasible':58s} {worst:9.4f}")
@@ -155,7 +155,7 @@ def main() -> None:
         if errs:
             print(f"   stand-in vs full compile on the {len(errs)} most-scaled configs: max "
                   f"|error| {max(errs):.2%}, mean {sum(errs) / len(errs):.2%}")
-        print(f"   CPU time: whole space {space_cpu:.0f} s ({space_wall:.0f} s wall); TPE tuning "
+        print(f"   CPU time: whole space {space_cpu:.0f} s ({space_wall:.0f} s wall); tuning "
               f"{tune_cpu:.0f} s ({tune_wall:.0f} s wall)")
         print(f"   landscape: {os.path.relpath(path, os.getcwd())}\n")
         summary.append(name)
