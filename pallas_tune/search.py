@@ -235,7 +235,12 @@ class CandidateBO:
         finite = [v for _, v in known if math.isfinite(v) and v > 0]
         if len(known) < self.n_startup or len(finite) < 2 or self.x.shape[1] == 0:
             return self.candidates[int(self.rng.choice(free))]
-        return self.candidates[self._ei_pick(known, finite, pending, free)]
+        try:
+            return self.candidates[self._ei_pick(known, finite, pending, free)]
+        except (np.linalg.LinAlgError, ValueError, FloatingPointError):
+            # A numerically singular fit: measure a random candidate and refit next time.
+            self._fitted_at = -1
+            return self.candidates[int(self.rng.choice(free))]
 
     def _ei_pick(self, known: list[tuple[int, float]], finite: list[float],
                  pending: Sequence[tuple[Hashable, ...]], free: np.ndarray) -> int:

@@ -118,3 +118,17 @@ def test_optuna_sampler_never_repeats_over_a_whole_study():
 def test_rejects_an_empty_candidate_list():
     with pytest.raises(ValueError, match="at least one candidate"):
         CandidateBO([], [[1]])
+
+
+def test_a_singular_fit_falls_back_to_a_random_free_candidate(monkeypatch):
+    from pallas_tune import search
+
+    bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=0, n_startup=2)
+    measured = {c: _bowl(c) for c in CANDIDATES[:10]}
+
+    def singular(self, x, y, *, optimize):
+        raise np.linalg.LinAlgError("not positive definite")
+
+    monkeypatch.setattr(search._GP, "fit", singular)
+    c = bo.propose(measured)
+    assert c in CANDIDATES and c not in measured
