@@ -116,3 +116,23 @@ def test_a_dying_compile_worker_costs_only_its_candidate():
                           "v6e", standin=False)
     kinds = [r.kind for r in results]
     assert kinds[0] == "ok" and kinds[1] == "ok" and kinds[2] == "worker_crashed"
+
+
+def test_a_full_compile_that_dies_leaves_the_standin_in_use_and_labelled():
+    """A full problem too big for a worker (seen: an 18 GB LLO profile) must not push every
+    candidate onto full compiles that would die the same way."""
+    from pallas_tune.estimate import EstimateResult
+    from pallas_tune.tuner import _check_standin
+
+    class Dies:
+        def map(self, kernel, args, kwargs, configs, chip, standin=True):
+            if standin:
+                return [EstimateResult(ok=True, kind="ok", cycles=1000, scale=4.0)]
+            return [EstimateResult(ok=False, kind="worker_crashed",
+                                   message="the compile worker died")]
+
+    x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16)
+    with pytest.warns(pt.PallasTuneWarning, match="UNVERIFIED"):
+        use, check = _check_standin(matmul, Dies(), (x, y), {}, "v6e", "off")
+    assert use and check["unverified"] and not check["trusted"]
