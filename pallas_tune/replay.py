@@ -22,6 +22,7 @@ roofline model's picks) before it searches; strategies then learn from them.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import math
@@ -42,7 +43,12 @@ class Landscape:
         self.times = times
         self.configs = list(times)
         self.name = name
-        self._choices: list[list[Any]] | None = None
+
+    @functools.cached_property
+    def choices(self) -> list[list[Any]]:
+        """Per parameter, the values the file's configs take, sorted."""
+        return [sorted({c[i] for c in self.configs}, key=_sort_key)
+                for i in range(len(self.keys))]
 
     @property
     def optimum(self) -> float:
@@ -95,18 +101,10 @@ def _grid(land: Landscape, budget: int, seed: int, evaluate, measured) -> None:
         evaluate(c)
 
 
-def _choices(land: Landscape) -> list[list[Any]]:
-    """Per parameter, the values the file's configs take, sorted."""
-    if land._choices is None:
-        land._choices = [sorted({c[i] for c in land.configs}, key=_sort_key)
-                         for i in range(len(land.keys))]
-    return land._choices
-
-
 def _gp(land: Landscape, budget: int, seed: int, evaluate, measured) -> None:
     from pallas_tune.search import DEFAULT_STARTUP, CandidateBO
 
-    bo = CandidateBO(land.configs, _choices(land), seed=seed, n_startup=DEFAULT_STARTUP)
+    bo = CandidateBO(land.configs, land.choices, seed=seed, n_startup=DEFAULT_STARTUP)
     while len(measured) < budget:
         c = bo.propose(measured)
         if c is None:
@@ -124,7 +122,7 @@ def _optuna(land: Landscape, budget: int, seed: int, evaluate, measured_so_far, 
 
     optuna.logging.disable_default_handler()
     valid = set(land.configs)
-    encoder = TrialEncoder(SearchSpace.from_choices(dict(zip(land.keys, _choices(land),
+    encoder = TrialEncoder(SearchSpace.from_choices(dict(zip(land.keys, land.choices,
                                                              strict=True))))
     if sampler is None:
         sampler = optuna.samplers.TPESampler(seed=seed, multivariate=multivariate,
@@ -237,7 +235,7 @@ def run(path: str | Landscape, strategy: str = "default", budget: int = 50, seed
 
 def _as_tuple(land: Landscape, config: Mapping[str, Any] | Sequence[Any]) -> tuple[Any, ...]:
     values = [config.get(k) for k in land.keys] if isinstance(config, Mapping) else list(config)
-    choices = _choices(land)
+    choices = land.choices
     out = []
     for v, ch in zip(values, choices, strict=True):
         v = _freeze(v)

@@ -193,8 +193,9 @@ class CandidateBO:
     then each is the candidate of highest expected improvement in log time under a GP fitted to
     the finite measurements, with failed configs counted as the worst time seen (so the search
     moves away from them without a separate classifier) and times slower than the
-    ``cap_quantile`` capped there; ``xi`` asks for that much improvement (exploration). Pending configs are filled in with the
-    GP's mean (kriging believer), so a batch of proposals spreads out.
+    ``cap_quantile`` capped there; ``xi`` asks for that much improvement (exploration).
+    Pending configs are filled in with the GP's mean (kriging believer), so a batch of
+    proposals spreads out.
     """
 
     def __init__(self, candidates: Sequence[tuple[Hashable, ...]],
@@ -217,7 +218,6 @@ class CandidateBO:
         self.cap_quantile = cap_quantile
         self.xi = xi
         self._gp = _GP(self.x.shape[1], self.rng)
-        self._fits = 0
         self._fitted_at = -1
 
     def propose(self, measured: Mapping[tuple[Hashable, ...], float],
@@ -267,7 +267,7 @@ class CandidateBO:
         if free.size > MAX_SCORED:
             free = self.rng.choice(free, MAX_SCORED, replace=False)
         mu, sd = self._gp.predict(self.x[free])
-        best = ys[np.array([math.isfinite(v) for _, v in known])].min()
+        best = ys[np.array([math.isfinite(v) and v > 0 for _, v in known])].min()
         ei = _expected_improvement(mu, sd, best - self.xi)
         top = np.flatnonzero(ei >= ei.max() * (1 - 1e-9))
         return int(free[top[self.rng.integers(top.size)]])
@@ -310,8 +310,8 @@ class CandidateSampler(optuna.samplers.BaseSampler):
             return None
 
     def sample_relative(self, study, trial, search_space):
-        if not search_space:
-            return {}
+        if not search_space or "fixed_params" in trial.system_attrs:
+            return {}  # An enqueued trial (a warm start) takes its own parameters.
         measured: dict[tuple[Any, ...], float] = {}
         pending = []
         for t in study.get_trials(deepcopy=False,
@@ -319,7 +319,8 @@ class CandidateSampler(optuna.samplers.BaseSampler):
                                           TrialState.FAIL)):
             if t.number == trial.number:
                 continue
-            key = self._key(t.params)
+            # A running enqueued trial is pending with its fixed parameters before it suggests.
+            key = self._key(t.params or t.system_attrs.get("fixed_params", {}))
             if key is None:
                 continue
             if t.state == TrialState.RUNNING:

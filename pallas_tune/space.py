@@ -181,6 +181,19 @@ class TrialEncoder:
         return {p.name: p.choices[trial.suggest_categorical(p.name, list(range(len(p.choices))))]
                 if len(p.choices) > 1 else p.choices[0] for p in self.params}
 
+    @property
+    def distributions(self) -> dict[str, Any]:
+        """The Optuna distribution of each encoded parameter (those with several choices)."""
+        from optuna.distributions import CategoricalDistribution
+
+        return {p.name: CategoricalDistribution(list(range(len(p.choices))))
+                for p in self.params if len(p.choices) > 1}
+
+    @property
+    def values(self) -> dict[str, tuple[Any, ...]]:
+        """What each encoded parameter's choice indices stand for."""
+        return {p.name: p.choices for p in self.params if len(p.choices) > 1}
+
     def encode(self, config: Mapping[str, Any]) -> dict[str, int]:
         return {p.name: p.choices.index(config[p.name]) for p in self.params
                 if len(p.choices) > 1}

@@ -652,15 +652,10 @@ def _sampler(space: Any, encoder: TrialEncoder, name: str, *, seed: int | None, 
     import optuna
 
     if name == "gp" and space.size <= GP_MAX_CANDIDATES:
-        from optuna.distributions import CategoricalDistribution
-
         from pallas_tune.search import CandidateSampler
 
-        multi = [p for p in space.params if len(p.choices) > 1]
-        return CandidateSampler(
-            [encoder.encode(c) for c in space],
-            {p.name: CategoricalDistribution(list(range(len(p.choices)))) for p in multi},
-            values={p.name: p.choices for p in multi}, seed=seed)
+        return CandidateSampler([encoder.encode(c) for c in space], encoder.distributions,
+                                values=encoder.values, seed=seed)
     return optuna.samplers.TPESampler(
         seed=seed, multivariate=True, group=False, constant_liar=True,
         n_startup_trials=max(1, min(5, trials // 5)))

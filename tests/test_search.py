@@ -132,3 +132,15 @@ def test_a_singular_fit_falls_back_to_a_random_free_candidate(monkeypatch):
     monkeypatch.setattr(search._GP, "fit", singular)
     c = bo.propose(measured)
     assert c in CANDIDATES and c not in measured
+
+
+def test_a_running_enqueued_warm_start_counts_as_pending():
+    study, names, choices = _study()
+    for _ in range(9):  # Seed 0, 9 trials: the GP's next pick is the bowl's floor itself.
+        t = study.ask()
+        study.tell(t, _bowl(_suggest(t, names, choices)))
+    study.enqueue_trial({"bm": SIZES.index(256), "bn": SIZES.index(64), "depth": 1})
+    warm = study.ask()  # Running, its parameters not suggested yet.
+    other = study.ask()
+    assert _suggest(other, names, choices) != (256, 64, 2)
+    assert _suggest(warm, names, choices) == (256, 64, 2)
