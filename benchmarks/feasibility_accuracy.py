@@ -23,8 +23,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_tune import _compile, _inspect, feasibility  # noqa: E402
-from pallas_tune.hardware import chip_spec  # noqa: E402
+from pallas_tune.feasibility import compile as _compile  # noqa: E402
+from pallas_tune.feasibility import inspect as _inspect  # noqa: E402
+from pallas_tune.feasibility import model as feasibility  # noqa: E402
+from pallas_tune.chips import chip_spec  # noqa: E402
 from pallas_tune.kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_tune.kernels.matmul import matmul  # noqa: E402
 from pallas_tune.kernels.rms_norm import rms_norm  # noqa: E402

@@ -22,9 +22,10 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from pallas_tune import _compile, cli  # noqa: E402
-from pallas_tune.estimate import Estimator, cycles_to_ms  # noqa: E402
-from pallas_tune.hardware import chip_spec  # noqa: E402
+from pallas_tune import cli  # noqa: E402
+from pallas_tune.feasibility import compile as _compile  # noqa: E402
+from pallas_tune.measure.estimate import Estimator, cycles_to_ms  # noqa: E402
+from pallas_tune.chips import chip_spec  # noqa: E402
 from pallas_tune.space import load_space  # noqa: E402
 
 KERNELS = ["matmul", "flash_attention", "rms_norm", "linear_attention", "grouped_matmul"]

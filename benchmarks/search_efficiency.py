@@ -36,7 +36,7 @@ import tempfile
 import time
 import warnings
 
-from pallas_tune import replay
+from pallas_tune.search import replay
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "..", "shared", "landscapes")
@@ -94,7 +94,7 @@ def _warm_starts(path: str) -> list[dict] | None:
     sys.path.insert(0, HERE)
     from tpu_estimate import CASES
 
-    from pallas_tune.tuner import warm_start_configs
+    from pallas_tune.tuning.loop import warm_start_configs
 
     for name, kernel, args, static in CASES:
         if name == meta["kernel_name"]:

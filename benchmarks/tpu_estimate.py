@@ -30,12 +30,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from pallas_tune import _compile, _inspect, feasibility  # noqa: E402
-from pallas_tune.estimate import Estimator, cycles_to_ms  # noqa: E402
-from pallas_tune.hardware import chip_spec  # noqa: E402
+from pallas_tune.feasibility import compile as _compile  # noqa: E402
+from pallas_tune.feasibility import inspect as _inspect  # noqa: E402
+from pallas_tune.feasibility import model as feasibility  # noqa: E402
+from pallas_tune.measure.estimate import Estimator, cycles_to_ms  # noqa: E402
+from pallas_tune.chips import chip_spec  # noqa: E402
 from pallas_tune.kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_tune.kernels.matmul import matmul  # noqa: E402
-from pallas_tune.roofline import roofline_calls  # noqa: E402
+from pallas_tune.feasibility.roofline import roofline_calls  # noqa: E402
 
 S = jax.ShapeDtypeStruct
 HERE = os.path.dirname(os.path.abspath(__file__))

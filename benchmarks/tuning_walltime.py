@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import pallas_tune as pt  # noqa: E402
 from pallas_tune.kernels.matmul import matmul  # noqa: E402
-from pallas_tune.measure import retime_interleaved  # noqa: E402
+from pallas_tune.measure.timing import retime_interleaved  # noqa: E402
 
 SPACE = dict(bm=[128, 256, 512], bn=[128, 256, 512], bk=[128, 256, 512], buffering=[1, 2],
              semantics=[("parallel", "parallel", "arbitrary"),

@@ -82,7 +82,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, sm_scale, caus
 
 def _standin(args, kwargs, config):
     """Fewer batch rows and KV-head groups (identical work each), same tiles (tpu-estimate)."""
-    from pallas_tune.estimate import shrink_parallel
+    from pallas_tune.measure.estimate import shrink_parallel
 
     q, k, v = args
     b, hq, sq, d = q.shape

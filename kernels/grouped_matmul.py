@@ -71,7 +71,7 @@ def _kernel(starts_ref, ends_ref, group_ref, tile_ref, lhs_ref, rhs_ref, o_ref, 
 
 def _standin(args, kwargs, config):
     """Fewer n tiles (identical work each), same tiles (tpu-estimate)."""
-    from pallas_tune.estimate import shrink_parallel
+    from pallas_tune.measure.estimate import shrink_parallel
 
     lhs, rhs, sizes = args
     g, k, n = rhs.shape

@@ -73,7 +73,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, s_ref, *, chunk, log_decay):
 
 def _standin(args, kwargs, config):
     """Fewer (batch, head) rows, identical work each (tpu-estimate)."""
-    from pallas_tune.estimate import shrink_parallel
+    from pallas_tune.measure.estimate import shrink_parallel
 
     q, k, v = args
     b, h, t, d = q.shape

@@ -37,7 +37,7 @@ def _matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
 
 def _standin(args, kwargs, config):
     """Fewer (bm, bn) output blocks, same tiles: each block is the same work (tpu-estimate)."""
-    from pallas_tune.estimate import shrink_parallel
+    from pallas_tune.measure.estimate import shrink_parallel
 
     x, y = args
     (m, k), n = x.shape, y.shape[1]

@@ -33,7 +33,7 @@ def _kernel(x_ref, w_ref, o_ref, *, eps):
 
 def _standin(args, kwargs, config):
     """Fewer row blocks (identical work each), same tile (tpu-estimate)."""
-    from pallas_tune.estimate import shrink_parallel
+    from pallas_tune.measure.estimate import shrink_parallel
 
     x, w = args
     hidden = x.shape[-1]

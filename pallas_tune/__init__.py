@@ -15,6 +15,7 @@ Importing this package does not import Optuna, pandas or the tuner; cached dispa
 """
 
 from pallas_tune.chips import current_chip as current_chip
+from pallas_tune.chips import interpret_mode as interpret_mode
 from pallas_tune.chips import normalize_chip as normalize_chip
 from pallas_tune.chips import target as target
 from pallas_tune.errors import CacheFormatError as CacheFormatError
@@ -30,18 +31,17 @@ from pallas_tune.space import Param as Param
 from pallas_tune.space import SearchSpace as SearchSpace
 from pallas_tune.space import load_space as load_space
 from pallas_tune.tunable import TunableKernel as TunableKernel
-from pallas_tune.tunable import interpret_mode as interpret_mode
 from pallas_tune.tunable import tunable as tunable
 
 __version__ = "0.1.0"
 
 # Imported on first use: they trace with jax and are not needed on the dispatch path.
 _LAZY = {
-    "check_feasible": "pallas_tune.feasibility",
-    "estimate_vmem": "pallas_tune.feasibility",
-    "Verdict": "pallas_tune.feasibility",
-    "chip_spec": "pallas_tune.hardware",
-    "ChipSpec": "pallas_tune.hardware",
+    "check_feasible": "pallas_tune.feasibility.model",
+    "estimate_vmem": "pallas_tune.feasibility.model",
+    "Verdict": "pallas_tune.feasibility.model",
+    "chip_spec": "pallas_tune.chips",
+    "ChipSpec": "pallas_tune.chips",
 }
 
 

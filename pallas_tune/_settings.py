@@ -18,6 +18,7 @@ call :func:`reload` after changing them in a running process.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Final, Literal
 
 MODES: Final = ("cached", "tune", "strict")
@@ -45,14 +46,22 @@ def cache_dir() -> str:
 
 
 _ONCE: dict[str, object] = {}
+# Callbacks of modules that cache what they derived from the knobs (chips: the host's chip).
+# Registered by those modules, so that this leaf imports none of them.
+_RELOAD_HOOKS: list[Callable[[], None]] = []
+
+
+def on_reload(fn: Callable[[], None]) -> Callable[[], None]:
+    """Registers ``fn`` to run on :func:`reload` (for modules caching derived values)."""
+    _RELOAD_HOOKS.append(fn)
+    return fn
 
 
 def reload() -> None:
     """Forgets the knobs read once, so the next call re-reads the environment."""
     _ONCE.clear()
-    from pallas_tune import chips
-
-    chips._refresh()
+    for fn in _RELOAD_HOOKS:
+        fn()
 
 
 def interpret() -> Literal["auto", "on", "off"]:

@@ -1,19 +1,35 @@
-"""Which chip a call runs on (or is compiled for), named the way cache files are named.
+"""Chips: which one a call runs on (or is compiled for), its facts, and interpret mode.
 
 The chip name is normalised from ``device_kind`` ("TPU v6 lite" → ``tpu_v6e``,
 "NVIDIA H100 80GB HBM3" → ``nvidia_h100``, "cpu" → ``cpu``). It is detected once per process;
 :func:`target` overrides it for code that lowers or compiles for a TPU from a CPU host.
+:func:`chip_spec` gives a chip's hardware facts (:class:`ChipSpec`); this module is their only
+home. :class:`interpret_mode` and :func:`should_interpret` say how kernels run on a CPU host.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 from typing import Any, Final
 
-__all__ = ["current_chip", "normalize_chip", "should_interpret", "target", "tpu_device_kind"]
+from pallas_tune import _settings
+
+__all__ = [
+    "ChipSpec",
+    "chip_spec",
+    "current_chip",
+    "interpret_mode",
+    "known_chips",
+    "normalize_chip",
+    "should_interpret",
+    "target",
+    "tpu_device_kind",
+]
 
 # Canonical chip name -> device_kind strings seen from jax (notes/pallas-on-cpu.md §6).
 _TPU_KINDS: Final[dict[str, tuple[str, ...]]] = {
@@ -135,14 +151,13 @@ def _default_backend() -> str:
 _HOST: dict[str, object] = {}
 
 
+@_settings.on_reload
 def _refresh() -> None:
     _HOST.clear()
 
 
 def _host() -> dict[str, object]:
     if not _HOST:
-        from pallas_tune import _settings
-
         override = _settings.chip_override()
         _HOST["chip"] = normalize_chip(override) if override else _detected_chip()
         _HOST["interpret"] = _settings.interpret()
@@ -174,3 +189,208 @@ def should_interpret() -> bool:
     if not host["cpu"] or _TARGET.get() is not None:
         return False
     return _abstract_mesh_platform() not in ("tpu", "gpu")
+
+
+# ---- interpret mode ------------------------------------------------------------------------
+
+def _interpret_state() -> Any:
+    """JAX's interpret-mode override, read when a pallas_call is traced.
+
+    Setting it to ``True`` selects the HLO interpreter. ``pltpu.force_tpu_interpret_mode()``
+    sets an ``InterpretParams`` instead, which selects the TPU simulator: 12-20x slower on the
+    shipped matmul (benchmarks/interpret_modes.py).
+    """
+    from jax._src import config as jax_config
+
+    return jax_config.pallas_tpu_interpret_mode_context_manager
+
+
+class interpret_mode:  # noqa: N801 - used like a function, as a context manager.
+    """Context manager: traces Pallas kernels inside it in interpret mode (HLO interpreter)."""
+
+    __slots__ = ("_prev", "_active")
+    _state: Any = None
+
+    def __enter__(self) -> None:
+        state = interpret_mode._state
+        if state is None:
+            state = interpret_mode._state = _interpret_state()
+        self._active = not state.value
+        if self._active:  # Keep a user's own interpret setting (e.g. InterpretParams).
+            self._prev = state.swap_local(True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._active:
+            interpret_mode._state.set_local(self._prev)
+
+
+# ---- chip facts ---------------------------------------------------------------------------
+# One table, the only home of hardware numbers in pallas-tune. TPU rows take JAX's own
+# ``pltpu.get_tpu_info_for_chip`` record where the installed JAX has it (per-TensorCore VMEM,
+# SMEM, lanes, sublanes, MXU, peak ops, HBM), and add what JAX does not carry: the compiler's
+# default scoped-VMEM limit and the usable physical VMEM, both measured with a deviceless libtpu
+# 0.0.50.1 compile (notes/pallas-on-cpu.md §0.2), and the deviceless topology name. Without that
+# JAX API the fallback numbers below (copied from the same JAX table) are used; ``ChipSpec.source``
+# says which.
+
+MiB: Final = 1024 * 1024
+KiB: Final = 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ChipSpec:
+    """Hardware facts of one chip. Memory and throughput are per TensorCore unless named _chip."""
+
+    name: str  # Canonical pallas-tune name: tpu_v6e, nvidia_h100, cpu.
+    device_kind: str
+    platform: str  # "tpu", "gpu" or "cpu".
+    generation: int = 0
+    tensorcores_per_chip: int = 1
+    megacore: bool = False
+    # TPU memory.
+    vmem_bytes: int = 0
+    scoped_vmem_default_bytes: int = 0  # The compiler's limit when a kernel sets none.
+    vmem_usable_bytes: int = 0  # The most vmem_limit_bytes can raise it to.
+    smem_bytes: int = 0
+    # TPU vector and matrix units.
+    lanes: int = 128
+    sublanes: int = 8
+    vregs: int = 64  # Not in JAX; 32 on v4 (scaling book), 64 assumed later. A soft signal only.
+    mxu_dim: int = 128
+    num_mxus: int = 0
+    # Throughput.
+    bf16_flops: float = 0.0
+    int8_ops: float = 0.0
+    fp8_flops: float = 0.0
+    hbm_bw_bytes_per_s: float = 0.0
+    hbm_bytes: int = 0
+    clock_hz: float = 0.0  # For converting compiler cycle estimates (0: unknown).
+    # GPU.
+    sms: int = 0
+    smem_per_block_bytes: int = 0
+    registers_per_sm: int = 0
+    # Deviceless compile.
+    topology: str = ""
+    source: str = "pallas-tune table"
+
+    @property
+    def vreg_file_bytes(self) -> int:
+        return self.vregs * self.sublanes * self.lanes * 4
+
+    def sublane_tiling(self, itemsize: int) -> int:
+        """Rows of the native (sublane, 128) tile for an element size (as in jax tpu_info)."""
+        bits = itemsize * 8
+        if self.platform != "tpu":
+            return 1
+        if self.generation < 7 and bits in (16, 32):
+            return self.sublanes
+        return self.sublanes * max(1, 32 // bits)
+
+    def ridge_flops_per_byte(self) -> float:
+        return self.bf16_flops / self.hbm_bw_bytes_per_s if self.hbm_bw_bytes_per_s else 0.0
+
+
+# Per chip: JAX ChipVersion value, deviceless topology, default scoped VMEM (MiB), usable physical
+# VMEM (MiB), TensorCores, and the clock used to turn compiler cycle estimates into time. Clocks:
+# v4/v5e/v5p = peak bf16 FLOP/s per TensorCore / (4 MXUs x 128^2 MACs x 2); v6e = 1.75 GHz, from
+# the compiler estimate's own MXU asymptote (notes/libtpu-static-cost.md; the same formula with
+# JAX's 2 MXUs of 256^2 gives 3.5 GHz, so the estimate models 4 MXU-equivalents). 7x: unknown.
+_TPU: Final[dict[str, dict[str, Any]]] = {
+    "tpu_v4": dict(version="v4", topology="v4:1x1x1", scoped=16, usable=16.0, cores=2,
+                   megacore=True, vregs=32, clock_hz=1.05e9,
+                   fallback=dict(generation=4, vmem=16, smem=1024, mxu=128, n_mxu=4,
+                                 bf16=1.38e14, int8=0, fp8=0, bw=6.15e11, hbm=17.2e9)),
+    "tpu_v5e": dict(version="v5e", topology="v5e:1x1", scoped=16, usable=127.9375, cores=1,
+                    megacore=False, clock_hz=1.5e9,
+                    fallback=dict(generation=5, vmem=128, smem=1024, mxu=128, n_mxu=4,
+                                  bf16=1.97e14, int8=3.94e14, fp8=0, bw=8.2e11, hbm=17.2e9)),
+    "tpu_v5p": dict(version="v5p", topology="v5p:1x1x1", scoped=16, usable=63.9375, cores=2,
+                    megacore=True, clock_hz=1.75e9,
+                    fallback=dict(generation=5, vmem=64, smem=1024, mxu=128, n_mxu=4,
+                                  bf16=2.30e14, int8=4.59e14, fp8=0, bw=1.23e12, hbm=51.5e9)),
+    "tpu_v6e": dict(version="v6e", topology="v6e:1x1", scoped=32, usable=127.9375, cores=1,
+                    megacore=False, clock_hz=1.75e9,
+                    fallback=dict(generation=6, vmem=128, smem=1024, mxu=256, n_mxu=2,
+                                  bf16=9.20e14, int8=1.84e15, fp8=9.20e14, bw=1.64e12,
+                                  hbm=34.4e9)),
+    "tpu_7x": dict(version="7x", topology="tpu7x:1x1x1", scoped=32, usable=63.9375, cores=2,
+                   megacore=False,
+                   fallback=dict(generation=7, vmem=64, smem=1024, mxu=256, n_mxu=2,
+                                 bf16=1.155e15, int8=0, fp8=2.30e15, bw=3.7e12, hbm=103.0e9)),
+}
+_DEVICE_KIND: Final = {"tpu_v4": "TPU v4", "tpu_v5e": "TPU v5 lite", "tpu_v5p": "TPU v5",
+                       "tpu_v6e": "TPU v6 lite", "tpu_7x": "TPU7x"}
+
+# NVIDIA (Pallas Mosaic GPU / Triton): SM count, max dynamic shared memory per block, registers.
+_GPU: Final[dict[str, dict[str, Any]]] = {
+    "nvidia_h100": dict(device_kind="NVIDIA H100 80GB HBM3", sms=132, smem=227 * KiB,
+                        regs=65536, bf16=9.89e14, bw=3.35e12, hbm=80e9),
+    "nvidia_h200": dict(device_kind="NVIDIA H200", sms=132, smem=227 * KiB, regs=65536,
+                        bf16=9.89e14, bw=4.8e12, hbm=141e9),
+    "nvidia_a100": dict(device_kind="NVIDIA A100-SXM4-80GB", sms=108, smem=163 * KiB,
+                        regs=65536, bf16=3.12e14, bw=2.04e12, hbm=80e9),
+}
+
+
+def _jax_tpu_info(version: str) -> Any | None:
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+
+        cv = pltpu.ChipVersion(version)
+        return pltpu.get_tpu_info_for_chip(cv, 1)
+    except Exception:  # noqa: BLE001 - older JAX: no table, use ours.
+        return None
+
+
+def chip_spec(chip: str) -> ChipSpec:
+    """The ChipSpec of a chip name or device_kind ("v6e", "TPU v6 lite", "nvidia_h100", "cpu")."""
+    name = normalize_chip(chip)
+    if name not in known_chips():
+        raise ValueError(
+            f"unknown chip {chip!r} (normalised {name!r}); known: {known_chips()}. Use a short "
+            "name such as 'v6e' or a device_kind such as 'TPU v6 lite'."
+        )
+    return _chip_spec(name)
+
+
+@functools.cache
+def _chip_spec(name: str) -> ChipSpec:
+    if name in _TPU:
+        row = _TPU[name]
+        fb = row["fallback"]
+        info = _jax_tpu_info(row["version"])
+        common = dict(
+            name=name, device_kind=_DEVICE_KIND[name], platform="tpu",
+            tensorcores_per_chip=row["cores"], megacore=row["megacore"],
+            scoped_vmem_default_bytes=row["scoped"] * MiB,
+            vmem_usable_bytes=int(row["usable"] * MiB), topology=row["topology"],
+            vregs=row.get("vregs", 64), clock_hz=row.get("clock_hz", 0.0),
+        )
+        if info is not None:
+            return ChipSpec(
+                **common, generation=info.generation, vmem_bytes=info.vmem_capacity_bytes,
+                smem_bytes=info.smem_capacity_bytes, lanes=info.num_lanes,
+                sublanes=info.num_sublanes, mxu_dim=info.mxu_column_size,
+                num_mxus=info.num_mxus, bf16_flops=float(info.bf16_ops_per_second),
+                int8_ops=float(info.int8_ops_per_second),
+                fp8_flops=float(info.fp8_ops_per_second),
+                hbm_bw_bytes_per_s=float(info.mem_bw_bytes_per_second),
+                hbm_bytes=int(info.hbm_capacity_bytes), source="jax tpu_info + pallas-tune")
+        return ChipSpec(
+            **common, generation=fb["generation"], vmem_bytes=fb["vmem"] * MiB,
+            smem_bytes=fb["smem"] * KiB, mxu_dim=fb["mxu"], num_mxus=fb["n_mxu"],
+            bf16_flops=fb["bf16"], int8_ops=fb["int8"], fp8_flops=fb["fp8"],
+            hbm_bw_bytes_per_s=fb["bw"], hbm_bytes=int(fb["hbm"]))
+    if name in _GPU:
+        g = _GPU[name]
+        return ChipSpec(name=name, device_kind=g["device_kind"], platform="gpu", sms=g["sms"],
+                        smem_per_block_bytes=g["smem"], registers_per_sm=g["regs"],
+                        bf16_flops=g["bf16"], hbm_bw_bytes_per_s=g["bw"], hbm_bytes=int(g["hbm"]),
+                        lanes=32, sublanes=1)
+    assert name == "cpu", name  # chip_spec admits only known names.
+    # Interpret mode: no VMEM limit applies; a kernel's blocks live in host memory.
+    return ChipSpec(name="cpu", device_kind="cpu", platform="cpu")
+
+
+def known_chips() -> list[str]:
+    return [*_TPU, *_GPU, "cpu"]

@@ -188,8 +188,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_feasibility(args: argparse.Namespace) -> int:
-    from pallas_tune import _compile, _inspect, feasibility
-    from pallas_tune.hardware import chip_spec
+    from pallas_tune.feasibility import compile as _compile
+    from pallas_tune.feasibility import inspect as _inspect
+    from pallas_tune.feasibility import model as feasibility
+    from pallas_tune.chips import chip_spec
 
     kernel = _load_kernel(args.kernel)
     try:

@@ -28,38 +28,7 @@ from pallas_tune.cache import TuningCache, default_cache
 from pallas_tune.errors import CacheMissError, NoFeasibleConfigError, SearchSpaceError, warn
 from pallas_tune.space import Config, SearchSpace, load_space
 
-__all__ = ["TunableKernel", "interpret_mode", "tunable"]
-
-def _interpret_state() -> Any:
-    """JAX's interpret-mode override, read when a pallas_call is traced.
-
-    Setting it to ``True`` selects the HLO interpreter. ``pltpu.force_tpu_interpret_mode()``
-    sets an ``InterpretParams`` instead, which selects the TPU simulator: 12-20x slower on the
-    shipped matmul (benchmarks/interpret_modes.py).
-    """
-    from jax._src import config as jax_config
-
-    return jax_config.pallas_tpu_interpret_mode_context_manager
-
-
-class interpret_mode:  # noqa: N801 - used like a function, as a context manager.
-    """Context manager: traces Pallas kernels inside it in interpret mode (HLO interpreter)."""
-
-    __slots__ = ("_prev", "_active")
-    _state: Any = None
-
-    def __enter__(self) -> None:
-        state = interpret_mode._state
-        if state is None:
-            state = interpret_mode._state = _interpret_state()
-        self._active = not state.value
-        if self._active:  # Keep a user's own interpret setting (e.g. InterpretParams).
-            self._prev = state.swap_local(True)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._active:
-            interpret_mode._state.set_local(self._prev)
-
+__all__ = ["TunableKernel", "tunable"]
 
 def _fast_part(v: Any) -> Any:
     shape = getattr(v, "shape", None)
@@ -120,7 +89,7 @@ class TunableKernel:
         else:
             config = explicit
         if chips.should_interpret():
-            with interpret_mode():
+            with chips.interpret_mode():
                 return self.fn(*args, **kwargs, **config)
         return self.fn(*args, **kwargs, **config)
 
@@ -211,7 +180,7 @@ class TunableKernel:
     def violations(self, config: Mapping[str, Any], args: Sequence[Any],
                    kwargs: Mapping[str, Any]) -> list[str]:
         """Why ``config`` cannot run for these arguments (TPU block rules, tracing errors)."""
-        from pallas_tune import _inspect
+        from pallas_tune.feasibility import inspect as _inspect
 
         try:
             calls = _inspect.find_pallas_calls(self.fn, args, {**kwargs, **config})
@@ -257,17 +226,17 @@ class TunableKernel:
 
     def tune(self, *args: Any, trials: int = 32, seed: int | None = None, **kwargs: Any) -> Any:
         """Tunes the space for these arguments, writes the winner to the cache, returns a
-        :class:`pallas_tune.tuner.TuningResult` (``.best``, ``.best_ms``, ``.trials``).
+        :class:`pallas_tune.tuning.TuningResult` (``.best``, ``.best_ms``, ``.trials``).
 
         Arguments may be arrays or ``jax.ShapeDtypeStruct``\\ s (random inputs are made for
         them). Keyword options of the tuner (``timer``, ``repeats``, ``warmup``, ``write``,
         ``storage``, ``chip``, ``verbose``) are taken out of ``kwargs``; the rest are static
         arguments of the kernel.
         """
-        from pallas_tune import tuner
+        from pallas_tune import tuning
 
-        options = {k: kwargs.pop(k) for k in tuner.TUNE_OPTIONS if k in kwargs}
-        result = tuner.tune(self, args, kwargs, trials=trials, seed=seed, **options)
+        options = {k: kwargs.pop(k) for k in tuning.loop.TUNE_OPTIONS if k in kwargs}
+        result = tuning.tune(self, args, kwargs, trials=trials, seed=seed, **options)
         with self._lock:
             self._memo.clear()
         return result
@@ -278,7 +247,7 @@ class TunableKernel:
         import concurrent.futures
         import contextvars
 
-        from pallas_tune import _inspect
+        from pallas_tune.feasibility import inspect as _inspect
 
         abstract = _inspect.abstractify(args)
         ctx = contextvars.copy_context()
@@ -334,7 +303,7 @@ def tunable(
         estimate, used by the tuner's feasibility filter instead of the automatic model.
       standin: ``standin(args, kwargs, config) -> (args, kwargs, scale)``: a smaller problem with
         the same tiles whose compiler estimate times ``scale`` stands for the full one (the
-        ``tpu-estimate`` timer compiles it instead; see :mod:`pallas_tune.estimate`).
+        ``tpu-estimate`` timer compiles it instead; see :mod:`pallas_tune.measure.estimate`).
       **choices: parameter name → list of choices.
 
     Raises:

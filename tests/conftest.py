@@ -51,7 +51,7 @@ def subprocess_env(**extra):
 
 
 def pytest_collection_modifyitems(config, items):
-    from pallas_tune._compile import libtpu_available
+    from pallas_tune.feasibility.compile import libtpu_available
 
     if libtpu_available():
         return

@@ -7,9 +7,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
-from pallas_tune import _compile
-from pallas_tune.feasibility import check_feasible, estimate_vmem
-from pallas_tune.hardware import chip_spec
+from pallas_tune.feasibility import compile as _compile
+from pallas_tune.feasibility.model import check_feasible, estimate_vmem
+from pallas_tune.chips import chip_spec
 from pallas_tune.kernels.matmul import matmul
 
 MiB = 2**20
@@ -156,8 +156,8 @@ def test_public_names_and_user_estimator():
 
 
 def test_tuner_filter_uses_the_kernel_estimator_and_vreg_limit():
-    from pallas_tune.measure import Outcome
-    from pallas_tune.tuner import _check
+    from pallas_tune.measure.timing import Outcome
+    from pallas_tune.tuning.loop import _check
 
     est = pt.tunable(bm=[512], bn=[512], bk=[512], buffering=[2], semantics=[SEM],
                      vmem_estimate=lambda x, y, **kw: 64 * MiB, name="est")(matmul.fn)

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_tune import _compile
-from pallas_tune.feasibility import check_feasible
+from pallas_tune.feasibility import compile as _compile
+from pallas_tune.feasibility.model import check_feasible
 from pallas_tune.kernels.flash_attention import flash_attention
 from pallas_tune.kernels.matmul import matmul
 
@@ -46,8 +46,8 @@ def test_flash_attention_compiles_deviceless():
 
 
 def test_tuner_two_stage_filter_rejects_a_borderline_oom_before_measuring():
-    from pallas_tune.measure import Outcome
-    from pallas_tune.tuner import _check
+    from pallas_tune.measure.timing import Outcome
+    from pallas_tune.tuning.loop import _check
 
     cfg = dict(bm=2048, bn=2048, bk=1024, buffering=1, semantics=SEM)
     (outcome, error, detail, _), _ = _check(matmul, cfg, (X, X), {}, "tpu_v6e", "compile")

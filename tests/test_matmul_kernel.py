@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pallas_tune as pt
-from pallas_tune import _inspect
+from pallas_tune.feasibility import inspect as _inspect
 from pallas_tune.kernels.matmul import matmul, matmul_reference
 
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pallas_tune import replay
+from pallas_tune.search import replay
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -6,7 +6,7 @@ import numpy as np
 import optuna
 import pytest
 
-from pallas_tune.search import CandidateBO, CandidateSampler, encode_features
+from pallas_tune.search.gp import CandidateBO, CandidateSampler, encode_features
 
 SIZES = [16, 32, 64, 128, 256, 512, 1024]
 
@@ -121,7 +121,7 @@ def test_rejects_an_empty_candidate_list():
 
 
 def test_a_singular_fit_falls_back_to_a_random_free_candidate(monkeypatch):
-    from pallas_tune import search
+    from pallas_tune.search import gp as search
 
     bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=0, n_startup=2)
     measured = {c: _bowl(c) for c in CANDIDATES[:10]}

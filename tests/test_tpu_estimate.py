@@ -10,7 +10,7 @@ import pytest
 
 import pallas_tune as pt
 from conftest import subprocess_env
-from pallas_tune.estimate import Estimator, shrink_parallel
+from pallas_tune.measure.estimate import Estimator, shrink_parallel
 from pallas_tune.kernels.matmul import matmul
 
 SEM = ("parallel", "parallel", "arbitrary")
@@ -96,7 +96,7 @@ def test_tune_checks_the_standin_and_records_it(cache_dir):
 
 
 def test_roofline_ranks_tiles():
-    from pallas_tune.roofline import roofline
+    from pallas_tune.feasibility.roofline import roofline
 
     times = [roofline(matmul, (X, X), dict(bm=t, bn=t, bk=t, buffering=2, semantics=SEM),
                       chip="v6e").time_ms for t in (128, 256, 512, 1024)]
@@ -121,8 +121,8 @@ def test_a_dying_compile_worker_costs_only_its_candidate():
 def test_a_full_compile_that_dies_leaves_the_standin_in_use_and_labelled():
     """A full problem too big for a worker (seen: an 18 GB LLO profile) must not push every
     candidate onto full compiles that would die the same way."""
-    from pallas_tune.estimate import EstimateResult
-    from pallas_tune.tuner import _check_standin
+    from pallas_tune.measure.estimate import EstimateResult
+    from pallas_tune.tuning.loop import _check_standin
 
     class Dies:
         def map(self, kernel, args, kwargs, configs, chip, standin=True):

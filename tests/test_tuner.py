@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pallas_tune as pt
-from pallas_tune.measure import compare
+from pallas_tune.measure.timing import compare
 
 
 def test_tune_writes_cache_and_returns_result(cache_dir, fresh):
@@ -123,7 +123,7 @@ def test_warm_start_from_a_neighbour_shape_beats_a_cold_start(cache_dir):
     import jax.numpy as jnp
 
     import pallas_tune as pt
-    from pallas_tune.tuner import warm_start_configs
+    from pallas_tune.tuning.loop import warm_start_configs
 
     # Cost depends on the config only: the optimum (a=6, b=6, c=6) is hard to hit by chance.
     @pt.tunable(a=list(range(12)), b=list(range(12)), c=list(range(12)), name="synthetic")
@@ -133,13 +133,13 @@ def test_warm_start_from_a_neighbour_shape_beats_a_cold_start(cache_dir):
     fake = {}
 
     def fake_measure(fn, args, kwargs, **_):
-        from pallas_tune.measure import Measurement, Outcome
+        from pallas_tune.measure.timing import Measurement, Outcome
 
         cost = 1.0 + abs(kwargs["a"] - 6) + abs(kwargs["b"] - 6) + abs(kwargs["c"] - 6)
         fake[len(fake)] = cost
         return Outcome.OK, Measurement(times_ms=(cost,), compile_ms=0.0), args[0], "", 0.0
 
-    import pallas_tune.tuner as tuner_mod
+    import pallas_tune.tuning.loop as tuner_mod
 
     orig = tuner_mod.measure
     tuner_mod.measure = fake_measure
@@ -167,7 +167,7 @@ def test_warm_start_uses_roofline_picks_for_tpu_chips(cache_dir):
     import jax.numpy as jnp
 
     from pallas_tune.kernels.matmul import matmul
-    from pallas_tune.tuner import warm_start_configs
+    from pallas_tune.tuning.loop import warm_start_configs
 
     x = jax.ShapeDtypeStruct((1536, 1536), jnp.bfloat16)  # No tuned neighbour that fits.
     picks = warm_start_configs(matmul, (x, x), {}, "tpu_v6e", matmul.cache_key(x, x), limit=4)

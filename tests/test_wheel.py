@@ -72,7 +72,7 @@ def test_fresh_venv_tune_then_resolve_without_optuna(wheel, tmp_path):
         "assert cfg.source == 'cache', cfg\n"
         "out = jax.jit(matmul)(x, y)\n"
         "np.testing.assert_allclose(out, matmul_reference(x, y), rtol=1e-4, atol=1e-3)\n"
-        "assert 'optuna' not in sys.modules and 'pallas_tune.tuner' not in sys.modules\n"
+        "assert 'optuna' not in sys.modules and 'pallas_tune.tuning' not in sys.modules\n"
         "import importlib.resources as r\n"
         "assert (r.files('pallas_tune.search_spaces') / 'matmul.toml').is_file()\n"
         "print('RESOLVED', dict(cfg))\n"

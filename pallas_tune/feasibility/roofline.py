@@ -14,8 +14,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from pallas_tune import _inspect
-from pallas_tune.hardware import ChipSpec, chip_spec
+from pallas_tune.feasibility import inspect as _inspect
+from pallas_tune.chips import ChipSpec, chip_spec
 
 __all__ = ["RooflineEstimate", "roofline", "roofline_calls"]
 

@@ -181,7 +181,7 @@ def measure(
         fn, args, kwargs, interpret=interpret)
     if isinstance(compiled, BaseException):
         text = _short_error(compiled)
-        from pallas_tune._compile import OOM_KINDS, classify_error
+        from pallas_tune.feasibility.compile import OOM_KINDS, classify_error
 
         kind = classify_error(text)
         outcome = Outcome.INFEASIBLE if kind in OOM_KINDS else Outcome.COMPILE_ERROR
@@ -276,7 +276,7 @@ def compile_candidate(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
                       *, interpret: bool) -> tuple[Any, float]:
     """(compiled executable, or the exception that compiling raised; compile time in ms).
     Thread-safe: XLA compiles release the GIL, so a batch can compile concurrently."""
-    from pallas_tune.tunable import interpret_mode
+    from pallas_tune.chips import interpret_mode
 
     jitted = jax.jit(lambda *a: fn(*a, **kwargs))
     t0 = time.perf_counter()

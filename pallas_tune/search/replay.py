@@ -102,7 +102,7 @@ def _grid(land: Landscape, budget: int, seed: int, evaluate, measured) -> None:
 
 
 def _gp(land: Landscape, budget: int, seed: int, evaluate, measured) -> None:
-    from pallas_tune.search import DEFAULT_STARTUP, CandidateBO
+    from pallas_tune.search.gp import DEFAULT_STARTUP, CandidateBO
 
     bo = CandidateBO(land.configs, land.choices, seed=seed, n_startup=DEFAULT_STARTUP)
     while len(measured) < budget:

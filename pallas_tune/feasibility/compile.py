@@ -103,7 +103,7 @@ def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
     Array arguments (arrays or ShapeDtypeStructs) are placed on a compile-only device of the chip's
     topology; other arguments are static. Raises RuntimeError when libtpu is missing.
     """
-    from pallas_tune.hardware import chip_spec
+    from pallas_tune.chips import chip_spec
 
     spec = chip_spec(chip)
     if spec.platform != "tpu":
@@ -115,7 +115,8 @@ def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    from pallas_tune import _inspect, chips
+    from pallas_tune import chips
+    from pallas_tune.feasibility import inspect as _inspect
 
     device = _topology_device(spec.topology)
     sharding = SingleDeviceSharding(device)

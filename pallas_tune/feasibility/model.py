@@ -26,8 +26,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-from pallas_tune import _compile, _inspect
-from pallas_tune.hardware import ChipSpec, chip_spec
+from pallas_tune.feasibility import compile as _compile
+from pallas_tune.feasibility import inspect as _inspect
+from pallas_tune.chips import ChipSpec, chip_spec
 
 __all__ = ["KernelVmem", "Verdict", "check_feasible", "estimate_vmem", "model_calls"]
 
@@ -170,10 +171,9 @@ def _trace(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any
            ) -> tuple[Callable[..., Any], list[_inspect.PallasCallInfo], dict[str, Any]]:
     """Resolves a TunableKernel's missing parameters for ``chip``; returns (fn, calls, kwargs)."""
     from pallas_tune import chips
-    from pallas_tune.tunable import TunableKernel
 
     kwargs = dict(kwargs)
-    if isinstance(fn, TunableKernel):
+    if hasattr(fn, "config_for") and hasattr(fn, "space"):  # A @tunable kernel (duck-typed).
         with chips.target(chip, abstract_mesh=False):
             missing = [n for n in fn.space.names if n not in kwargs]
             if missing:

@@ -87,7 +87,7 @@ def _from_specs(args: Any) -> Any:
 
 def _job(ref: str, args: Any, kwargs: dict[str, Any], config: dict[str, Any], chip: str,
          use_standin: bool) -> EstimateResult:
-    from pallas_tune import _compile
+    from pallas_tune.feasibility import compile as _compile
 
     kernel = load(ref)
     fn = getattr(kernel, "fn", kernel)

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pallas_tune.measure import Measurement, Outcome
+from pallas_tune.measure.timing import Measurement, Outcome
 
 __all__ = ["IsolatedRunner"]
 
@@ -35,7 +35,7 @@ def _worker_main(conn: Any, ref: str, args: Sequence[Any], kwargs: Mapping[str, 
         import jax.numpy as jnp
 
         from pallas_tune._refs import load
-        from pallas_tune.measure import measure
+        from pallas_tune.measure.timing import measure
 
         kernel = load(ref)
         fn = getattr(kernel, "fn", kernel)
@@ -57,7 +57,7 @@ def _worker_main(conn: Any, ref: str, args: Sequence[Any], kwargs: Mapping[str, 
             reference = msg[1]
             continue
         if msg[0] == "retime":
-            from pallas_tune.measure import retime_interleaved
+            from pallas_tune.measure.timing import retime_interleaved
 
             try:
                 conn.send(("result", retime_interleaved(fn, args, kwargs, msg[1],

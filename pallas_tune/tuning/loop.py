@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from pallas_tune import chips, errors
 from pallas_tune.errors import NoFeasibleConfigError
-from pallas_tune.measure import Measurement, Outcome, TrialRecord, make_inputs, measure
+from pallas_tune.measure.timing import Measurement, Outcome, TrialRecord, make_inputs, measure
 from pallas_tune.space import TrialEncoder
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def tune(
     smaller problem with the same tiles where the kernel declares one), converted with the chip
     clock. Estimates are written as cache entries of kind ``estimate``. Before a stand-in is
     trusted, one candidate is estimated both ways; beyond 5% apart, the run compiles full
-    problems instead. ``estimate_fallback="roofline"`` uses :mod:`pallas_tune.roofline` where
+    problems instead. ``estimate_fallback="roofline"`` uses :mod:`pallas_tune.feasibility.roofline` where
     libtpu returns no estimate (else that is an error naming the libtpu version).
 
     ``feasibility`` (TPU chips): ``"model"`` rejects candidates the VMEM/SMEM model proves
@@ -167,7 +167,7 @@ def tune(
     ``vreg_limit`` rejects candidates whose largest in-kernel value exceeds that many vector
     register files (spill risk); by default it is only recorded.
 
-    ``isolate`` measures in a worker process (see :mod:`pallas_tune.isolation`), with
+    ``isolate`` measures in a worker process (see :mod:`pallas_tune.measure.worker`), with
     ``timeout_s`` per candidate (compile and run): a hang is recorded as ``timeout`` and a crash
     as ``runtime_error``, and tuning goes on. Giving ``timeout_s`` implies ``isolate``. In-process
     measurement (the default) is faster. Before the winner is written, the ``retime_top`` best
@@ -185,7 +185,7 @@ def tune(
         raise ValueError(f"sampler={sampler!r} must be one of {SAMPLERS}.")
     import jax
 
-    from pallas_tune.hardware import chip_spec
+    from pallas_tune.chips import chip_spec
 
     host_chip = chips.current_chip()
     chip = chips.normalize_chip(chip) if chip else host_chip
@@ -195,7 +195,7 @@ def tune(
         if spec.platform != "tpu":
             raise ValueError(f"timer='tpu-estimate' needs a TPU chip (chip='v6e', ...), not "
                              f"{chip!r}.")
-        from pallas_tune import _compile
+        from pallas_tune.feasibility import compile as _compile
 
         if not _compile.libtpu_available():
             raise ValueError("timer='tpu-estimate' compiles with libtpu: pip install "
@@ -211,7 +211,7 @@ def tune(
     key = kernel.cache_key(*args, **kwargs)
     interpret = (not estimating) and chips.should_interpret()
     if estimating:
-        from pallas_tune import _inspect
+        from pallas_tune.feasibility import inspect as _inspect
 
         args_c, kwargs_c = _inspect.abstractify(args), dict(kwargs)
     else:
@@ -234,7 +234,7 @@ def tune(
     runner = None
     if isolate and not estimating:
         from pallas_tune._refs import kernel_ref
-        from pallas_tune.isolation import IsolatedRunner
+        from pallas_tune.measure.worker import IsolatedRunner
 
         runner = IsolatedRunner(kernel_ref(kernel), args_c, kwargs_c, interpret=interpret,
                                 timeout_s=timeout_s)
@@ -245,7 +245,7 @@ def tune(
     estimator = None
     standin_check: dict[str, Any] = {}
     if estimating:
-        from pallas_tune.estimate import Estimator
+        from pallas_tune.measure.estimate import Estimator
 
         estimator = Estimator(workers)
         if standin and kernel.standin is not None:
@@ -285,7 +285,7 @@ def tune(
             for config, r in zip(todo, estimator.map(kernel, args_c, kwargs_c, todo, chip,
                                                      standin=standin), strict=True):
                 if r.ok:
-                    from pallas_tune.estimate import cycles_to_ms
+                    from pallas_tune.measure.estimate import cycles_to_ms
 
                     ms = cycles_to_ms(r.cycles, spec.clock_hz)
                     rec = TrialRecord(number=len(records), config=config, outcome=Outcome.OK,
@@ -298,8 +298,8 @@ def tune(
                         from pallas_tune.errors import MeasurementError
 
                         raise MeasurementError(r.message)
-                    from pallas_tune import _inspect
-                    from pallas_tune.roofline import roofline_calls
+                    from pallas_tune.feasibility import inspect as _inspect
+                    from pallas_tune.feasibility.roofline import roofline_calls
 
                     rl = roofline_calls(_inspect.find_pallas_calls(
                         kernel.fn, args_c, {**kwargs_c, **config}), spec)
@@ -308,7 +308,7 @@ def tune(
                                                               compile_ms=r.compile_s * 1e3),
                                       detail="roofline model (libtpu returned no estimate)")
                 else:
-                    from pallas_tune import _compile
+                    from pallas_tune.feasibility import compile as _compile
 
                     outcome = (Outcome.INFEASIBLE
                                if r.kind in (*_compile.OOM_KINDS, _compile.BLOCK_RULE)
@@ -321,7 +321,7 @@ def tune(
             if runner is None and n_compile > 1 and len(todo) > 1:
                 import joblib
 
-                from pallas_tune.measure import compile_candidate
+                from pallas_tune.measure.timing import compile_candidate
 
                 jobs = (joblib.delayed(compile_candidate)(kernel.fn, args_c, {**kwargs_c, **c},
                                                           interpret=interpret) for c in todo)
@@ -456,9 +456,10 @@ def warm_start_configs(kernel: TunableKernel, args: Sequence[Any], kwargs: Mappi
     """Configs worth measuring first: the declared default, the winners of the nearest tuned
     shapes (same kernel and chip, by key distance; only those valid here), then for TPU chips
     the roofline model's best picks. Deduplicated, at most ``limit``."""
-    from pallas_tune import _inspect, keys
-    from pallas_tune.hardware import chip_spec
-    from pallas_tune.roofline import roofline_calls
+    from pallas_tune import keys
+    from pallas_tune.feasibility import inspect as _inspect
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.feasibility.roofline import roofline_calls
 
     space = kernel.space
     out: list[dict[str, Any]] = []
@@ -512,7 +513,7 @@ def _retime(kernel: TunableKernel, records: list[TrialRecord], args: Sequence[An
             kwargs: Mapping[str, Any], interpret: bool, runner: Any, top: int, *, rounds: int
             ) -> dict[str, Any] | None:
     """Re-times the ``top`` best interleaved; returns the winner and a table, or None."""
-    from pallas_tune.measure import retime_interleaved
+    from pallas_tune.measure.timing import retime_interleaved
 
     ok = sorted((r for r in records if r.outcome is Outcome.OK), key=lambda r: r.median_ms)
     if len(ok) < 2:
@@ -652,7 +653,7 @@ def _sampler(space: Any, encoder: TrialEncoder, name: str, *, seed: int | None, 
     import optuna
 
     if name == "gp" and space.size <= GP_MAX_CANDIDATES:
-        from pallas_tune.search import CandidateSampler
+        from pallas_tune.search.gp import CandidateSampler
 
         return CandidateSampler([encoder.encode(c) for c in space], encoder.distributions,
                                 values=encoder.values, seed=seed)
@@ -664,8 +665,8 @@ def _sampler(space: Any, encoder: TrialEncoder, name: str, *, seed: int | None, 
 def _feasibility_mode(mode: str, chip: str) -> str:
     if mode not in ("auto", "off", "model", "compile"):
         raise ValueError(f"feasibility={mode!r} must be auto, off, model or compile.")
-    from pallas_tune import _compile
-    from pallas_tune.hardware import chip_spec
+    from pallas_tune.feasibility import compile as _compile
+    from pallas_tune.chips import chip_spec
 
     try:
         spec = chip_spec(chip)
@@ -688,9 +689,11 @@ def _check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any]
     (borderline, stage "compile") a deviceless compile.
 
     Returns (rejection or None when it may be measured, the traced pallas_calls)."""
-    from pallas_tune import _compile, _inspect, feasibility
+    from pallas_tune.feasibility import compile as _compile
+    from pallas_tune.feasibility import inspect as _inspect
+    from pallas_tune.feasibility import model as feasibility
     from pallas_tune.errors import InvalidConfig
-    from pallas_tune.hardware import chip_spec
+    from pallas_tune.chips import chip_spec
 
     try:
         calls = _inspect.find_pallas_calls(kernel.fn, args, {**kwargs, **config})
