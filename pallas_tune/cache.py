@@ -190,6 +190,23 @@ class TuningCache:
 
     # ---- writing -------------------------------------------------------------------------
 
+    def check_writable(self, chip: str, kernel: str, *, kind: str = "measured") -> str:
+        """Raises :class:`CacheFormatError` unless an entry for (chip, kernel) could be written
+        now; returns the directory. The tuner calls it before the first candidate is measured,
+        so that an unwritable cache costs no device time."""
+        d = os.path.dirname(self.path(chip, kernel, kind=kind))
+        try:
+            os.makedirs(d, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=d, prefix=".probe-", suffix=".tmp")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise CacheFormatError(
+                f"cannot write tuned configs to {d} ({e.strerror or e}); set "
+                "PALLAS_TUNE_CACHE_DIR to a writable directory, or tune with write=False."
+            ) from None
+        return d
+
     def write(self, chip: str, kernel: str, key: str, entry: Mapping[str, Any], *,
               kind: str = "measured") -> str:
         """Merges one entry into the user cache file, atomically. Returns the path written.
