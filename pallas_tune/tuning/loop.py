@@ -502,11 +502,13 @@ def warm_start_configs(kernel: TunableKernel, args: Sequence[Any], kwargs: Mappi
 
 
 def _event_regex(calls: Sequence[Any]) -> str | None:
-    """A regex for the profiler events of a candidate's pallas_calls (by their names)."""
-    import re
+    """Which profiler events count as the candidate's time: all of its program's device ops.
 
-    names = dict.fromkeys(c.name for c in calls if c.name)
-    return "|".join(re.escape(n) for n in names) or None
+    A candidate is the whole function the user calls, so the XLA ops around its pallas_calls
+    (a split-k reduction, a padding copy) are part of its cost; counting only the kernels' own
+    events would favour configs that move work out of them (e.g. more ``k_splits``)."""
+    del calls  # Unused: every device op of the candidate's program counts.
+    return None
 
 
 def _retime(kernel: TunableKernel, records: list[TrialRecord], args: Sequence[Any],
