@@ -54,6 +54,9 @@ class PallasCallInfo:
     # Non-dot values that live in registers between ops (not stored straight to a ref): each may
     # spill to VMEM when larger than the vector register file. Shapes and dtypes.
     live_values: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
+    # Which Pallas backend lowers it: "mosaic_tpu", "triton" or "mosaic_gpu" (from the type of
+    # its compiler params; a call without any is lowered for TPU by Mosaic when run on a TPU).
+    backend: str = "mosaic_tpu"
 
 
 def _block_dim(d: Any) -> int | None:
@@ -213,6 +216,7 @@ def _info(eqn: Any) -> PallasCallInfo:
     cp = eqn.params.get("compiler_params")
     if isinstance(cp, dict):  # Older JAX keyed compiler params by backend.
         cp = cp.get("mosaic_tpu") or cp.get("mosaic") or next(iter(cp.values()), None)
+    backend = _backend(cp)
     sem = getattr(cp, "dimension_semantics", None)
     if sem is not None:
         sem = tuple(str(getattr(s, "value", s)).lower() for s in sem)
@@ -221,6 +225,7 @@ def _info(eqn: Any) -> PallasCallInfo:
     dots, largest, live = (_body_values(getattr(body, "jaxpr", body)) if body is not None
                            else ([], None, []))
     return PallasCallInfo(
+        backend=backend,
         dots=tuple(dots),
         live_values=tuple(live),
         largest_value=largest,
@@ -231,6 +236,15 @@ def _info(eqn: Any) -> PallasCallInfo:
         dimension_semantics=sem,
         vmem_limit_bytes=getattr(cp, "vmem_limit_bytes", None),
     )
+
+
+def _backend(compiler_params: Any) -> str:
+    module = type(compiler_params).__module__ if compiler_params is not None else ""
+    if ".triton" in module:
+        return "triton"
+    if ".mosaic_gpu" in module:
+        return "mosaic_gpu"
+    return "mosaic_tpu"
 
 
 def abstractify(args: Sequence[Any]) -> list[Any]:
@@ -283,6 +297,8 @@ def block_rule_violations(calls: Sequence[PallasCallInfo], *, sublanes: int = 8,
     """
     problems = []
     for call in calls:
+        if call.backend != "mosaic_tpu":
+            continue  # GPU backends have rules of their own (Triton: power-of-two shapes).
         for b in call.blocks:
             where = f"{call.name or 'pallas_call'} {b.origin}"
             for axis, (blk, full) in enumerate(zip(b.block_shape, b.array_shape, strict=True)):
