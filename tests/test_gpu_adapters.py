@@ -179,3 +179,25 @@ def test_the_spaces_hold_only_values_upstream_honours():
         p.choices for p in g.layer_norm.space.params)) <= {1, 2, 3, 4}
     assert g.layer_norm.space.names == ("num_stages",)  # Upstream overwrites num_warps.
     assert g.rms_norm.space.names == ("num_stages",)
+
+
+def test_shipped_h100_caches_serve_the_adapters(monkeypatch):
+    """The caches tuned on the lent H100 resolve at trace time for a user on that chip."""
+    from pallas_tune import _settings, cache
+
+    monkeypatch.setenv("PALLAS_TUNE_CHIP", "nvidia_h100")
+    monkeypatch.setenv("PALLAS_TUNE_CACHE_DIR", "/nonexistent-user-cache")
+    _settings.reload()
+    cache.reset_default_cache()
+    try:
+        x = S((16, 32000), jnp.float32)
+        config = g.softmax.config_for(x)
+        assert config.source == "cache" and "nvidia_h100" in config.origin
+        entry, _ = g.softmax.cache.lookup("nvidia_h100", g.softmax.name, g.softmax.cache_key(x))
+        prov = entry["provenance"]
+        assert prov["timer"] == "profiler" and prov["device_kind"].startswith("NVIDIA H100")
+        assert prov["kind"] == "measured" and not prov["interpret"]
+    finally:
+        monkeypatch.undo()
+        _settings.reload()
+        cache.reset_default_cache()
