@@ -158,3 +158,49 @@ def clamped(x, *, b, buffering):
         out_specs=pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0)),
         name=f"clamped_{b}",
     )(x)
+
+
+class ToySession:
+    """A worker session for the pool's own tests (see test_evaluate.py)."""
+
+    def __init__(self, tag):
+        self.tag = tag
+        self.value = None
+
+    def info(self, channel=None):
+        import os
+
+        return {"tag": self.tag, "pid": os.getpid()}
+
+    def keep(self, value, channel=None):
+        self.value = value
+
+    def kept(self, channel=None):
+        return self.value
+
+    def work(self, phase, seconds, channel):
+        import time
+
+        channel.phase(phase)
+        time.sleep(seconds)
+        return phase
+
+    def span(self, seconds, channel):
+        import os
+        import time
+
+        start = time.time()
+        time.sleep(seconds)
+        return os.getpid(), start, time.time()
+
+    def die(self, channel):
+        import os
+
+        channel.phase("run")
+        os.abort()
+
+    def question(self, q, channel):
+        return channel.ask(q)
+
+    def fail(self, channel):
+        raise ValueError("a bug in the session")
