@@ -58,6 +58,14 @@ def test_block_rule_violations_never_measured_and_mismatch_rejected(cache_dir, f
     assert res.best["wrong"] is False
 
 
+def test_feasibility_off_means_off(cache_dir, fresh):
+    res = fresh.scale_checked.tune(fresh.ones((64, 256)), trials=32, repeats=1, write=False,
+                                   feasibility="off", retime_top=0)
+    assert "infeasible" not in set(res.trials.outcome)  # No block rules: only the trace.
+    assert "infeasible" in set(fresh.scale_checked.tune(
+        fresh.ones((64, 256)), trials=32, repeats=1, write=False, retime_top=0).trials.outcome)
+
+
 def test_each_program_is_measured_once(cache_dir, fresh):
     """Clamped tiles and (in interpret mode) the buffer depth make 10 configs 2 programs."""
     x = fresh.ones((16, 128))

@@ -114,7 +114,8 @@ class _Worker:
         self.job: _Job | None = None
         self.started = time.perf_counter()
         self.phase_deadline = float("inf")
-        self.conn.send((spec.factory, spec.args, spec.memory_limit, spec.main_path, sys.path))
+        path = [p or os.getcwd() for p in sys.path]  # The parent's, where the kernel may be.
+        self.conn.send((spec.factory, spec.args, spec.memory_limit, spec.main_path, path))
 
     def wait_ready(self, replay: Sequence[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
         if self.info is not None:
@@ -386,7 +387,7 @@ def _child_main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(fd)
     factory, args, memory_limit, main_path, path = conn.recv()
-    sys.path[:] = [p for p in path if p] + [p for p in sys.path if p not in path]
+    sys.path[:] = path + [p for p in sys.path if p not in path]
     try:
         if memory_limit:
             import resource

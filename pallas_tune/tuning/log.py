@@ -110,7 +110,7 @@ class TrialLog:
     # ---- summaries ------------------------------------------------------------------------
 
     def best(self) -> TrialRecord | None:
-        ok = [r for r in self.records if r.outcome is Outcome.OK]
+        ok = [r for r in self.records if r.outcome is Outcome.OK and r.duplicate_of is None]
         return min(ok, key=lambda r: r.median_ms) if ok else None
 
     def progress(self) -> Progress:
