@@ -46,7 +46,7 @@ CASES = {
     "flash attention S=512": ("flash", 512),
     "flash attention S=1024": ("flash", 1024),
 }
-TUNERS = ("before", "after", "after, workers", "tune-jax")
+TUNERS = ("before", "after", "after-workers", "tune-jax")
 
 
 def _problem(case: str):
@@ -100,7 +100,7 @@ def _child(tuner: str, case: str, log_path: str) -> None:
                                   "outcome": rec.outcome.value}) + "\n")
 
         opts["callbacks"] = [record]
-        if tuner == "after, workers":
+        if tuner == "after-workers":
             opts["isolate"] = True
     t0 = time.perf_counter()
     res = kernel.tune(*args, **kwargs, **opts)
