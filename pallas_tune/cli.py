@@ -122,9 +122,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         _settings.reload()
     chip = chips.normalize_chip(args.chip) if args.chip else chips.current_chip()
-    kind = "estimate" if args.timer == "tpu-estimate" else "measured"
+    options = _tune_options(args, chip)  # Bad values fail here, before any shape is tuned.
+    kind = "estimate" if options.timer == "tpu-estimate" else "measured"
     print(f"pallas-tune sweep: {kernel.name} on {chip} ({len(specs)} shape(s), "
-          f"{args.trials} trials each, space of {kernel.space.size}, timer {args.timer})")
+          f"{options.trials} trials each, space of {kernel.space.size}, timer {options.timer})")
     failures = 0
     for spec in specs:
         call_args, call_kwargs = build_call(kernel, spec)
@@ -136,10 +137,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             continue
         t0 = time.perf_counter()
         try:
-            result = kernel.tune(*call_args, trials=args.trials, seed=args.seed,
-                                 storage=args.storage, repeats=args.repeats,
-                                 verbose=args.verbose, timer=args.timer, chip=chip,
-                                 workers=args.workers, sampler=args.sampler, **call_kwargs)
+            result = kernel.tune(*call_args, options=_tune_options(args, chip), **call_kwargs)
         except (PallasTuneError, ValueError) as e:
             failures += 1
             print(f"  {key}: FAILED: {e}")
@@ -150,6 +148,77 @@ def cmd_sweep(args: argparse.Namespace) -> int:
               f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
               f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
     return 1 if failures else 0
+
+
+# How `pallas-tune sweep` reads each TuneOptions field (its help is the field's documentation).
+_OPTION_TYPES: dict[str, Any] = {
+    **dict.fromkeys(("trials", "seed", "warm_start", "patience", "max_attempts", "warmup",
+                     "repeats", "retime_top", "workers", "compile_workers"), int),
+    **dict.fromkeys(("min_time_s", "max_time_s", "slow_factor", "vreg_limit"), float),
+    **dict.fromkeys(("sampler", "storage", "study_name", "timer", "chip", "feasibility",
+                     "estimate_fallback"), str),
+    **dict.fromkeys(("isolate", "standin", "write"), bool),
+    "timeout_s": "limits",
+}
+_OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("wallclock", "profiler", "tpu-estimate"),
+                   "feasibility": ("auto", "off", "model", "compile"),
+                   "estimate_fallback": ("roofline",)}
+_CLI_ONLY = ("callbacks",)  # Functions: from the API only.
+
+
+def _add_tune_options(parser: argparse.ArgumentParser) -> None:
+    from pallas_tune.tuning.options import TuneOptions
+
+    group = parser.add_argument_group("tuning options (pallas_tune.TuneOptions)")
+    for name, text in TuneOptions.help().items():
+        if name in _CLI_ONLY:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = _OPTION_TYPES[name]
+        text = text.replace("%", "%%")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=text)
+        elif kind == "limits":
+            group.add_argument(flag, type=_limits_arg, default=None, metavar="S|PHASE=S,...",
+                               help=text)
+        else:
+            group.add_argument(flag, type=kind, default=None, choices=_OPTION_CHOICES.get(name),
+                               help=text)
+
+
+def _limits_arg(text: str) -> float | dict[str, float]:
+    try:
+        if "=" not in text:
+            return float(text)
+        return {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give seconds (e.g. 60) or phase=seconds pairs (e.g. trace=60,run=300)"
+        ) from None
+
+
+def _tune_options(args: argparse.Namespace, chip: str) -> Any:
+    from pallas_tune.tuning.options import TuneOptions
+
+    given = {n: getattr(args, n) for n in TuneOptions.names()
+             if n not in _CLI_ONLY and getattr(args, n, None) is not None}
+    given.setdefault("seed", 0)  # Sweeps are reproducible unless told otherwise.
+    given["chip"] = chip
+    if args.verbose:
+        given["callbacks"] = (_print_trial,)
+    return TuneOptions.build(**given)
+
+
+def _print_trial(record: Any, progress: Any) -> None:
+    del progress  # Unused.
+    if record.duplicate_of is not None:
+        what = f"same program as trial {record.duplicate_of}"
+    elif record.outcome.timed:
+        what = f"{record.outcome.value} {record.median_ms:.4g} ms"
+    else:
+        what = f"{record.outcome.value} ({record.error.splitlines()[0][:120] if record.error else ''})"
+    print(f"  [{record.number:3d}] {_fmt_config(record.config)} -> {what}", flush=True)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -254,24 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "@FILE with one such line per shape")
     s.add_argument("--space", help="a search_spaces/ file name or path; supplies the kernel and "
                                    "shape sets when not given")
-    s.add_argument("--trials", type=int, default=32)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--repeats", type=int, default=5, help="timed runs per candidate")
-    s.add_argument("--storage", help="Optuna storage URL (e.g. sqlite:///sweep.db): makes the "
-                                     "sweep resumable and shareable across hosts")
     s.add_argument("--force", action="store_true", help="re-tune keys already in the user cache")
-    s.add_argument("--chip", help="the chip to tune for (default: this host's); another chip "
-                                  "needs --timer tpu-estimate")
-    s.add_argument("--timer", choices=("wallclock", "tpu-estimate"), default="wallclock",
-                   help="tpu-estimate: the TPU compiler's static cycle estimate, deviceless "
-                        "(needs libtpu; no TPU)")
-    s.add_argument("--workers", type=int, default=2,
-                   help="processes compiling candidates in parallel (tpu-estimate)")
-    s.add_argument("--sampler", choices=("gp", "tpe"), default="gp",
-                   help="gp: a Gaussian process's expected improvement over every candidate "
-                        "(default); tpe: Optuna's multivariate TPE")
     s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
     s.add_argument("-v", "--verbose", action="store_true", help="print every trial")
+    _add_tune_options(s)
     s.set_defaults(func=cmd_sweep)
     f = sub.add_parser("feasibility", help="VMEM model (and compiler) verdict per candidate")
     f.add_argument("kernel", help="MODULE:NAME of a @tunable kernel")

@@ -224,19 +224,19 @@ class TunableKernel:
 
     # ---- tuning --------------------------------------------------------------------------
 
-    def tune(self, *args: Any, trials: int = 32, seed: int | None = None, **kwargs: Any) -> Any:
+    def tune(self, *args: Any, options: Any = None, **kwargs: Any) -> Any:
         """Tunes the space for these arguments, writes the winner to the cache, returns a
-        :class:`pallas_tune.tuning.TuningResult` (``.best``, ``.best_ms``, ``.trials``).
+        :class:`pallas_tune.tuning.TuningResult` (``.best``, ``.best_ms``, ``.trials``,
+        ``.study``). Same as ``pallas_tune.tune(kernel, *args, **kwargs)``.
 
-        Arguments may be arrays or ``jax.ShapeDtypeStruct``\\ s (random inputs are made for
-        them). Keyword options of the tuner (``timer``, ``repeats``, ``warmup``, ``write``,
-        ``storage``, ``chip``, ``verbose``) are taken out of ``kwargs``; the rest are static
-        arguments of the kernel.
+        Arguments may be arrays or ``jax.ShapeDtypeStruct``\\ s (inputs are made for them).
+        Keywords naming a :class:`pallas_tune.TuneOptions` field (``trials``, ``seed``,
+        ``timer``, ``repeats``, ...) are tuning options, unless ``options=`` is given; the rest
+        are static arguments of the kernel.
         """
         from pallas_tune import tuning
 
-        options = {k: kwargs.pop(k) for k in tuning.loop.TUNE_OPTIONS if k in kwargs}
-        result = tuning.tune(self, args, kwargs, trials=trials, seed=seed, **options)
+        result = tuning.tune(self, *args, options=options, **kwargs)
         with self._lock:
             self._memo.clear()
         return result

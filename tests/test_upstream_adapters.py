@@ -64,4 +64,4 @@ def test_tuner_records_invalid_upstream_configs_as_infeasible(cache_dir):
     df = res.trials
     bkm, bk = df.block_k_major.clip(upper=256), df.block_k.clip(upper=256)  # Clamped to seq.
     assert (df[bkm % bk != 0].outcome == "infeasible").all()
-    assert (df[bkm % bk == 0].outcome == "ok").all()
+    assert df[bkm % bk == 0].outcome.isin(["ok", "slow"]).all()  # slow: timed, cut short.
