@@ -160,7 +160,7 @@ _OPTION_TYPES: dict[str, Any] = {
     **dict.fromkeys(("isolate", "standin", "write"), bool),
     "timeout_s": "limits",
 }
-_OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("wallclock", "profiler", "tpu-estimate"),
+_OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("auto", "wallclock", "profiler", "tpu-estimate"),
                    "feasibility": ("auto", "off", "model", "compile"),
                    "estimate_fallback": ("roofline",)}
 _CLI_ONLY = ("callbacks",)  # Functions: from the API only.

@@ -152,7 +152,7 @@ class MeasureSession:
             arrays = traced.arrays_for(self.args)
         if channel is not None:
             channel.phase("run")
-        return interleave(executables, arrays or [], rounds)
+        return interleave(executables, arrays or [], rounds, timer=self.setup.timing.timer)
 
     def roofline(self, config: Mapping[str, Any], chip: str, channel: Any = None
                  ) -> float | None:

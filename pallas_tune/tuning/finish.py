@@ -104,11 +104,15 @@ def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str,
             prov["timing_note"] += "; some candidates by the roofline MODEL (no estimate)"
         return prov
     interpret = bool(device.get("interpret"))
+    from pallas_tune.measure.timing import resolve_timer
+
+    timer = resolve_timer(options.timer, device.get("platform"))
+    common["timer"] = timer
     return {**common, "device_kind": device.get("device_kind"),
             "platform": device.get("platform"), "interpret": interpret,
             "timing_note": ("wall clock of interpret-mode execution on the CPU: tracks grid "
                             "steps, not TPU performance") if interpret else
-            ("device time from a profiler trace" if options.timer == "profiler" else
+            ("device time from a profiler trace" if timer == "profiler" else
              "wall clock around block_until_ready"),
             "warmup": options.warmup, "repeats": options.repeats,
             "max_time_s": options.max_time_s, "slow_factor": options.slow_factor,

@@ -15,7 +15,7 @@ from pallas_tune.errors import TuneOptionError
 
 __all__ = ["PHASES", "SAMPLERS", "TIMERS", "TuneOptions"]
 
-TIMERS: Final = ("wallclock", "profiler", "tpu-estimate")
+TIMERS: Final = ("auto", "wallclock", "profiler", "tpu-estimate")
 SAMPLERS: Final = ("gp", "tpe")
 FEASIBILITY: Final = ("auto", "off", "model", "compile")
 PHASES: Final = ("trace", "compile", "run")
@@ -46,8 +46,10 @@ class TuneOptions:
         hosts; configs and programs already evaluated there are not evaluated again.
 
     Timing
-      timer: ``"wallclock"`` (default), ``"profiler"`` (device time from a ``jax.profiler``
-        trace; falls back to wall clock, per trial and saying so, without device events) or
+      timer: ``"auto"`` (default: ``"profiler"`` where a GPU or TPU measures, ``"wallclock"``
+        in CPU interpret mode), ``"wallclock"`` (around ``block_until_ready``), ``"profiler"``
+        (device time from a ``jax.profiler`` trace of the candidate's whole program; falls
+        back to wall clock, per trial and saying so, without device events) or
         ``"tpu-estimate"`` (the TPU compiler's static cycle estimate, deviceless; needs
         libtpu and a TPU ``chip``; written as cache entries of kind ``estimate``).
       chip: the chip to tune for (default: this host's). Another chip needs ``tpu-estimate``.
@@ -99,7 +101,7 @@ class TuneOptions:
     max_attempts: int | None = None
     storage: Any = None
     study_name: str | None = None
-    timer: str = "wallclock"
+    timer: str = "auto"
     chip: str | None = None
     warmup: int = 1
     repeats: int = 5
