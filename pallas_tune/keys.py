@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["KeyFn", "call_key", "format_value", "parse_key", "key_distance"]
+__all__ = ["KeyFn", "call_key", "format_value", "parse_key", "key_distance", "shape_signature"]
 
 KeyFn = Callable[..., Any]
 
@@ -184,4 +184,40 @@ def key_distance(a: str, b: str) -> float:
                         return math.inf
                     continue
                 dist += abs(math.log2(dx / dy))
+    return dist
+
+
+# An array item's dims inside a default key: after `=`, `(` or `;`, before `:dtype` and the end of
+# the item. Quoted static strings could hold look-alikes; callers confirm with key_distance.
+_DIMS_RE = re.compile(r"(?<=[=(;])(\d+(?:x\d+)*|scalar)(?=:[A-Za-z0-9_]+(?:[,;)]|$))")
+
+
+def shape_signature(key: str) -> tuple[str, tuple[int, ...]]:
+    """A key with its array dims taken out, and those dims: keys at a finite
+    :func:`key_distance` share the signature (the converse is confirmed by key_distance).
+
+    One regular-expression pass, so a cache can index thousands of keys by shape without parsing
+    each: ``"x=8x128:float32,c=true"`` → ``("x=<2>:float32,c=true", (8, 128))``.
+    """
+    dims: list[int] = []
+
+    def take(m: re.Match[str]) -> str:
+        text = m.group(1)
+        ds = [] if text == "scalar" else [int(d) for d in text.split("x")]
+        dims.extend(ds)
+        return f"<{len(ds)}>"
+
+    return _DIMS_RE.sub(take, key), tuple(dims)
+
+
+def dims_distance(a: Sequence[int], b: Sequence[int]) -> float:
+    """Sum of |log2| ratios of paired dims (inf if a zero or negative dim differs)."""
+    dist = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x <= 0 or y <= 0:
+            if x != y:
+                return math.inf
+            continue
+        if x != y:
+            dist += abs(math.log2(x / y))
     return dist
