@@ -218,9 +218,20 @@ def show_rows(reports: Sequence[Any]) -> list[tuple[str, ...]]:
                 how = f"ESTIMATE: {how}"
             if e.outside_space:
                 how += " (outside space)"
-            ms = "inf" if e.median_ms is None else f"{e.median_ms:.4g}"
+            ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
             rows.append((kernel, r.chip, e.key, _fmt_config(e.config or {}), ms, how, where))
     return rows
+
+
+def show_problems(reports: Sequence[Any]) -> list[str]:
+    """One line per unreadable file, damaged line or skipped entry, in full."""
+    out = []
+    for r in reports:
+        if r.error is not None:
+            out.append(f"{r.path}: {r.error}")
+        out += [f"{r.path}: {d}" for d in r.damage]
+        out += [f"{r.path}, key {e.key!r}: {e.problem}" for e in r.entries if e.problem]
+    return out
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -243,6 +254,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for r in rows:
         print("  ".join(c[:w].ljust(w) for c, w in zip(r, widths, strict=True)))
+    problems = show_problems(reports)
+    if problems:
+        print("\nnot served (files are left as they are):")
+        for line in problems:
+            print(_esc(f"  {line}"))
     if args.trials:
         _print_trials(reports, args.key)
     return 0
@@ -280,10 +296,10 @@ def _print_trials(reports: Sequence[Any], key_filter: str | None) -> None:
 
 
 def cmd_feasibility(args: argparse.Namespace) -> int:
+    from pallas_tune.chips import chip_spec
     from pallas_tune.feasibility import compile as _compile
     from pallas_tune.feasibility import inspect as _inspect
     from pallas_tune.feasibility import model as feasibility
-    from pallas_tune.chips import chip_spec
 
     kernel = _load_kernel(args.kernel, args.path or ())
     try:
@@ -305,7 +321,7 @@ def cmd_feasibility(args: argparse.Namespace) -> int:
         for config in kernel.space:
             try:
                 calls = _inspect.find_pallas_calls(kernel.fn, call_args, {**call_kwargs, **config})
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"  {_fmt_config(config):60s} trace error: {str(e)[:80]}")
                 continue
             v = feasibility.model_verdict(calls, spec)

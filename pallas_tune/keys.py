@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["KeyFn", "call_key", "format_value", "parse_key", "key_distance", "shape_signature"]
+__all__ = ["KeyFn", "call_key", "format_value", "key_distance", "parse_key", "shape_signature"]
 
 KeyFn = Callable[..., Any]
 

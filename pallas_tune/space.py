@@ -194,7 +194,7 @@ class SearchSpace:
                 if c.holds(env):
                     continue
                 why = "does not hold"
-            except Exception as e:  # noqa: BLE001 - a raising predicate refuses the config.
+            except Exception as e:
                 why = f"raised {type(e).__name__}: {e}"
             shown = ", ".join(f"{k}={_show(env[k])}" for k in sorted(c.reads or ()) if k in env)
             problems.append(f"constraint {c.name} ({c.describe()}) {why}"
@@ -297,7 +297,7 @@ class Config(Mapping[str, Any]):
     ``origin`` optionally names the cache key or file behind it.
     """
 
-    __slots__ = ("_items", "_dict", "source", "origin")
+    __slots__ = ("_dict", "_items", "origin", "source")
 
     def __init__(self, items: Mapping[str, Any], *, source: str = "default", origin: str = ""):
         if source not in _SOURCES:

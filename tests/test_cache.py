@@ -13,11 +13,17 @@ import time
 
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 import pallas_tune as pt
-from conftest import subprocess_env
-from pallas_tune.cache import SCHEMA_VERSION, TuningCache, kernel_filename, read_file
-from pallas_tune.cache import files, ledger
+from pallas_tune.cache import (
+    SCHEMA_VERSION,
+    TuningCache,
+    files,
+    kernel_filename,
+    ledger,
+    read_file,
+)
 
 
 def _entry(i, ms=1.0, trials=0):

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 import pallas_tune as pt
-from conftest import subprocess_env
 
 
 def _seed_cache(kernel, key, config, chip="cpu"):

@@ -16,6 +16,7 @@ raises anything but :class:`OSError` or :class:`CacheFormatError` on file conten
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -126,7 +127,7 @@ def sanitize(value: Any, _depth: int = 0) -> Any:
     if callable(item) and getattr(value, "shape", None) == ():
         try:
             return sanitize(item(), _depth + 1)
-        except Exception:  # noqa: BLE001 - not a numpy scalar after all.
+        except Exception:
             pass
     return repr(value)
 
@@ -152,8 +153,16 @@ class WinnersFile:
     use. ``get`` returns ``(entry, None)``, ``(None, reason)`` for a damaged entry, or
     ``(None, None)`` when the key is absent."""
 
-    __slots__ = ("path", "header", "damage", "identity", "_text", "_spans", "_entries",
-                 "_parsed")
+    __slots__ = (
+        "_entries",
+        "_parsed",
+        "_spans",
+        "_text",
+        "damage",
+        "header",
+        "identity",
+        "path",
+    )
 
     def __init__(self, path: str, header: dict[str, Any], *, identity: tuple[Any, ...],
                  text: str | None = None, spans: dict[str, tuple[int, int] | str] | None = None,
@@ -189,7 +198,7 @@ class WinnersFile:
                 out = (None, span)
             else:
                 text = self._text[span[0]: span[1]].rstrip()  # type: ignore[index]
-                text = text[:-1] if text.endswith(",") else text
+                text = text.removesuffix(",")
                 try:
                     text.encode("utf-8")
                     out = (loads(text, "the entry"), None)
@@ -228,8 +237,17 @@ def parse_winners(raw: bytes, path: str, st: os.stat_result) -> WinnersFile:
         except (ValueError, RecursionError):
             header = None
         if isinstance(header, dict) and header.get("schema") == SCHEMA_VERSION:
-            header.pop("entries", None)
-            return _index_lines(path, header, text, nl + 1, st)
+            indexed = _index_lines(path, check_header(header, path), text, nl + 1, st)
+            if not indexed.damage:
+                return indexed
+            try:  # Valid JSON in another line layout (an editor's) parses whole.
+                return _parse_whole(text, path, st)
+            except CacheFormatError:
+                return indexed  # Truly damaged: the intact lines still serve.
+    return _parse_whole(text, path, st)
+
+
+def _parse_whole(text: str, path: str, st: os.stat_result) -> WinnersFile:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -340,9 +358,8 @@ def fsync_dir(directory: str) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):  # Some file systems cannot sync a directory.
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -79,7 +79,8 @@ def _entry_report(key: str, value: Any, problem: str | None) -> EntryReport:
 
 def _file_report(path: str, root: str, shipped: bool, chip: str, role: str, kind: str
                  ) -> FileReport:
-    base = dict(path=path, root=root, shipped=shipped, role=role, kind=kind, chip=chip)
+    base = {"path": path, "root": root, "shipped": shipped, "role": role, "kind": kind,
+            "chip": chip}
     try:
         raw, st = files.read_raw(path)
         wf = files.parse_winners(raw, path, st)
