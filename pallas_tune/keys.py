@@ -187,27 +187,19 @@ def key_distance(a: str, b: str) -> float:
     return dist
 
 
-# An array item's dims inside a default key: after `=`, `(` or `;`, before `:dtype` and the end of
-# the item. Quoted static strings could hold look-alikes; callers confirm with key_distance.
-_DIMS_RE = re.compile(r"(?<=[=(;])(\d+(?:x\d+)*|scalar)(?=:[A-Za-z0-9_]+(?:[,;)]|$))")
+# One dim of an array item in a default key: after `=`, `(`, `;` or `x`, before `x` or `:dtype`.
+# Quoted static strings could hold look-alikes; callers confirm with key_distance.
+DIM_RE = re.compile(r"(?<=[=(;x])\d+(?=[x:])")
 
 
 def shape_signature(key: str) -> tuple[str, tuple[int, ...]]:
-    """A key with its array dims taken out, and those dims: keys at a finite
+    """A key with its array dims replaced by ``#``, and those dims: keys at a finite
     :func:`key_distance` share the signature (the converse is confirmed by key_distance).
 
-    One regular-expression pass, so a cache can index thousands of keys by shape without parsing
-    each: ``"x=8x128:float32,c=true"`` → ``("x=<2>:float32,c=true", (8, 128))``.
+    Two C-level regular-expression passes, so a cache can index thousands of keys by shape:
+    ``"x=8x128:float32,c=true"`` → ``("x=#x#:float32,c=true", (8, 128))``.
     """
-    dims: list[int] = []
-
-    def take(m: re.Match[str]) -> str:
-        text = m.group(1)
-        ds = [] if text == "scalar" else [int(d) for d in text.split("x")]
-        dims.extend(ds)
-        return f"<{len(ds)}>"
-
-    return _DIMS_RE.sub(take, key), tuple(dims)
+    return DIM_RE.sub("#", key), tuple(map(int, DIM_RE.findall(key)))
 
 
 def dims_distance(a: Sequence[int], b: Sequence[int]) -> float:

@@ -19,6 +19,7 @@ import pallas_tune as pt
 from pallas_tune.cache import (
     SCHEMA_VERSION,
     TuningCache,
+    atomic,
     files,
     kernel_filename,
     ledger,
@@ -52,7 +53,7 @@ def test_roundtrip_layout_and_strict_json(tmp_path):
     assert lines[1].startswith('"x=8x128:float32": {"config": {"b": 1}') and lines[2] == "}}"
     raw, st = files.read_raw(path)
     indexed = files.parse_winners(raw, path, st)
-    assert indexed._spans is not None and indexed.header["write_id"]  # Read line by line.
+    assert indexed._raw is not None and indexed.header["write_id"]  # Read line by line.
     data = _strict_json(text)  # Standard JSON: what JSON.parse accepts (no NaN, no Infinity).
     assert data["schema"] == SCHEMA_VERSION == 2 and data["chip"] == "tpu_v6e"
     winner = data["entries"]["x=8x128:float32"]
@@ -281,7 +282,7 @@ def test_temp_files_of_killed_writers_are_ignored_and_cleaned(tmp_path):
     d = os.path.dirname(path)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    mine = files.temp_path(d).replace(f"-{os.getpid()}-", f"-{dead}-")
+    mine = atomic.temp_path(d).replace(f"-{os.getpid()}-", f"-{dead}-")
     old = os.path.join(d, ".tmp-abcdef.json")  # pallas-tune 0.1's mkstemp names.
     fresh_foreign = os.path.join(d, ".tmp-otherhost-1-abc.json")
     for p in (mine, old, fresh_foreign):

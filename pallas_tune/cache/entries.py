@@ -23,9 +23,11 @@ from pallas_tune.cache.files import dumps, sanitize
 
 __all__ = ["entry_problem", "split_entry"]
 
-# Provenance fields longer than this (as JSON) are receipts' annexes, not receipts: they go to
-# the ledger with the trials (e.g. the interleaved re-timing table).
-RECEIPT_FIELD_LIMIT: Final = 1024
+# Provenance fields that are history rather than receipt (the interleaved re-timing table), and
+# any field longer than the limit (as JSON), go to the ledger with the trials: the winners file
+# is read on every first trace of a shape, the ledger only by people and reports.
+HISTORY_FIELDS: Final = frozenset({"retimed_interleaved"})
+RECEIPT_FIELD_LIMIT: Final = 512
 _MAX_CONFIG_DEPTH: Final = 4
 
 
@@ -99,7 +101,7 @@ def split_entry(key: str, entry: Mapping[str, Any], *, kind: str
     if isinstance(provenance, dict):
         slim = {}
         for name, value in provenance.items():
-            if len(dumps(value)) > RECEIPT_FIELD_LIMIT:
+            if name in HISTORY_FIELDS or len(dumps(value)) > RECEIPT_FIELD_LIMIT:
                 moved.append(name)
             else:
                 slim[name] = value

@@ -16,15 +16,12 @@ raises anything but :class:`OSError` or :class:`CacheFormatError` on file conten
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
 import re
 import secrets
-import socket
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -42,7 +39,6 @@ _SAFE: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_.-")
 _RESERVED: Final = ("estimate", "trials", "recovered")
 _MAX_STEM: Final = 180
 _CANONICAL_HEAD: Final = re.compile(r'^\{"schema": 2, .*"entries": \{$')
-_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]
 
 
 # ---- names ---------------------------------------------------------------------------------
@@ -149,70 +145,194 @@ def loads(text: str, where: str) -> Any:
 # ---- the winners file ----------------------------------------------------------------------
 
 class WinnersFile:
-    """One winners file, read once: its header, and its entries by key, each parsed on first
-    use. ``get`` returns ``(entry, None)``, ``(None, reason)`` for a damaged entry, or
-    ``(None, None)`` when the key is absent."""
+    """One winners file, read once. ``find(key)`` returns ``(entry, None)``, ``(None, reason)``
+    for a damaged entry, or None when the key is absent.
 
-    __slots__ = (
-        "_entries",
-        "_parsed",
-        "_spans",
-        "_text",
-        "damage",
-        "header",
-        "identity",
-        "path",
-    )
+    A file in the canonical layout is kept as bytes: a lookup finds its key's line with one
+    ``bytes.rfind`` and parses that line only (the last line of a key wins, as in a whole-file
+    parse). The key index (every line's key) is built only when something needs it: listing
+    keys, neighbours, a key not found by the fast search, a line that does not parse. If the
+    index finds damage but the file is valid JSON in another line layout, it is parsed whole.
+    """
+
+    __slots__ = ("_damage", "_entries", "_index", "_parsed", "_raw", "_start", "header",
+                 "identity", "path")
 
     def __init__(self, path: str, header: dict[str, Any], *, identity: tuple[Any, ...],
-                 text: str | None = None, spans: dict[str, tuple[int, int] | str] | None = None,
-                 entries: dict[str, Any] | None = None, damage: tuple[str, ...] = ()):
+                 raw: bytes | None = None, start: int = 0,
+                 entries: dict[str, Any] | None = None):
         self.path = path
         self.header = header
-        self.damage = damage  # File-level problems that left the other entries readable.
         self.identity = identity
-        self._text = text
-        self._spans = spans
-        self._entries = entries
+        self._raw = raw  # Canonical layout: the file's bytes, entries parsed on demand.
+        self._start = start  # Offset of the first entry line.
+        self._entries = entries  # Any other layout: parsed whole.
+        self._index: dict[str, tuple[int, int]] | None = None
+        self._damage: tuple[str, ...] = ()
         self._parsed: dict[str, tuple[Any, str | None]] = {}
 
     @property
     def schema(self) -> int:
         return int(self.header.get("schema", 0))
 
+    @property
+    def indexed(self) -> bool:
+        """Whether every line has been looked at (so ``damage`` is known without more work)."""
+        return self._entries is not None or self._index is not None
+
+    @property
+    def damage(self) -> tuple[str, ...]:
+        """Damage that cost some lines (and so their entries) but left the others readable."""
+        self._ensure_index()
+        return self._damage
+
     def keys(self) -> list[str]:
-        return list(self._spans if self._spans is not None else self._entries or {})
+        self._ensure_index()
+        return list(self._entries if self._entries is not None else self._index or {})
 
     def __contains__(self, key: str) -> bool:
-        return key in (self._spans if self._spans is not None else self._entries or {})
+        return self.find(key) is not None
+
+    def find(self, key: str) -> tuple[Any, str | None] | None:
+        if key in self._parsed:
+            return self._parsed[key]
+        if self._entries is None and self._index is None:
+            pattern = b"\n" + dumps(key).encode("ascii") + b": "
+            at = self._raw.rfind(pattern, self._start - 1)  # type: ignore[union-attr]
+            if at >= 0:
+                a = at + len(pattern)
+                b = self._raw.find(b"\n", a)  # type: ignore[union-attr]
+                out = self._parse_span(a, len(self._raw) if b < 0 else b)  # type: ignore[arg-type]
+                if out[1] is None:
+                    self._parsed[key] = out
+                    return out
+            self._ensure_index()  # Not found, or not parsed: look at every line once.
+        if self._entries is not None:
+            if key not in self._entries:
+                return None
+            out = (self._entries[key], None)
+        else:
+            span = self._index.get(key)  # type: ignore[union-attr]
+            if span is None:
+                return None
+            out = self._parse_span(*span)
+        self._parsed[key] = out
+        return out
 
     def raw(self, key: str) -> tuple[Any, str | None]:
         """(parsed JSON value, None) or (None, why it cannot be parsed); KeyError if absent."""
-        if key in self._parsed:
-            return self._parsed[key]
-        if self._spans is None:
-            out: tuple[Any, str | None] = (self._entries[key], None)  # type: ignore[index]
-        else:
-            span = self._spans[key]
-            if isinstance(span, str):
-                out = (None, span)
-            else:
-                text = self._text[span[0]: span[1]].rstrip()  # type: ignore[index]
-                text = text.removesuffix(",")
-                try:
-                    text.encode("utf-8")
-                    out = (loads(text, "the entry"), None)
-                except UnicodeEncodeError:
-                    out = (None, "the entry holds bytes that are not UTF-8")
-                except CacheFormatError as e:
-                    out = (None, str(e))
-        self._parsed[key] = out
-        return out
+        found = self.find(key)
+        if found is None:
+            raise KeyError(key)
+        return found
+
+    def raw_texts(self) -> dict[str, RawJSON] | None:
+        """Every entry's JSON text as it is in the file, if the file is in the canonical
+        layout without damage (None otherwise): what a writer copies without re-encoding."""
+        self._ensure_index()
+        if self._index is None or self._damage:
+            return None
+        raw = self._raw
+        assert raw is not None
+        return {key: RawJSON(raw[a:b].decode("utf-8", "surrogateescape").rstrip()
+                             .removesuffix(","))
+                for key, (a, b) in self._index.items()}
 
     def items(self) -> Iterator[tuple[str, Any, str | None]]:
         for key in self.keys():
             value, problem = self.raw(key)
             yield key, value, problem
+
+    def _parse_span(self, a: int, b: int) -> tuple[Any, str | None]:
+        try:
+            text = self._raw[a:b].decode("utf-8")  # type: ignore[index]
+        except UnicodeDecodeError:
+            return None, "the entry holds bytes that are not UTF-8"
+        try:
+            return loads(text.rstrip().removesuffix(","), "the entry"), None
+        except CacheFormatError as e:
+            return None, str(e)
+
+    def _ensure_index(self) -> None:
+        if self._entries is not None or self._index is not None:
+            return
+        raw = self._raw
+        assert raw is not None
+        index, damage = _index_lines(raw, self._start)
+        if damage:
+            try:  # Valid JSON in another line layout (an editor's) parses whole.
+                whole = _parse_whole(raw, self.path, None)
+            except CacheFormatError:
+                whole = None
+            if whole is not None:
+                self._entries, self._raw, self._parsed = whole._entries, None, {}
+                return
+        self._index, self._damage = index, tuple(damage)
+
+
+_ENTRY_LINE: Final = re.compile(rb'^"((?:[^"\\\n]|\\.)*)": ([^\n]*)$', re.M)
+
+
+def _decode_key(kb: bytes) -> str | None:
+    try:
+        if b"\\" not in kb:
+            return kb.decode("utf-8")
+        key = json.loads(b'"' + kb + b'"')
+        return key if isinstance(key, str) else None
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def _index_lines(raw: bytes, pos: int) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """The byte span of every entry line's value by key, and the damage found on the way.
+
+    The common case (keys without escapes, every line an entry, then the closing line) costs
+    a split and a few C calls per line; anything else is walked line by line to say what is
+    wrong where."""
+    index: dict[str, tuple[int, int]] = {}
+    start = pos
+    lines = raw[pos:].split(b"\n")
+    while lines and not lines[-1]:
+        lines.pop()
+    if not lines or lines[-1] != b"}}":
+        return _index_lines_slowly(raw, start)
+    for line in lines[:-1]:
+        i = line.find(b'": ', 1)
+        kb = line[1:i]
+        if i < 0 or line[:1] != b'"' or b"\\" in kb or b'"' in kb:
+            return _index_lines_slowly(raw, start)
+        try:
+            index[kb.decode("utf-8")] = (pos + i + 3, pos + len(line))
+        except UnicodeDecodeError:
+            return _index_lines_slowly(raw, start)
+        pos += len(line) + 1
+    return index, []
+
+
+def _index_lines_slowly(raw: bytes, pos: int) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    index: dict[str, tuple[int, int]] = {}
+    damage: list[str] = []
+    closed = False
+    n, lineno = len(raw), 1
+    while pos < n:
+        end = raw.find(b"\n", pos)
+        end = n if end < 0 else end
+        lineno += 1
+        m = _ENTRY_LINE.match(raw, pos, end)
+        key = _decode_key(m.group(1)) if m is not None else None
+        if closed:
+            if raw[pos:end].strip():
+                damage.append(f"line {lineno} follows the closing `}}}}` and was ignored")
+        elif raw.startswith(b"}}", pos) and not raw[pos + 2: end].strip():
+            closed = True
+        elif key is not None:
+            index[key] = m.span(2)  # type: ignore[union-attr]
+        elif raw[pos:end].strip():
+            damage.append(f"line {lineno} is not a `\"key\": {{...}}` entry and was ignored")
+        pos = end + 1
+    if not closed:
+        damage.append("it ends before its closing `}}` (truncated?)")
+    return index, damage
 
 
 def file_identity(st: os.stat_result, write_id: Any) -> tuple[Any, ...]:
@@ -226,37 +346,32 @@ def read_raw(path: str) -> tuple[bytes, os.stat_result]:
 
 
 def parse_winners(raw: bytes, path: str, st: os.stat_result) -> WinnersFile:
-    """Parses a winners file of either schema and layout. Raises CacheFormatError when nothing
-    in it can be trusted (not JSON, not an object, unknown schema, no entries object)."""
-    text = raw.decode("utf-8", "surrogateescape")
-    nl = text.find("\n")
-    first = text if nl < 0 else text[:nl]
+    """Reads a winners file of either schema and layout: the header now, entries on demand.
+    Raises CacheFormatError when nothing in it can be trusted (not JSON, not an object, unknown
+    schema, no entries object, a header field of the wrong type)."""
+    nl = raw.find(b"\n")
+    first = (raw if nl < 0 else raw[:nl]).decode("utf-8", "surrogateescape")
     if _CANONICAL_HEAD.match(first):
         try:
             header = json.loads(first + "}}")
         except (ValueError, RecursionError):
             header = None
         if isinstance(header, dict) and header.get("schema") == SCHEMA_VERSION:
-            indexed = _index_lines(path, check_header(header, path), text, nl + 1, st)
-            if not indexed.damage:
-                return indexed
-            try:  # Valid JSON in another line layout (an editor's) parses whole.
-                return _parse_whole(text, path, st)
-            except CacheFormatError:
-                return indexed  # Truly damaged: the intact lines still serve.
-    return _parse_whole(text, path, st)
+            header = check_header(header, path)
+            return WinnersFile(path, header, raw=raw, start=nl + 1,
+                               identity=file_identity(st, header.get("write_id")))
+    return _parse_whole(raw, path, st)
 
 
-def _parse_whole(text: str, path: str, st: os.stat_result) -> WinnersFile:
+def _parse_whole(raw: bytes, path: str, st: os.stat_result | None) -> WinnersFile:
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
         raise CacheFormatError(f"cache file {path} is not UTF-8 text") from None
     data = loads(text, f"cache file {path}")
     header = check_header(data, path)
-    entries = data["entries"]
-    return WinnersFile(path, header, entries=entries,
-                       identity=file_identity(st, header.get("write_id")))
+    identity = file_identity(st, header.get("write_id")) if st is not None else ()
+    return WinnersFile(path, header, entries=data["entries"], identity=identity)
 
 
 def check_header(data: Any, path: str) -> dict[str, Any]:
@@ -275,46 +390,31 @@ def check_header(data: Any, path: str) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k != "entries"}
 
 
-def _index_lines(path: str, header: dict[str, Any], text: str, pos: int,
-                 st: os.stat_result) -> WinnersFile:
-    """Indexes the entry lines of a canonical file by key, without parsing their values."""
-    spans: dict[str, tuple[int, int] | str] = {}
-    damage: list[str] = []
-    closed = False
-    n = len(text)
-    lineno = 1
-    while pos < n:
-        end = text.find("\n", pos)
-        end = n if end < 0 else end
-        lineno += 1
-        if closed:
-            if text[pos:end].strip():
-                damage.append(f"line {lineno} follows the closing `}}}}` and was ignored")
-        elif text.startswith("}}", pos) and not text[pos + 2: end].strip():
-            closed = True
-        elif text.startswith('"', pos):
-            try:
-                key, kend = _scanstring(text, pos + 1)
-            except ValueError:
-                key, kend = None, 0
-            if key is None or not text.startswith(": ", kend) or kend >= end:
-                damage.append(f"line {lineno} is not a `\"key\": {{...}}` entry and was ignored")
-            else:
-                spans[key] = (kend + 2, end)
-        elif text[pos:end].strip():
-            damage.append(f"line {lineno} is not a `\"key\": {{...}}` entry and was ignored")
-        pos = end + 1
-    if not closed:
-        damage.append("it ends before its closing `}}` (truncated?)")
-    return WinnersFile(path, header, text=text, spans=spans, damage=tuple(damage),
-                       identity=file_identity(st, header.get("write_id")))
+class RawJSON(str):
+    """An entry's JSON text, already strict and on one line, copied as it is."""
+
+    __slots__ = ()
+
+
+def strict_check(raw: bytes, where: str) -> None:
+    """Raises CacheFormatError unless ``raw`` is UTF-8 standard JSON (no NaN, no Infinity)."""
+
+    def reject(name: str) -> Any:
+        raise ValueError(f"{name} is not standard JSON")
+
+    try:
+        json.loads(raw.decode("utf-8"), parse_constant=reject)
+    except (ValueError, RecursionError) as e:
+        raise CacheFormatError(f"{where} is not standard JSON ({e})") from None
 
 
 def render_winners(header: Mapping[str, Any], entries: Mapping[str, Any]) -> str:
-    """The canonical text of a winners file. ``header`` and ``entries`` must be sanitized."""
+    """The canonical text of a winners file. ``header`` and ``entries`` must be sanitized
+    (or :class:`RawJSON`)."""
     head = dumps({k: v for k, v in header.items() if k != "entries"})
     lines = [head[:-1] + ', "entries": {']
-    body = [f"{dumps(k)}: {dumps(v)}" for k, v in sorted(entries.items())]
+    body = [f"{dumps(k)}: {v if isinstance(v, RawJSON) else dumps(v)}"
+            for k, v in sorted(entries.items())]
     if body:
         lines.append(",\n".join(body))
     lines.append("}}\n")
@@ -323,85 +423,3 @@ def render_winners(header: Mapping[str, Any], entries: Mapping[str, Any]) -> str
 
 def new_write_id() -> str:
     return secrets.token_hex(8)
-
-
-# ---- atomic replacement and the temp files of killed writers -------------------------------
-
-_HOST: Final = re.sub(r"[^A-Za-z0-9]+", "", socket.gethostname())[:32] or "host"
-_TEMP_RE: Final = re.compile(r"^\.(tmp|probe)-(?:(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-)?")
-STALE_TEMP_S: Final = 3600.0
-
-
-def temp_path(directory: str, suffix: str = ".json") -> str:
-    """A fresh temp file name that says which host and process owns it."""
-    return os.path.join(directory, f".tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(6)}{suffix}")
-
-
-def write_temp(directory: str, text: str) -> str:
-    """Writes ``text`` to a new temp file in ``directory``, synced to disk; returns its path."""
-    tmp = temp_path(directory)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # Umask applies.
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _unlink(tmp)
-        raise
-    return tmp
-
-
-def fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):  # Some file systems cannot sync a directory.
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
-
-
-def clean_stale_temps(directory: str, *, now: float | None = None) -> list[str]:
-    """Removes temp files left by killed writers: those of a dead process on this host, and any
-    older than an hour. Returns the names removed. Never raises."""
-    removed = []
-    now = time.time() if now is None else now
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = _TEMP_RE.match(name)
-        if not m:
-            continue
-        path = os.path.join(directory, name)
-        dead = (m.group("host") == _HOST and m.group("pid") is not None
-                and int(m.group("pid")) != os.getpid() and not _alive(int(m.group("pid"))))
-        try:
-            old = now - os.stat(path).st_mtime > STALE_TEMP_S
-        except OSError:
-            continue
-        if dead or old:
-            _unlink(path)
-            removed.append(name)
-    return removed

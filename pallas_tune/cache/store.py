@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pallas_tune import _settings, chips, keys
-from pallas_tune.cache import files, writer
+from pallas_tune.cache import atomic, files, writer
 from pallas_tune.cache.entries import entry_problem, split_entry
 from pallas_tune.errors import CacheFormatError, warn
 
@@ -75,7 +75,7 @@ class TuningCache:
             _shipped_root() if use_shipped else None
         )
         self._loaded: dict[tuple[str, str], list[_Source]] = {}
-        self._index: dict[tuple[str, str], dict[str, list[tuple[tuple[int, ...], str, int]]]] = {}
+        self._index: dict[tuple[str, str], dict[str, _Group]] = {}
         self._reported: set[tuple[str, str, str]] = set()
         self._lock = threading.RLock()
 
@@ -133,8 +133,6 @@ class TuningCache:
             self._warn_file(path, f"{e}. It was skipped, as if it held no entries, and left as "
                                   "it is: fix it, or move it away and re-tune.")
             return None
-        for damage in wf.damage:
-            self._warn_file(path, f"cache file {path}: {damage}; its other entries still serve.")
         if wf.schema == 1 and not wf.damage:
             for _, value, _ in wf.items():  # The dispatcher never needs schema 1 trial lists.
                 if isinstance(value, dict):
@@ -165,19 +163,29 @@ class TuningCache:
                 self._loaded[k] = self._load(chip, kernel)
             return self._loaded[k]
 
-    @staticmethod
-    def _hit(src: _Source, key: str) -> Hit:
-        value, problem = src.file.raw(key)
+    def _hit(self, src: _Source, key: str) -> Hit | None:
+        found = src.file.find(key)
+        self._report_damage(src)
+        if found is None:
+            return None
+        value, problem = found
         if problem is None:
             problem = entry_problem(value)
         return Hit(key=key, path=src.path, kind=src.kind,
                    entry=value if problem is None else None, problem=problem)
 
+    def _report_damage(self, src: _Source) -> None:
+        if src.file.indexed:
+            for damage in src.file.damage:
+                self._warn_file(src.path, f"cache file {src.path}: {damage}; its other entries "
+                                          "still serve, and the file was left as it is.")
+
     def lookup_all(self, chip: str, kernel: str, key: str) -> Iterator[Hit]:
         """Every entry for ``key``, in lookup order, well-formed or not (``Hit.problem``)."""
         for src in self._sources(chip, kernel):
-            if key in src.file:
-                yield self._hit(src, key)
+            hit = self._hit(src, key)
+            if hit is not None:
+                yield hit
 
     def lookup(self, chip: str, kernel: str, key: str) -> tuple[dict[str, Any], str] | None:
         """The first well-formed entry for key and the file it came from, or None. Damaged
@@ -197,6 +205,8 @@ class TuningCache:
                 if key in seen:
                     continue
                 hit = self._hit(src, key)
+                if hit is None:
+                    continue
                 if hit.problem is not None:
                     self.report(hit.path, key, hit.problem)
                     continue
@@ -205,25 +215,23 @@ class TuningCache:
 
     def neighbours(self, chip: str, kernel: str, key: str) -> Iterator[tuple[float, Hit]]:
         """(distance, hit) for the tuned keys of the same kernel and chip at a finite
-        :func:`~pallas_tune.keys.key_distance` from ``key``, nearest first (``key`` itself
-        excluded). Keys are indexed by shape once per load, so a query costs one pass over the
-        keys of the same signature, never a parse of every entry."""
+        :func:`~pallas_tune.keys.key_distance` from ``key``, nearest first (ties by key;
+        ``key`` itself excluded). Keys are grouped by shape signature once per load and their
+        dims compared as arrays, so a query never parses entries nor loops over them in Python."""
         sources = self._sources(chip, kernel)
         with self._lock:
             index = self._index.get((chip, kernel))
             if index is None:
                 index = self._index[(chip, kernel)] = _shape_index(sources)
         sig, dims = keys.shape_signature(key)
-        scored = []
-        for other_dims, other, i in index.get(sig, ()):
-            if other != key and len(other_dims) == len(dims):
-                d = keys.dims_distance(dims, other_dims)
-                if d != math.inf:
-                    scored.append((d, other, i))
-        scored.sort()
-        for d, other, i in scored:
+        group = index.get(sig)
+        if group is None:
+            return
+        for d, other, i in group.nearest(dims, exclude=key):
             if math.isfinite(keys.key_distance(key, other)):  # Confirms the signature match.
-                yield d, self._hit(sources[i], other)
+                hit = self._hit(sources[i], other)
+                if hit is not None:
+                    yield d, hit
 
     def report(self, path: str, key: str, reason: str, fix: str = "") -> None:
         """Warns once per (file, key, reason) that an entry was skipped, and why."""
@@ -258,7 +266,7 @@ class TuningCache:
         d = os.path.dirname(path)
         try:
             os.makedirs(d, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=d, prefix=f".probe-{files._HOST}-{os.getpid()}-",
+            fd, probe = tempfile.mkstemp(dir=d, prefix=f".probe-{atomic.HOST}-{os.getpid()}-",
                                          suffix=".tmp")
             os.close(fd)
             os.unlink(probe)
@@ -337,12 +345,51 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind={kind!r} must be one of {files.KINDS}")
 
 
-def _shape_index(sources: list[_Source]) -> dict[str, list[tuple[tuple[int, ...], str, int]]]:
-    index: dict[str, list[tuple[tuple[int, ...], str, int]]] = {}
+class _Group:
+    """The keys of one shape signature (sorted, with their source), and their dims as an array
+    built on first use."""
+
+    __slots__ = ("_dims", "entries")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, int]] = []
+        self._dims: Any = None
+
+    def nearest(self, dims: tuple[int, ...], *, exclude: str
+                ) -> Iterator[tuple[float, str, int]]:
+        import numpy as np
+
+        if self._dims is None:
+            self.entries.sort()
+            text = "\n".join(k for k, _ in self.entries)
+            found = keys.DIM_RE.findall(text)
+            if len(found) != len(self.entries) * len(dims):
+                return  # Look-alikes in static strings: no reliable shape to compare.
+            self._dims = np.array(found, dtype=np.float64).reshape(len(self.entries), len(dims))
+        table, q = self._dims, np.array(dims, dtype=np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            diff = np.abs(np.log2(table) - np.log2(q))
+        zero = (table <= 0) | (q <= 0)
+        diff = np.where(zero, np.where(table == q, 0.0, np.inf), diff)
+        dist = diff.sum(axis=1) if len(dims) else np.zeros(len(self.entries))
+        for j in np.argsort(dist, kind="stable"):
+            d = float(dist[j])
+            if d == math.inf:
+                return
+            other, source = self.entries[j]
+            if other != exclude:
+                yield d, other, source
+
+
+def _shape_index(sources: list[_Source]) -> dict[str, _Group]:
+    index: dict[str, _Group] = {}
     for i, src in enumerate(sources):
         for key in src.file.keys():
-            sig, dims = keys.shape_signature(key)
-            index.setdefault(sig, []).append((dims, key, i))
+            sig = keys.DIM_RE.sub("#", key)
+            group = index.get(sig)
+            if group is None:
+                group = index[sig] = _Group()
+            group.entries.append((key, i))
     return index
 
 

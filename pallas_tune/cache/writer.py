@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
-from pallas_tune.cache import files, ledger
+from pallas_tune.cache import atomic, files, ledger
 from pallas_tune.cache.entries import upgrade_schema1
 from pallas_tune.errors import CacheFormatError, warn
 
@@ -49,6 +49,14 @@ def _read_base(path: str, *, kernel: str, kind: str) -> _Base:
     if wf.header.get("kernel", kernel) != kernel:
         raise CacheFormatError(
             f"cache file {path} holds kernel {wf.header['kernel']!r}, not {kernel!r}")
+    if wf.schema == files.SCHEMA_VERSION:
+        texts = wf.raw_texts()
+        if texts is not None:
+            try:  # A file of ours: copy its entry lines without decoding and re-encoding them.
+                files.strict_check(raw, f"cache file {path}")
+                return _Base(entries=dict(texts), migrated=[], identity=wf.identity)
+            except CacheFormatError:
+                pass  # NaN or the like inside: re-encode every entry below.
     entries, migrated = {}, []
     for key, value, problem in wf.items():
         if problem is not None:
@@ -111,8 +119,8 @@ def _publish(tmp: str, path: str, ledger_path: str, records: Sequence[dict[str, 
              f"({e.strerror or e}); the winners are written without it.")
     os.replace(tmp, path)
     directory = os.path.dirname(path)
-    files.fsync_dir(directory)
-    files.clean_stale_temps(directory)
+    atomic.fsync_dir(directory)
+    atomic.clean_stale_temps(directory)
 
 
 def commit(path: str, winners: Mapping[str, Any], records: Sequence[dict[str, Any]], *,
@@ -126,7 +134,7 @@ def commit(path: str, winners: Mapping[str, Any], records: Sequence[dict[str, An
         base = _read_base(path, kernel=kernel, kind=kind)
         if base.identity is not None and base.identity[3] is None:
             break  # No write_id to compare: merge under the lock.
-        tmp: str | None = files.write_temp(directory, _render(base, winners, header=header))
+        tmp: str | None = atomic.write_temp(directory, _render(base, winners, header=header))
         try:
             with _locked(path):
                 if _identity_now(path) == base.identity:
@@ -139,7 +147,7 @@ def commit(path: str, winners: Mapping[str, Any], records: Sequence[dict[str, An
                     os.unlink(tmp)
     with _locked(path):
         base = _read_base(path, kernel=kernel, kind=kind)
-        tmp = files.write_temp(directory, _render(base, winners, header=header))
+        tmp = atomic.write_temp(directory, _render(base, winners, header=header))
         try:
             _publish(tmp, path, ledger_path, [*base.migrated, *records])
         except BaseException:
