@@ -200,16 +200,3 @@ def shape_signature(key: str) -> tuple[str, tuple[int, ...]]:
     ``"x=8x128:float32,c=true"`` → ``("x=#x#:float32,c=true", (8, 128))``.
     """
     return DIM_RE.sub("#", key), tuple(map(int, DIM_RE.findall(key)))
-
-
-def dims_distance(a: Sequence[int], b: Sequence[int]) -> float:
-    """Sum of |log2| ratios of paired dims (inf if a zero or negative dim differs)."""
-    dist = 0.0
-    for x, y in zip(a, b, strict=True):
-        if x <= 0 or y <= 0:
-            if x != y:
-                return math.inf
-            continue
-        if x != y:
-            dist += abs(math.log2(x / y))
-    return dist

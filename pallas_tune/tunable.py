@@ -241,7 +241,7 @@ def tunable(
 
         matmul(x, y)                       # config from the cache for this chip and shape
         matmul.tune(x, y, trials=32)       # Optuna TPE search; writes the cache
-        matmul.config_for(x, y).source     # "cache", "nearest" or "default"
+        matmul.config_for(x, y).source     # "cache", "nearest", "default" or "model"
 
     Args:
       default: the config used on a cache miss when it is valid for the call (else the best

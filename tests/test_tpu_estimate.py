@@ -59,7 +59,11 @@ def test_sweep_with_tpu_estimate_on_a_cpu_host_writes_estimates(cache_dir):
     (entry,) = data["entries"].values()
     assert entry["provenance"]["kind"] == "estimate"
     assert entry["provenance"]["timer"] == "tpu-estimate"
-    assert all("estimated_cycles" in t for t in entry["trials"] if t["outcome"] == "ok")
+    from pallas_tune.cache import TuningCache  # The trials live in the ledger (issue 14).
+
+    trials = TuningCache(str(cache_dir), use_shipped=False).trials(
+        "tpu_v6e", "toy_kernels.scale", "x=256x512:float32,factor=2.0", kind="estimate")
+    assert trials and all("estimated_cycles" in t for t in trials if t["outcome"] == "ok")
     show = subprocess.run([sys.executable, "-m", "pallas_tune.cli", "show"], capture_output=True,
                           text=True, env=env, timeout=300)
     assert "ESTIMATE" in show.stdout and "tpu_v6e" in show.stdout

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import secrets
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
@@ -155,7 +156,7 @@ class WinnersFile:
     index finds damage but the file is valid JSON in another line layout, it is parsed whole.
     """
 
-    __slots__ = ("_damage", "_entries", "_index", "_parsed", "_raw", "_start", "header",
+    __slots__ = ("_damage", "_entries", "_index", "_lock", "_parsed", "_raw", "_start", "header",
                  "identity", "path")
 
     def __init__(self, path: str, header: dict[str, Any], *, identity: tuple[Any, ...],
@@ -170,6 +171,7 @@ class WinnersFile:
         self._index: dict[str, tuple[int, int]] | None = None
         self._damage: tuple[str, ...] = ()
         self._parsed: dict[str, tuple[Any, str | None]] = {}
+        self._lock = threading.RLock()  # Traces may resolve keys from several threads.
 
     @property
     def schema(self) -> int:
@@ -194,8 +196,13 @@ class WinnersFile:
         return self.find(key) is not None
 
     def find(self, key: str) -> tuple[Any, str | None] | None:
-        if key in self._parsed:
-            return self._parsed[key]
+        found = self._parsed.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            return self._find(key)
+
+    def _find(self, key: str) -> tuple[Any, str | None] | None:
         if self._entries is None and self._index is None:
             pattern = b"\n" + dumps(key).encode("ascii") + b": "
             at = self._raw.rfind(pattern, self._start - 1)  # type: ignore[union-attr]
@@ -254,8 +261,11 @@ class WinnersFile:
             return None, str(e)
 
     def _ensure_index(self) -> None:
-        if self._entries is not None or self._index is not None:
-            return
+        with self._lock:
+            if self._entries is None and self._index is None:
+                self._build_index()
+
+    def _build_index(self) -> None:
         raw = self._raw
         assert raw is not None
         index, damage = _index_lines(raw, self._start)

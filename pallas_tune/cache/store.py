@@ -233,6 +233,29 @@ class TuningCache:
                 if hit is not None:
                     yield d, hit
 
+    def trials(self, chip: str, kernel: str, key: str, *, kind: str = "measured"
+               ) -> list[dict[str, Any]]:
+        """The trial records of the latest tuning run of ``key`` (user root first, then the
+        shipped one): from the ledger, or from the entry itself in a schema 1 file. Empty if
+        none is recorded. Never on the dispatch path."""
+        from pallas_tune.cache import ledger
+
+        for root in self.roots():
+            path = self.path(chip, kernel, kind=kind, root=root)
+            records, _ = ledger.read(self.ledger_path(chip, kernel, kind=kind, root=root),
+                                     key=key)
+            if records:
+                return list(records[-1].get("trials") or [])
+            try:
+                raw, st = files.read_raw(path)
+                found = files.parse_winners(raw, path, st).find(key)
+            except (OSError, CacheFormatError):
+                continue
+            if found is not None and isinstance(found[0], dict) and isinstance(
+                    found[0].get("trials"), list):
+                return list(found[0]["trials"])
+        return []
+
     def report(self, path: str, key: str, reason: str, fix: str = "") -> None:
         """Warns once per (file, key, reason) that an entry was skipped, and why."""
         marker = (path, key, reason)
@@ -346,32 +369,32 @@ def _check_kind(kind: str) -> None:
 
 
 class _Group:
-    """The keys of one shape signature (sorted, with their source), and their dims as an array
-    built on first use."""
+    """The keys of one shape signature, sorted, with their source and their dims as an array
+    (None if look-alike dims in static strings make the shapes unreliable)."""
 
-    __slots__ = ("_dims", "entries")
+    __slots__ = ("dims", "entries")
 
-    def __init__(self) -> None:
-        self.entries: list[tuple[str, int]] = []
-        self._dims: Any = None
+    def __init__(self, entries: list[tuple[str, int]]):
+        import numpy as np
+
+        self.entries = sorted(entries)
+        found = keys.DIM_RE.findall("\n".join(k for k, _ in self.entries))
+        rank, rest = divmod(len(found), len(self.entries))
+        self.dims = None if rest else np.array(found, dtype=np.float64).reshape(
+            len(self.entries), rank)
 
     def nearest(self, dims: tuple[int, ...], *, exclude: str
                 ) -> Iterator[tuple[float, str, int]]:
         import numpy as np
 
-        if self._dims is None:
-            self.entries.sort()
-            text = "\n".join(k for k, _ in self.entries)
-            found = keys.DIM_RE.findall(text)
-            if len(found) != len(self.entries) * len(dims):
-                return  # Look-alikes in static strings: no reliable shape to compare.
-            self._dims = np.array(found, dtype=np.float64).reshape(len(self.entries), len(dims))
-        table, q = self._dims, np.array(dims, dtype=np.float64)
+        table = self.dims
+        if table is None or table.shape[1] != len(dims):
+            return
+        q = np.array(dims, dtype=np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             diff = np.abs(np.log2(table) - np.log2(q))
         zero = (table <= 0) | (q <= 0)
-        diff = np.where(zero, np.where(table == q, 0.0, np.inf), diff)
-        dist = diff.sum(axis=1) if len(dims) else np.zeros(len(self.entries))
+        dist = np.where(zero, np.where(table == q, 0.0, np.inf), diff).sum(axis=1)
         for j in np.argsort(dist, kind="stable"):
             d = float(dist[j])
             if d == math.inf:
@@ -382,15 +405,11 @@ class _Group:
 
 
 def _shape_index(sources: list[_Source]) -> dict[str, _Group]:
-    index: dict[str, _Group] = {}
+    groups: dict[str, list[tuple[str, int]]] = {}
     for i, src in enumerate(sources):
         for key in src.file.keys():
-            sig = keys.DIM_RE.sub("#", key)
-            group = index.get(sig)
-            if group is None:
-                group = index[sig] = _Group()
-            group.entries.append((key, i))
-    return index
+            groups.setdefault(keys.DIM_RE.sub("#", key), []).append((key, i))
+    return {sig: _Group(entries) for sig, entries in groups.items()}
 
 
 _DEFAULT: TuningCache | None = None
