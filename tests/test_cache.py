@@ -23,6 +23,7 @@ from pallas_tune.cache import (
     files,
     kernel_filename,
     ledger,
+    names,
     read_file,
 )
 
@@ -204,18 +205,18 @@ def test_schema1_files_are_read_and_converted_on_the_next_write(tmp_path):
 
 
 def test_file_names_are_injective(tmp_path):
-    names = ["a/b", "a_b", "a%2Fb", "A_b", "a.estimate", "a.trials", "a.recovered", ".a", "a",
-             "pkg.mod.<locals>.k", "pkg.Mod.k", "pkg.mod.k", "é", "e\u0301", "x" * 400,
-             "x" * 401]
-    stems = [kernel_filename(n) for n in names]
-    assert len({s.lower() for s in stems}) == len(names)  # Even on case-insensitive disks.
+    kernels = ["a/b", "a_b", "a%2Fb", "A_b", "a.estimate", "a.trials", "a.recovered", ".a", "a",
+               "pkg.mod.<locals>.k", "pkg.Mod.k", "pkg.mod.k", "é", "e\u0301", "x" * 400,
+               "x" * 401]
+    stems = [kernel_filename(n) for n in kernels]
+    assert len({s.lower() for s in stems}) == len(kernels)  # Even on case-insensitive disks.
     assert kernel_filename("pallas_tune.kernels.matmul.matmul") == \
         "pallas_tune.kernels.matmul.matmul"
     for stem in stems:
         assert len(stem) <= 200 and not stem.startswith(".") and "/" not in stem
-        assert files.classify(stem + ".json") == ("winners", "measured")
-        assert files.classify(stem + ".estimate.json") == ("winners", "estimate")
-        assert files.classify(stem + ".trials.jsonl") == ("ledger", "measured")
+        assert names.classify(stem + ".json") == ("winners", "measured")
+        assert names.classify(stem + ".estimate.json") == ("winners", "estimate")
+        assert names.classify(stem + ".trials.jsonl") == ("ledger", "measured")
     c = TuningCache(str(tmp_path), use_shipped=False)
     c.write("cpu", "a/b", "key", _entry(1))
     c.write("cpu", "a_b", "key", _entry(2))
@@ -355,3 +356,24 @@ def test_writers_killed_with_sigkill_lose_nothing_and_leave_no_temp_files(tmp_pa
     assert not [f for f in os.listdir(d) if f.startswith(".tmp-")]
     records, _ = ledger.read(str(d / "kern.trials.jsonl"))
     assert done <= {r["key"] for r in records}  # Their histories too.
+
+
+@pytest.mark.parametrize("what", ["directory", "fifo", "unreadable"])
+def test_a_cache_path_that_is_no_file_never_blocks_nor_raises(cache_dir, fresh, what):
+    x = fresh.ones()
+    path = cache_dir / "cpu" / f"{fresh.scale.name}.json"
+    path.parent.mkdir(parents=True)
+    if what == "directory":
+        path.mkdir()
+    elif what == "fifo":
+        os.mkfifo(path)  # Reading it would block forever.
+    else:
+        path.write_text("{}")
+        path.chmod(0)
+        if os.access(path, os.R_OK):
+            pytest.skip("running as root: permissions do not apply")
+    with pytest.warns(pt.PallasTuneWarning, match="cannot be read|not a regular file"):
+        np.testing.assert_allclose(fresh.scale(x), 2 * x)
+    with pytest.warns(pt.PallasTuneWarning, match="recovered"):
+        side = fresh.scale.cache.write("cpu", fresh.scale.name, "k", {"config": {"br": 8}})
+    assert side.endswith(".recovered.json")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pallas_tune.cache.files import SCHEMA_VERSION, kernel_filename
+from pallas_tune.cache.files import SCHEMA_VERSION
+from pallas_tune.cache.names import kernel_filename
 from pallas_tune.cache.store import Hit, TuningCache, default_cache, reset_default_cache
 
 __all__ = ["SCHEMA_VERSION", "Hit", "TuningCache", "default_cache", "kernel_filename",

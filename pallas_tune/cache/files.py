@@ -16,92 +16,25 @@ raises anything but :class:`OSError` or :class:`CacheFormatError` on file conten
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import re
 import secrets
+import stat
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 from pallas_tune.errors import CacheFormatError
 
-__all__ = ["SCHEMA_VERSION", "WinnersFile", "kernel_filename", "parse_winners", "render_winners",
-           "sanitize"]
+__all__ = ["SCHEMA_VERSION", "WinnersFile", "parse_winners", "render_winners", "sanitize"]
 
 SCHEMA_VERSION: Final = 2
 READABLE_SCHEMAS: Final = (1, 2)
 KINDS: Final = ("measured", "estimate")
 
-_SAFE: Final = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_.-")
-# A stem's last dot-component may not start with these: they mark the other files of a stem.
-_RESERVED: Final = ("estimate", "trials", "recovered")
-_MAX_STEM: Final = 180
 _CANONICAL_HEAD: Final = re.compile(r'^\{"schema": 2, .*"entries": \{$')
-
-
-# ---- names ---------------------------------------------------------------------------------
-
-def kernel_filename(kernel: str) -> str:
-    """The file stem of a kernel name: an injective map, even on case-insensitive file systems.
-
-    Lower-case letters, digits, ``_``, ``.`` and ``-`` stay as they are (so
-    ``pallas_tune.kernels.matmul.matmul`` is its own stem); every other character, capitals
-    included, becomes ``%XX`` per UTF-8 byte, like a URL. A leading ``.`` and a final
-    ``.estimate``/``.trials``/``.recovered`` component are escaped too, so that a stem never
-    looks like another stem's estimate, ledger or side file. Stems longer than 180 characters
-    end in ``~`` and a SHA-256 prefix of the name.
-    """
-    if not isinstance(kernel, str) or not kernel:
-        raise ValueError(f"kernel name {kernel!r} must be a non-empty string")
-    out = "".join(ch if ch in _SAFE else "".join(f"%{b:02X}" for b in ch.encode("utf-8", "replace"))
-                  for ch in kernel)
-    if out.startswith("."):
-        out = "%2E" + out[1:]
-    head, dot, last = out.rpartition(".")
-    if dot and last.startswith(_RESERVED):
-        out = f"{head}%2E{last}"
-    if len(out) > _MAX_STEM:
-        out = out[:160] + "~" + hashlib.sha256(kernel.encode("utf-8", "replace")).hexdigest()[:16]
-    return out
-
-
-def legacy_filename(kernel: str) -> str:
-    """The stem pallas-tune 0.1 used (not injective: ``a/b`` and ``a_b`` met); read-only."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", kernel).strip("._") or "kernel"
-
-
-def winners_name(stem: str, kind: str) -> str:
-    return stem + (".json" if kind == "measured" else f".{kind}.json")
-
-
-def recovered_name(stem: str, kind: str, unique: str = "") -> str:
-    base = stem if kind == "measured" else f"{stem}.{kind}"
-    return f"{base}.recovered{'-' + unique if unique else ''}.json"
-
-
-def ledger_name(stem: str, kind: str) -> str:
-    return (stem if kind == "measured" else f"{stem}.{kind}") + ".trials.jsonl"
-
-
-_RECOVERED_RE: Final = re.compile(r"\.recovered(-[A-Za-z0-9_-]+)?\.json$")
-
-
-def classify(name: str) -> tuple[str, str] | None:
-    """(role, kind) of a file in a chip directory: role ``winners``, ``recovered`` or
-    ``ledger``; None for anything else (temp files, locks, dot files)."""
-    if name.startswith(".") or name.endswith(".lock"):
-        return None
-    if name.endswith(".trials.jsonl"):
-        return "ledger", "estimate" if name.endswith(".estimate.trials.jsonl") else "measured"
-    m = _RECOVERED_RE.search(name)
-    if m:
-        return "recovered", "estimate" if name[: m.start()].endswith(".estimate") else "measured"
-    if name.endswith(".json"):
-        return "winners", "estimate" if name.endswith(".estimate.json") else "measured"
-    return None
 
 
 # ---- strict JSON ---------------------------------------------------------------------------
@@ -349,10 +282,33 @@ def file_identity(st: os.stat_result, write_id: Any) -> tuple[Any, ...]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, write_id)
 
 
+MAX_FILE_BYTES: Final = 2**30
+
+
 def read_raw(path: str) -> tuple[bytes, os.stat_result]:
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        return f.read(), st
+    """The bytes of a regular file. Raises FileNotFoundError, or CacheFormatError for anything
+    else in the way (a directory, a FIFO that would block, a device, 1 GiB or more, no
+    permission)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise CacheFormatError(f"cache file {path} cannot be read ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheFormatError(f"cache file {path} is not a regular file")
+        if st.st_size >= MAX_FILE_BYTES:
+            raise CacheFormatError(f"cache file {path} is {st.st_size} bytes, over 1 GiB")
+        chunks = []
+        while chunk := os.read(fd, 1 << 24):
+            chunks.append(chunk)
+        return b"".join(chunks), st
+    except OSError as e:
+        raise CacheFormatError(f"cache file {path} cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
 
 
 def parse_winners(raw: bytes, path: str, st: os.stat_result) -> WinnersFile:

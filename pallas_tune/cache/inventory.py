@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from pallas_tune.cache import files, ledger
+from pallas_tune.cache import files, ledger, names
 from pallas_tune.cache.entries import entry_problem
 from pallas_tune.errors import CacheFormatError
 
@@ -121,11 +121,11 @@ def inventory(cache: Any, *, kernel: str | None = None, chip: str | None = None
                     or not os.path.isdir(d):
                 continue
             try:
-                names = sorted(os.listdir(d))
+                entries = sorted(os.listdir(d))
             except OSError:
                 continue
-            for name in names:
-                role_kind = files.classify(name)
+            for name in entries:
+                role_kind = names.classify(name)
                 if role_kind is None or role_kind[0] == "ledger":
                     continue
                 report = _file_report(os.path.join(d, name), root, root != user, chip_dir,

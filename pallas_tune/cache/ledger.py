@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,9 +25,13 @@ def append(path: str, records: Sequence[dict[str, Any]]) -> None:
     if not records:
         return
     data = "".join(dumps(r) + "\n" for r in records).encode("ascii")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_NONBLOCK", 0),
+                 0o666)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        size = st.st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data  # A killed writer's partial line: end it, never extend it.
         view = memoryview(data)
@@ -50,7 +55,11 @@ def read(path: str, *, key: str | None = None) -> tuple[list[dict[str, Any]], in
 
 
 def _lines(path: str) -> Iterator[dict[str, Any] | None]:
-    if not os.path.exists(path):
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # A FIFO would block: not a ledger.
+            yield None
+            return
+    except FileNotFoundError:
         return
     with open(path, "rb") as f:
         for raw in f:

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pallas_tune import _settings, chips, keys
-from pallas_tune.cache import atomic, files, writer
+from pallas_tune.cache import atomic, files, names, writer
 from pallas_tune.cache.entries import entry_problem, split_entry
 from pallas_tune.errors import CacheFormatError, warn
 
@@ -96,14 +96,14 @@ class TuningCache:
         """The winners file of (chip, kernel, kind) under ``root`` (default: the user root)."""
         _check_kind(kind)
         return os.path.join(root or self.user_root, chips.normalize_chip(chip),
-                            files.winners_name(files.kernel_filename(kernel), kind))
+                            names.winners_name(names.kernel_filename(kernel), kind))
 
     def ledger_path(self, chip: str, kernel: str, *, kind: str = "measured",
                     root: str | None = None) -> str:
         """The trial ledger beside that winners file."""
         _check_kind(kind)
         return os.path.join(root or self.user_root, chips.normalize_chip(chip),
-                            files.ledger_name(files.kernel_filename(kernel), kind))
+                            names.ledger_name(names.kernel_filename(kernel), kind))
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -113,11 +113,14 @@ class TuningCache:
             raw, st = files.read_raw(path)
         except FileNotFoundError:
             return None
+        except CacheFormatError as e:
+            raw, st, unreadable = b"", None, e
+        else:
+            unreadable = None
         try:
-            try:
-                wf = files.parse_winners(raw, path, st)
-            except OSError as e:
-                raise CacheFormatError(f"cache file {path} cannot be read ({e})") from None
+            if unreadable is not None:
+                raise unreadable
+            wf = files.parse_winners(raw, path, st)  # type: ignore[arg-type]
             found = wf.header.get("kernel", kernel)
             if found != kernel:
                 if legacy:
@@ -141,16 +144,16 @@ class TuningCache:
 
     def _load(self, chip: str, kernel: str) -> list[_Source]:
         chip = chips.normalize_chip(chip)
-        stem, old = files.kernel_filename(kernel), files.legacy_filename(kernel)
+        stem, old = names.kernel_filename(kernel), names.legacy_filename(kernel)
         sources = []
         for kind in files.KINDS:
             for root in self.roots():
                 d = os.path.join(root, chip)
-                names = [(files.winners_name(stem, kind), False)]
+                candidates = [(names.winners_name(stem, kind), False)]
                 if old != stem:
-                    names.append((files.winners_name(old, kind), True))
-                names.append((files.recovered_name(stem, kind), False))
-                for name, legacy in names:
+                    candidates.append((names.winners_name(old, kind), True))
+                candidates.append((names.recovered_name(stem, kind), False))
+                for name, legacy in candidates:
                     wf = self._open(os.path.join(d, name), chip, kernel, kind, legacy=legacy)
                     if wf is not None:
                         sources.append(_Source(wf.path, kind, wf))
@@ -327,9 +330,9 @@ class TuningCache:
             if record is not None:
                 records.append(record)
         path = self.path(chip, kernel, kind=kind)
-        stem = files.kernel_filename(kernel)
+        stem = names.kernel_filename(kernel)
         header = {"schema": files.SCHEMA_VERSION, "kernel": kernel, "chip": chip, "kind": kind,
-                  "ledger": files.ledger_name(stem, kind)}
+                  "ledger": names.ledger_name(stem, kind)}
         ledger_path = self.ledger_path(chip, kernel, kind=kind)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -350,12 +353,13 @@ class TuningCache:
             return path
         except CacheFormatError as e:
             problem = str(e)
-        d, stem, kind = os.path.dirname(path), files.kernel_filename(header["kernel"]), header["kind"]
-        side = os.path.join(d, files.recovered_name(stem, kind))
+        d, kind = os.path.dirname(path), header["kind"]
+        stem = names.kernel_filename(header["kernel"])
+        side = os.path.join(d, names.recovered_name(stem, kind))
         try:
             writer.commit(side, winners, records, header=header, ledger_path=ledger_path)
         except CacheFormatError:
-            side = os.path.join(d, files.recovered_name(stem, kind, files.new_write_id()))
+            side = os.path.join(d, names.recovered_name(stem, kind, files.new_write_id()))
             writer.commit(side, winners, records, header=header, ledger_path=ledger_path)
         warn(f"pallas-tune: {problem}. It was left as it is; the new entries for "
              f"{sorted(winners)} were saved to {side} instead, which is read right after it. "
