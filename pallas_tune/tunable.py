@@ -19,7 +19,7 @@ from typing import Any
 
 from pallas_tune import chips, dispatch, keys
 from pallas_tune.cache import TuningCache, default_cache
-from pallas_tune.constraints import as_constraints
+from pallas_tune.constraints import Constraint, as_constraints
 from pallas_tune.errors import SearchSpaceError, warn
 from pallas_tune.space import Config, SearchSpace, load_space
 
@@ -227,7 +227,7 @@ def tunable(
     inputs: Callable[..., Any] | None = None,
     vmem_estimate: Callable[..., int] | None = None,
     standin: Callable[..., Any] | None = None,
-    constraints: Any = None,
+    constraints: Mapping[str, str | Callable[..., Any]] | Sequence[Constraint] | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.

@@ -48,3 +48,11 @@ def rowsum_reference(x):
 
 def data(shape=(16, 384)):
     return (jnp.arange(shape[0] * shape[1], dtype=jnp.float32).reshape(shape) % 7) - 3.0
+
+
+@pt.tunable(b=[8, 64], c=list(range(8)), default={"b": 8, "c": 0}, name="tests.picky")
+def picky(x, *, b, c):
+    """Refuses (while traced) any b larger than x's rows: invalid configs show only by tracing."""
+    if b > x.shape[0]:
+        raise pt.InvalidConfig(f"b={b} must not exceed the {x.shape[0]} rows of x")
+    return x + c

@@ -344,7 +344,12 @@ def test_writers_killed_with_sigkill_lose_nothing_and_leave_no_temp_files(tmp_pa
     # 2 rounds of 3 writers in CI (about 10 s); PALLAS_TUNE_KILL_ROUNDS=200 for a long run.
     rounds = int(os.environ.get("PALLAS_TUNE_KILL_ROUNDS", "2"))
     root = str(tmp_path)
-    done = kill9_loop(root, rounds)
+    # 2,000 entries already there: each write renders a ~1 MB file, so kills land mid-write.
+    base = {f"base-{i}": {"config": {"b": i}, "median_ms": 1.0,
+                          "provenance": {"timer": "wallclock", "note": "x" * 300}}
+            for i in range(2000)}
+    TuningCache(root, use_shipped=False).write_many("cpu", "kern", base)
+    done = kill9_loop(root, rounds) | set(base)
     killed_mid_write = [f for f in os.listdir(tmp_path / "cpu") if f.startswith(".tmp-")]
     print(f"{rounds} rounds, {len(done)} completed writes, {len(killed_mid_write)} temp files "
           "of writers killed mid-write")

@@ -300,18 +300,21 @@ def test_a_miss_costs_a_few_traces_whatever_the_cache_size(cache_dir, dk, monkey
     assert len(traces) <= 4
 
 
-def test_nearest_tries_at_most_three_distinct_configs(cache_dir, fresh, monkeypatch):
-    # Many neighbours of 8x256, all with br=64 (invalid for 8 rows): traced once, not 200 times.
-    entries = {f"x={64 * (i + 1)}x256:float32,factor=2.0": {
-        "config": {"br": 64, "bc": 256, "buffering": 1 + i % 2}} for i in range(200)}
-    fresh.scale.cache.write_many("cpu", fresh.scale.name, entries)
+def test_nearest_tries_at_most_three_distinct_configs(cache_dir, dk, monkeypatch):
+    # 200 tuned shapes near 8x128, all with b=64, which only a trace shows invalid for 8 rows.
+    kernel = dk.picky
+    kernel._memo.clear()
+    entries = {f"x={16 * (i + 1)}x128:float32": {"config": {"b": 64, "c": i % 8}}
+               for i in range(200)}
+    kernel.cache.write_many("cpu", kernel.name, entries)
     traces = _trace_counter(monkeypatch)
     with pytest.warns(pt.PallasTuneWarning) as record:
-        cfg = fresh.scale.config_for(fresh.ones((8, 256)))
-    assert cfg["br"] == 8 and cfg.source == "model"
+        cfg = kernel.config_for(jnp.ones((8, 128)))
+    assert cfg.source == "default" and cfg == {"b": 8, "c": 0}
     msg = " ".join(str(w.message) for w in record)
-    assert msg.count("the config of the tuned shape") == 2  # Two distinct configs, 200 shapes.
-    assert len(traces) <= 2 + fresh.scale.space.size  # Neighbours, then the cost model's scan.
+    assert msg.count("the config of the tuned shape") == 3 and "must not exceed" in msg
+    assert len(traces) == 3 + 1  # Three distinct neighbour configs, then the default.
+    kernel._memo.clear()
 
 
 def test_kernels_from_factories_need_a_name(cache_dir):
@@ -336,7 +339,7 @@ def test_kernels_from_factories_need_a_name(cache_dir):
 
 
 def test_invalid_config_raised_by_the_kernel_is_a_violation(cache_dir):
-    @pt.tunable(b=[1, 2], name="tests.picky")
+    @pt.tunable(b=[1, 2], name="tests.picky_local")
     def picky(x, *, b):
         if b == 2:
             raise pt.InvalidConfig(f"b={b} must be 1 for x of shape {x.shape}")
