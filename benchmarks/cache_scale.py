@@ -5,7 +5,7 @@ shapes, each with 32 trials of history (as the tuner writes them), and measured 
 processes:
 
 - first lookup: ``cache.lookup`` of a cached key in a new process (reads the file), its time and
-  the extra peak memory (ru_maxrss before and after, so what the read costs on top of jax);
+  the extra memory (the larger of the peak and the resident growth, on top of jax);
 - first resolution: ``matmul.config_for`` right after it (this tree also validates the entry
   for the call's shapes: one trace of the kernel);
 - write: one ``cache.write`` of a new shape into that cache, and how long it holds the lock;
@@ -88,6 +88,15 @@ def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _rss_mb() -> float:
+    """Resident memory now (Linux), to see what a lookup keeps after its peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def work_build(root: str, n: int, trials: int) -> dict:
     from pallas_tune.cache import TuningCache
 
@@ -143,11 +152,11 @@ def work_first(root: str, n: int) -> dict:
     _warm_jax()
     args = _args(*_dims(n // 2))
     key = matmul.cache_key(*args)
-    base = _maxrss_mb()
+    base, base_now = _maxrss_mb(), _rss_mb()
     t = time.perf_counter()
     found = matmul.cache.lookup("cpu", NAME, key)
     lookup_ms = (time.perf_counter() - t) * 1e3
-    extra_mb = _maxrss_mb() - base
+    extra_mb = max(_maxrss_mb() - base, _rss_mb() - base_now)
     assert found is not None
     t = time.perf_counter()
     config = matmul.config_for(*args)

@@ -147,9 +147,6 @@ class TunableKernel:
                 self._memo[by_key] = hit
         return hit
 
-    def _cli_ref(self) -> str:
-        return f"{self.fn.__module__}:{self.fn.__qualname__}"
-
     def violations(self, config: Mapping[str, Any], args: Sequence[Any],
                    kwargs: Mapping[str, Any]) -> list[str]:
         """Why ``config`` cannot run for these arguments; empty if it can.
