@@ -43,7 +43,7 @@ def sanitize(value: Any, _depth: int = 0) -> Any:
     """``value`` as strict JSON data: non-finite floats become None, tuples and sets lists,
     numpy scalars Python numbers, mapping keys strings, anything else its repr."""
     if _depth > 64:
-        return repr(value)
+        return "<nested too deeply>"  # Not repr: that could recurse past the stack.
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float):
