@@ -158,6 +158,12 @@ class TunableKernel:
         become problems) and the TPU block rules on its pallas_calls."""
         return dispatch.check(self, config, args, kwargs)[0]
 
+    def check(self, config: Mapping[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+              ) -> tuple[list[str], list[Any] | None]:
+        """:meth:`violations` and the traced ``pallas_call`` infos (None when the check stopped
+        before tracing), for callers that go on to model the calls without tracing again."""
+        return dispatch.check(self, config, args, kwargs)
+
     def entry_problems(self, entry: Mapping[str, Any]) -> list[str]:
         """Why a cache entry (``{"config": ..., "outside_space": ...}``) cannot be this
         kernel's whatever the shapes: unknown or missing parameters, values of other types,

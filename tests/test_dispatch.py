@@ -361,3 +361,11 @@ def test_strict_mode_names_refused_entries(cache_dir, dk, monkeypatch):
     monkeypatch.setenv("PALLAS_TUNE_MODE", "strict")
     with pytest.raises(pt.CacheMissError, match="were refused.*bc_divides_cols"):
         dk.rowsum(x)
+
+
+def test_check_returns_the_traced_calls_for_the_tuner(cache_dir, fresh):
+    x = fresh.ones()
+    problems, calls = fresh.scale.check({"br": 8, "bc": 128, "buffering": 2}, (x,), {})
+    assert problems == [] and calls and calls[0].name == "scale"
+    problems, calls = fresh.scale.check({"br": 8, "bc": 128}, (x,), {})
+    assert problems == ["lacks parameter(s) ['buffering']"] and calls is None
