@@ -29,6 +29,7 @@ from pallas_tune.errors import PallasTuneWarning as PallasTuneWarning
 from pallas_tune.errors import SearchSpaceError as SearchSpaceError
 from pallas_tune.errors import TuneOptionError as TuneOptionError
 from pallas_tune.space import Config as Config
+from pallas_tune.space import Constraint as Constraint
 from pallas_tune.space import Param as Param
 from pallas_tune.space import SearchSpace as SearchSpace
 from pallas_tune.space import load_space as load_space
@@ -62,6 +63,7 @@ __all__ = [
     "CacheMissError",
     "ChipSpec",
     "Config",
+    "Constraint",
     "InvalidConfig",
     "MeasurementError",
     "NoFeasibleConfigError",

@@ -48,7 +48,7 @@ def test_standin_within_5_percent_of_full_compile():
 @pytest.mark.libtpu
 def test_sweep_with_tpu_estimate_on_a_cpu_host_writes_estimates(cache_dir):
     env = subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir)
-    r = subprocess.run([sys.executable, "-m", "pallas_tune.cli", "sweep", "toy_kernels:scale",
+    r = subprocess.run([sys.executable, "-m", "pallas_tune", "sweep", "toy_kernels:scale",
                         "--shapes", "x=256x512:float32", "--chip", "v6e", "--timer",
                         "tpu-estimate", "--trials", "4"], capture_output=True, text=True,
                        env=env, timeout=600)
@@ -59,8 +59,12 @@ def test_sweep_with_tpu_estimate_on_a_cpu_host_writes_estimates(cache_dir):
     (entry,) = data["entries"].values()
     assert entry["provenance"]["kind"] == "estimate"
     assert entry["provenance"]["timer"] == "tpu-estimate"
-    assert all("estimated_cycles" in t for t in entry["trials"] if t["outcome"] == "ok")
-    show = subprocess.run([sys.executable, "-m", "pallas_tune.cli", "show"], capture_output=True,
+    from pallas_tune.cache import TuningCache  # The trials live in the ledger (issue 14).
+
+    trials = TuningCache(str(cache_dir), use_shipped=False).trials(
+        "tpu_v6e", "toy_kernels.scale", "x=256x512:float32,factor=2.0", kind="estimate")
+    assert trials and all("estimated_cycles" in t for t in trials if t["outcome"] == "ok")
+    show = subprocess.run([sys.executable, "-m", "pallas_tune", "show"], capture_output=True,
                           text=True, env=env, timeout=300)
     assert "ESTIMATE" in show.stdout and "tpu_v6e" in show.stdout
     # A measured entry for the same chip and key wins over the estimate.

@@ -39,7 +39,8 @@ def test_tune_writes_cache_and_returns_result(cache_dir, fresh):
     assert prov["device_kind"] and prov["timer"] == "wallclock" and prov["interpret"] is True
     assert prov["ranked_by"] == "interleaved re-ranking" and prov["evaluator"] == "in-process"
     assert "jax" in prov["versions"] and "jaxlib" in prov["versions"] and prov["date"]
-    assert len(entry["trials"]) == len(df)
+    assert len(fresh.scale.cache.trials("cpu", fresh.scale.name, fresh.scale.cache_key(x))) \
+        == len(df)  # The history lives in the ledger beside the winners (issue 14).
 
 
 def test_block_rule_violations_never_measured_and_mismatch_rejected(cache_dir, fresh):
@@ -125,7 +126,7 @@ def test_options_object_and_the_three_entry_points_agree(cache_dir, fresh):
 
 
 def test_all_failing_raises_with_summary(cache_dir):
-    @pt.tunable(b=[3, 5])
+    @pt.tunable(b=[3, 5], name="tests.bad")  # Local kernels need a name (issue 14).
     def bad(x, *, b):
         raise RuntimeError(f"boom {b}")
 
@@ -310,3 +311,23 @@ def test_warm_start_uses_roofline_picks_for_tpu_chips(cache_dir):
     assert len(picks) == 4 and all(p in matmul.space for p in picks)
     # The roofline prefers big tiles over the 256^3 default.
     assert all(p["bm"] * p["bn"] >= 512 * 512 for p in picks[1:])
+
+
+def test_the_tuner_never_measures_what_the_declared_constraints_refuse(cache_dir):
+    """The kernel's one validity check reaches the tuner: a declared constraint refuses a config
+    before it is traced or timed, and the trial says which constraint."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_tune.kernels.matmul import matmul
+
+    constrained = pt.tunable(matmul.fn, space=matmul.space, name="tests.constrained_matmul",
+                             constraints={"square_tiles": "bm == bn"})
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    result = constrained.tune(x, x, trials=4, repeats=1, retime_top=0, write=False)
+    refused = [r for r in result.records if r.detail == "constraint"]
+    assert refused, "the search should have asked for some non-square tiles"
+    assert all(r.config["bm"] != r.config["bn"] for r in refused)
+    assert all("square_tiles" in r.error for r in refused)
+    assert all(r.config["bm"] == r.config["bn"] for r in result.records if r.outcome.timed)
+    assert result.best["bm"] == result.best["bn"]

@@ -30,7 +30,7 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for required in ("pallas_tune/__init__.py", "pallas_tune/cli.py",
+    for required in ("pallas_tune/__init__.py", "pallas_tune/cli/__init__.py",
                      "pallas_tune/kernels/matmul.py", "pallas_tune/search_spaces/matmul.toml",
                      "pallas_tune/caches/__init__.py"):
         assert required in names, required

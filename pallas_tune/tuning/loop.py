@@ -14,6 +14,7 @@ from typing import Any
 
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.pool import importing_main_script
+from pallas_tune.measure.records import Outcome, TrialRecord
 from pallas_tune.tuning import finish
 from pallas_tune.tuning.log import TrialLog
 from pallas_tune.tuning.options import TuneOptions
@@ -86,6 +87,7 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
             asked = search.ask(log.batch(evaluator.parallelism))                  # ask
             log.asked += len(asked)
             fresh = log.fresh([config for _, config in asked])                  # skip known
+            fresh = _declared(kernel, log, fresh, args, kwargs)                 # constraints
             for record in evaluator.evaluate(fresh):                            # evaluate
                 log.add(record)                                                 # record
             new = {number for number, _ in fresh}
@@ -99,6 +101,24 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,
                                      device=evaluator.device, study=search.study, extra=extra)
     return finish.write(kernel, result) if options.write else result
+
+
+def _declared(kernel: Any, log: TrialLog, fresh: list[tuple[int, dict[str, Any]]],
+              args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """Records as infeasible the candidates the kernel's declared constraints refuse (the
+    untraced part of its one validity check: no trace, no device); returns the others."""
+    check = getattr(kernel, "declared_problems", None)
+    if check is None:
+        return fresh
+    keep = []
+    for number, config in fresh:
+        problems = check(config, args, kwargs)
+        if problems:
+            log.add(TrialRecord(number=number, config=dict(config), outcome=Outcome.INFEASIBLE,
+                                error="; ".join(problems), detail="constraint"))
+        else:
+            keep.append((number, config))
+    return keep
 
 
 def _started(evaluator: Evaluator) -> Evaluator:
