@@ -166,7 +166,10 @@ def main() -> None:
         cfg = ",".join(f"{k}={v}" for k, v in config.items() if k not in ("semantics",))
         print(f"{'divides' if divides else 'ragged ':7s} {kernel:33s} {shapes} {kw} [{cfg}]"
               f"  sha256 {digest}  {verdict}")
-    print(f"\n{n_same}/{n_div} lowerings at dividing shapes identical to the base.")
+    n_loc = sum(bool(_DEBUG_LOCATIONS.search(h["text"])) for h in after if h["ok"])
+    print(f"\n{n_same}/{n_div} lowerings at dividing shapes identical to the base (the Mosaic "
+          f"kernel body is in the text, as serialized bytecode); debug_locations found and "
+          f"dropped in {n_loc}/{sum(h['ok'] for h in after)} head lowerings.")
     if bad:
         sys.exit(f"unexpected: {bad}")
 
