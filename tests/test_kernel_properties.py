@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import pallas_tune as pt
@@ -32,7 +32,7 @@ from pallas_tune.kernels.rms_norm import rms_norm, rms_norm_reference
 from pallas_tune.measure.timing import compare
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True, database=None,
+settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
                           suppress_health_check=_SLOW, print_blob=True)
 settings.register_profile("long", deadline=None, suppress_health_check=_SLOW, print_blob=True,
                           max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "150")))
@@ -202,6 +202,7 @@ def _upstream_case(fn, args, kwargs, config, accepts: bool, reference, calls) ->
     """An input the adapter's documented contract accepts must match the reference; any other
     must raise ValueError or InvalidConfig without tracing the upstream kernel."""
     calls.clear()
+    event("accepted" if accepts else "refused")  # --hypothesis-show-statistics shows the split.
     if accepts:
         _check(fn(*args, **kwargs, **config), reference)
         assert calls, "the upstream kernel was not called"
@@ -257,6 +258,8 @@ def test_upstream_splash_attention(case, config, kv_blocks, upstream_calls):
        m_tiles=st.sampled_from([0, 1, 2, 3]))
 @example(case=(1000, 300, 200, [500, 500], jnp.float32, 0), config=dict(tm=128, tk=128, tn=128),
          m_tiles=0)
+@example(case=(7, 300, 200, [0, 7], jnp.bfloat16, 1), config=dict(tm=256, tk=128, tn=128),
+         m_tiles=2)
 def test_upstream_megablox_gmm(case, config, m_tiles, upstream_calls):
     m, k, n, group_sizes, dtype, seed = case
     if m_tiles:  # Most drawn m are refused (tm must divide m): draw some that fit.
@@ -305,3 +308,33 @@ def test_tail_masks_only_where_an_axis_is_ragged(kernel, args, kwargs, config, r
     assert not calls, "a tail mask was emitted at shapes every block divides"
     traced(ragged)
     assert calls, "no tail mask at a ragged shape"
+
+
+# ---- odd shapes compile for a TPU (deviceless, v6e) -----------------------------------------
+
+_ODD = [  # (kernel, args, kwargs and config): sizes of 1, primes, odd head dims, in bf16.
+    (matmul, [S((1, 1), jnp.bfloat16), S((1, 1), jnp.bfloat16)],
+     dict(bm=256, bn=256, bk=256, buffering=2, semantics=MM)),
+    (matmul, [S((13, 300), jnp.bfloat16), S((300, 1000), jnp.bfloat16)],
+     dict(bm=256, bn=256, bk=256, buffering=2, semantics=MM)),
+    (flash_attention, [S((1, 2, 5, 8), jnp.bfloat16), S((1, 1, 3, 8), jnp.bfloat16),
+                       S((1, 1, 3, 8), jnp.bfloat16)], dict(causal=True, bq=128, bkv=128)),
+    (flash_attention, [S((1, 2, 257, 72), jnp.bfloat16), S((1, 1, 129, 72), jnp.bfloat16),
+                       S((1, 1, 129, 72), jnp.bfloat16)], dict(causal=False, bq=128, bkv=128)),
+    (linear_attention,
+     [S((1, 2, 300, 100), jnp.bfloat16)] * 2 + [S((1, 2, 300, 72), jnp.bfloat16)],
+     dict(decay=0.9, chunk=64)),
+    (grouped_matmul, [S((250, 300), jnp.bfloat16), S((3, 300, 130), jnp.bfloat16),
+                      S((3,), jnp.int32)], dict(tm=128, tk=128, tn=128)),
+    (rms_norm, [S((13, 7), jnp.bfloat16), S((7,), jnp.bfloat16)], dict(block_rows=8)),
+]
+
+
+@pytest.mark.libtpu
+@pytest.mark.parametrize("kernel,args,kwargs", _ODD, ids=[f"{c[0].name.rsplit('.', 1)[-1]}-{i}"
+                                                        for i, c in enumerate(_ODD)])
+def test_odd_shapes_compile_for_tpu(kernel, args, kwargs):
+    from pallas_tune.feasibility.compile import compile_deviceless
+
+    res = compile_deviceless(kernel.fn, args, kwargs, chip="v6e")
+    assert res.ok, res.message
