@@ -59,9 +59,15 @@ def test_nearest_tuned_shape_if_valid(cache_dir, fresh):
     with pytest.warns(pt.PallasTuneWarning, match="nearest tuned shape"):
         cfg = fresh.scale.config_for(x)
     assert cfg.source == "nearest" and cfg["br"] == 64
-    # 8x256: br=64 does not divide 8 (nor equal it): not valid, so the default is used.
+    # 8x256: a 64-row block over 8 rows is allowed on TPU (edge blocks are padded): used.
+    with pytest.warns(pt.PallasTuneWarning, match="nearest tuned shape"):
+        assert fresh.scale.config_for(fresh.ones((8, 256)))["br"] == 64
+    # br=12 tiles 12 rows (the full dim) but not 24 (12 is no multiple of 8): the default is used.
+    _seed_cache(fresh.scale_checked, "x=12x256:float32,factor=2.0",
+                {"br": 12, "bc": 128, "wrong": False})
+    assert fresh.scale_checked.config_for(fresh.ones((12, 256))).source == "cache"
     with pytest.warns(pt.PallasTuneWarning, match="using the default"):
-        cfg = fresh.scale.config_for(fresh.ones((8, 256)))
+        cfg = fresh.scale_checked.config_for(fresh.ones((24, 256)))
     assert cfg.source == "default"
 
 

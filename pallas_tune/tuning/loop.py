@@ -715,7 +715,7 @@ def _check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any]
     if verdict.status == "infeasible":
         return (Outcome.INFEASIBLE, f"model: {verdict.reason}", verdict.detail,
                 verdict.vmem_bytes), calls
-    if verdict.status == "borderline" and stage == "compile":
+    if verdict.status in ("uncertain", "borderline") and stage == "compile":
         result = _compile.compile_deviceless(kernel.fn, args, {**kwargs, **config}, chip=chip)
         if not result.ok:
             outcome = (Outcome.INFEASIBLE if result.kind in (*_compile.OOM_KINDS,
