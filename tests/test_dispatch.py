@@ -62,11 +62,16 @@ def test_nearest_tuned_shape_if_valid(cache_dir, fresh):
     with pytest.warns(pt.PallasTuneWarning, match="nearest tuned shape"):
         cfg = fresh.scale.config_for(x)
     assert cfg.source == "nearest" and cfg["br"] == 64
-    # 8x256: br=64 does not divide 8 (nor equal it): not valid, so the cost model picks.
-    with pytest.warns(pt.PallasTuneWarning, match="Refused first: the config of the tuned "
-                                                  "shape 'x=128x256:float32,factor=2.0'"):
-        cfg = fresh.scale.config_for(fresh.ones((8, 256)))
-    assert cfg.source == "model" and cfg["br"] == 8
+    # 8x256: a 64-row block over 8 rows is allowed on TPU (edge blocks are padded): used.
+    with pytest.warns(pt.PallasTuneWarning, match="nearest tuned shape"):
+        assert fresh.scale.config_for(fresh.ones((8, 256)))["br"] == 64
+    # br=12 tiles 12 rows (the full dim) but not 24 (12 is no multiple of 8): the default is used.
+    _seed_cache(fresh.scale_checked, "x=12x256:float32,factor=2.0",
+                {"br": 12, "bc": 128, "wrong": False})
+    assert fresh.scale_checked.config_for(fresh.ones((12, 256))).source == "cache"
+    with pytest.warns(pt.PallasTuneWarning, match="using the default"):
+        cfg = fresh.scale_checked.config_for(fresh.ones((24, 256)))
+    assert cfg.source == "default"
 
 
 def test_declared_default_is_used(cache_dir, fresh):
@@ -213,16 +218,19 @@ def test_declared_default_is_checked_like_any_candidate(cache_dir, dk):
     np.testing.assert_allclose(dk.rowsum(x), dk.rowsum_reference(x))
 
 
-def test_shipped_matmul_default_at_k384_is_refused_and_the_result_is_right(cache_dir):
-    """Issue 12: bm=bn=bk=256 at K=384 used to be returned unchecked (NaN in interpret mode)."""
+def test_shipped_matmul_default_at_k384_is_valid_and_the_result_is_right(cache_dir):
+    """Issue 12: bm=bn=bk=256 at K=384 used to return NaN (the last K block read out of bounds).
+
+    The kernel now masks the ragged K tail, so the declared default is valid there: the dispatcher
+    checks it (the same check as every source) and uses it, and the result is right."""
     from pallas_tune.kernels.matmul import matmul, matmul_reference
 
     x = jax.random.normal(jax.random.key(0), (256, 384), jnp.float32)
     y = jax.random.normal(jax.random.key(1), (384, 256), jnp.float32)
     matmul._memo.clear()
-    with pytest.warns(pt.PallasTuneWarning, match="declared default .*'bk': 256"):
+    with pytest.warns(pt.PallasTuneWarning, match="using the default .*'bk': 256"):
         cfg = matmul.config_for(x, y)
-    assert cfg.source == "model" and not matmul.violations(cfg, (x, y), {})
+    assert cfg.source == "default" and not matmul.violations(cfg, (x, y), {})
     out = matmul(x, y)
     assert bool(jnp.all(jnp.isfinite(out)))
     np.testing.assert_allclose(out, matmul_reference(x, y), rtol=1e-5, atol=1e-4)
