@@ -82,10 +82,14 @@ def _cache_path(cache: str, path: str, label: str, budget: int, seed: int) -> st
     return os.path.join(cache, landscape_id(path).replace("/", "__"), safe, f"b{budget}_s{seed}.json")
 
 
-def _kt_trace(path: str, land: replay.Landscape, name: str, budget: int, seed: int) -> replay.Trace:
-    """Kernel Tuner's strategy `name` in simulation mode on a per-seed noisy copy of the file."""
-    import kernel_tuner
-
+def _noisy_copy(path: str, seed: int) -> str:
+    """The file with each config's time replaced by one of its repeats drawn for this seed
+    (written once per landscape and seed, shared by every Kernel Tuner strategy)."""
+    folder = os.path.join(tempfile.gettempdir(), "pt-kt-noisy")
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, f"{landscape_id(path).replace('/', '__')}__s{seed}.json")
+    if os.path.exists(out):
+        return out
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         data = json.load(f)
@@ -94,18 +98,23 @@ def _kt_trace(path: str, land: replay.Landscape, name: str, budget: int, seed: i
         reps = [x for x in rec.get("times") or [] if isinstance(x, int | float)]
         if isinstance(rec.get("time"), int | float) and reps:
             rec["time"] = rng.choice(reps)
-    fd, tmp = tempfile.mkstemp(suffix=".json", prefix="pt-kt-")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        del data
-        warnings.filterwarnings("ignore")
-        t0 = time.perf_counter()
-        res, _ = kernel_tuner.tune_cache(tmp, strategy=name, quiet=True, seed=seed,
-                                         strategy_options={"max_fevals": budget})
-        seconds = time.perf_counter() - t0
-    finally:
-        os.unlink(tmp)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, out)
+    return out
+
+
+def _kt_trace(path: str, land: replay.Landscape, name: str, budget: int, seed: int) -> replay.Trace:
+    """Kernel Tuner's strategy `name` in simulation mode on a per-seed noisy copy of the file."""
+    import kernel_tuner
+
+    noisy = _noisy_copy(path, seed)
+    warnings.filterwarnings("ignore")
+    t0 = time.perf_counter()
+    res, _ = kernel_tuner.tune_cache(noisy, strategy=name, quiet=True, seed=seed,
+                                     strategy_options={"max_fevals": budget})
+    seconds = time.perf_counter() - t0
     configs, values = [], []
     for r in res:
         c = replay._as_tuple(land, {k: r.get(k) for k in land.keys})

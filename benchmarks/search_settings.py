@@ -29,12 +29,14 @@ from pallas_tune.search import gp, replay  # noqa: E402
 
 # The settings compared (each label overrides CandidateBO's defaults).
 VARIANTS = [
-    "default[cycle='g']",                      # the previous default: global EI only
-    "default[cycle='gl']",                     # alternate global and trust-region EI
-    "default[cycle='gll']",                    # two trust-region steps per global one
-    "default[cycle='glt']",                    # ... and a TPE step
-    "default[cycle='gl',init='maximin']",      # space-filling initial design
-    "default[cycle='gl',xi=0.1]",              # less exploration
+    "default[cycle='g',xi=0.3,init='random']",     # the previous default: global EI only
+    "default[cycle='gl',xi=0.3,init='random']",    # alternate global and trust-region EI
+    "default[cycle='gll',xi=0.3,init='random']",   # two trust-region steps per global one
+    "default[cycle='glt',xi=0.3,init='random']",   # ... and an (independent) TPE step
+    "default[cycle='gl',xi=0.3,init='maximin']",   # space-filling initial design
+    "default[cycle='gl',xi=0.1,init='random']",    # less exploration
+    "default[cycle='gm',xi=0.3,init='random']",    # global EI and multivariate TPE
+    "default[cycle='glm',xi=0.3,init='random']",   # global EI, trust region, multivariate TPE
 ]
 
 

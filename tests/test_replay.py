@@ -36,6 +36,8 @@ def _synthetic(tmp_path, gz=True):
 def test_deterministic_and_no_duplicates(tmp_path, strategy):
     if strategy == "optuna-gp":
         pytest.importorskip("torch", reason="Optuna's GPSampler needs PyTorch")
+    if strategy == "cmaes":
+        pytest.importorskip("cmaes", reason="Optuna's CmaEsSampler needs cmaes (the bench extra)")
     path = _synthetic(tmp_path)
     a = replay.run(path, strategy=strategy, budget=12, seed=3)
     b = replay.run(path, strategy=strategy, budget=12, seed=3)
