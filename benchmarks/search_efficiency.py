@@ -107,6 +107,8 @@ def main() -> None:
     p.add_argument("--cache", default=h.CACHE)
     p.add_argument("--out", default=None, help="also write the report here")
     p.add_argument("--run-only", action="store_true", help="replay (fill the cache), no report")
+    p.add_argument("--cached-only", action="store_true",
+                   help="report only the replays already cached (rows say how many seeds)")
     a = p.parse_args()
     labels, notes = _available(h.split_labels(a.strategies))
     paths = replay.find_landscapes(a.landscapes)
@@ -117,8 +119,12 @@ def main() -> None:
     if a.only:
         paths = [q for q in paths if h.landscape_id(q) in a.only.split(",")]
     peer_seeds = a.seeds if a.peer_seeds is None else a.peer_seeds
-    units = [(q, lab, a.budget, s) for q in paths for lab in labels
-             for s in range(a.seeds if lab in OURS else peer_seeds)]
+    # Small spaces first, so that an interrupted run has covered the most landscapes.
+    units = [(q, lab, a.budget, s) for q in sorted(paths, key=os.path.getsize)
+             for lab in labels for s in range(a.seeds if lab in OURS else peer_seeds)]
+    if a.cached_only:
+        cached = [u for u in units if os.path.exists(h._cache_path(a.cache, *u))]
+        units = cached
     recs = h.replay_many(units, a.jobs, cache=a.cache)
     if a.run_only:
         return
@@ -130,6 +136,7 @@ def main() -> None:
              "(wall times are under load); " + _versions()]
     lines += [f"# note: {n}" for n in notes]
     summary = []
+    am: dict[str, list[float]] = {}
     for q in paths:
         land = h.load(q)
         lid = h.landscape_id(q)
@@ -140,8 +147,12 @@ def main() -> None:
                   "|---|---|---|---|---|---|---|---|"]
         rows = []
         for lab in labels:
-            ok = [r for r in by[(q, lab)] if "error" not in r]
-            if ok:
+            ok = [r for r in by.get((q, lab), []) if "error" not in r]
+            if ok and "benchmark_hub" in q:
+                am.setdefault(lab, []).append(h.methodology_score(land, ok, a.budget))
+            if not by.get((q, lab)):
+                lines.append(f"| {lab} | 0 | not run (compute) | | | | | |")
+            elif ok:
                 rows.append(_row(land, lab, ok, a.budget))
                 lines.append(_fmt(rows[-1], a.budget))
             else:
@@ -153,6 +164,11 @@ def main() -> None:
             common = statistics.mean(h.at(land, r, 50) for r in by[(q, "default")][:peer_seeds])
             summary.append((lid, len(land.configs), tuned, ours, best, common))
     lines += _summary(summary, peer_seeds)
+    lines += ["", "#### autotuning-methodology score over the GPU landscapes (mean of the per-"
+              "landscape scores above; the package aggregates search spaces the same way)",
+              "| strategy | landscapes | mean AM score |", "|---|---|---|"]
+    lines += [f"| {lab} | {len(v)} | {np.nanmean(v):.3f} |"
+              for lab, v in sorted(am.items(), key=lambda kv: -np.nanmean(kv[1]))]
     text = "\n".join(lines)
     print(text)
     if a.out:
@@ -165,12 +181,13 @@ def _summary(summary: list, peer_seeds: int) -> list[str]:
            f"`margin` compares on the {peer_seeds} seeds every strategy ran (0..{peer_seeds - 1}); "
            "`chose settings`: the landscape was used to choose the default's settings "
            "(gp.TUNING_SET).", "",
-           "| landscape | configs | chose settings | default @50 (all seeds) | default @50 "
+           "| landscape | configs | chose settings | default @50 (seeds) | default @50 "
            "(shared seeds) | best peer @50 | best peer | margin | ≥ 0.95 | above best peer |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for lid, n, tuned, ours, best, common in summary:
         margin = common - best["@50"]
-        out.append(f"| {lid} | {n} | {tuned} | {ours['@50']:.3f} | {common:.3f} | "
+        out.append(f"| {lid} | {n} | {tuned} | {ours['@50']:.3f} ({ours['seeds']}) | "
+                   f"{common:.3f} | "
                    f"{best['@50']:.3f} | {best['label']} | {margin:+.3f} | "
                    f"{'yes' if ours['@50'] >= 0.95 else 'no'} | "
                    f"{'yes' if margin > 0 else ('tie' if margin == 0 else 'no')} |")

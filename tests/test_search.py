@@ -174,7 +174,7 @@ def test_optuna_sampler_over_real_value_choices():
 
 
 @pytest.mark.parametrize("settings", [{"cycle": "glt"}, {"cycle": "t"}, {"cycle": "l"},
-                                      {"init": "maximin"}])
+                                      {"cycle": "gm"}, {"init": "maximin"}])
 def test_every_proposal_mode_finds_the_bowl_and_never_repeats(settings):
     bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=2, **settings)
     measured = {}
