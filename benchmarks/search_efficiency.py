@@ -178,7 +178,8 @@ def main() -> None:
 
 def _summary(summary: list, peer_seeds: int) -> list[str]:
     out = ["", "#### Default against the best peer at 50 evaluations (mean opt/best over seeds)",
-           f"`margin` compares on the {peer_seeds} seeds every strategy ran (0..{peer_seeds - 1}); "
+           f"`margin` compares on the {peer_seeds} seeds every strategy ran "
+           f"(0..{peer_seeds - 1}); "
            "`chose settings`: the landscape was used to choose the default's settings "
            "(gp.TUNING_SET).", "",
            "| landscape | configs | chose settings | default @50 (seeds) | default @50 "

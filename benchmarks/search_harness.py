@@ -55,12 +55,21 @@ def load(path: str) -> replay.Landscape:
 
 @functools.lru_cache(maxsize=1)
 def _source_hash() -> str:
+    """A hash of the search package's code: its syntax trees without docstrings, so that
+    comments and documentation do not invalidate cached replays."""
     folder = os.path.dirname(os.path.abspath(replay.__file__))
     h = hashlib.sha1()
     for name in sorted(os.listdir(folder)):
         if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                h.update(f.read())
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                body = getattr(node, "body", None)
+                if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                        and isinstance(body[0].value, ast.Constant)
+                        and isinstance(body[0].value.value, str)):
+                    node.body = body[1:] or [ast.Pass()]
+            h.update(name.encode() + ast.dump(tree).encode())
     return h.hexdigest()[:10]
 
 
@@ -79,7 +88,8 @@ def _cache_path(cache: str, path: str, label: str, budget: int, seed: int) -> st
     if label == "default" or label.startswith("default["):
         tag = f"{label}@{os.environ.get('PT_SEARCH_CACHE_TAG') or _source_hash()}"
     safe = "".join(ch if ch.isalnum() or ch in "-_.=@" else "_" for ch in tag)
-    return os.path.join(cache, landscape_id(path).replace("/", "__"), safe, f"b{budget}_s{seed}.json")
+    return os.path.join(cache, landscape_id(path).replace("/", "__"), safe,
+                        f"b{budget}_s{seed}.json")
 
 
 def _noisy_copy(path: str, seed: int) -> str:
@@ -105,7 +115,8 @@ def _noisy_copy(path: str, seed: int) -> str:
     return out
 
 
-def _kt_trace(path: str, land: replay.Landscape, name: str, budget: int, seed: int) -> replay.Trace:
+def _kt_trace(path: str, land: replay.Landscape, name: str, budget: int, seed: int
+              ) -> replay.Trace:
     """Kernel Tuner's strategy `name` in simulation mode on a per-seed noisy copy of the file."""
     import kernel_tuner
 

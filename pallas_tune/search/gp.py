@@ -79,8 +79,9 @@ class CandidateBO:
     (exploration). ``cycle`` interleaves these global steps ("g") with local ones ("l": only
     within ``local_radius`` rank steps, a categorical change being one step, of the incumbent,
     the measured config the GP thinks fastest) and TPE steps ("t": the best ratio of Parzen
-    densities of the good and the bad configs, per parameter). Pending configs are filled in with the GP's mean (kriging believer), so a
-    batch of proposals spreads out.
+    densities of the good and the bad configs, per parameter; "m": the same with joint
+    densities, as multivariate TPE). Pending configs are filled in with the GP's mean (kriging
+    believer), so a batch of proposals spreads out.
     """
 
     def __init__(self, candidates: Sequence[tuple[Hashable, ...]],

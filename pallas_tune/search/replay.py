@@ -11,10 +11,11 @@ propose from it. ``trace(...)`` is the same run with the configs and the strateg
 time, to score what a user would get: the *mean* time of the config that measured best.
 
 Strategies (``STRATEGIES``): ``"default"`` (pallas-tune's, as the tuner searches:
-:class:`pallas_tune.search.gp.CandidateBO`), ``"tpe"`` (Optuna's TPESampler as it comes: in Optuna 5
-multivariate, 10 startup trials), ``"tpe-mv"`` (multivariate, grouped TPE, 5 startup trials), ``"cmaes"``
-(Optuna's CmaEsSampler over the parameters' value ranks), ``"optuna-gp"`` (Optuna's GPSampler;
-needs PyTorch), ``"random"`` (without replacement) and ``"grid"`` (file order). Optuna samplers
+:class:`pallas_tune.search.gp.CandidateBO`), ``"tpe"`` (Optuna's TPESampler as it comes: in
+Optuna 5 multivariate, 10 startup trials), ``"tpe-mv"`` (multivariate, grouped TPE, 5 startup
+trials), ``"cmaes"`` (Optuna's CmaEsSampler over the parameters' value ranks), ``"optuna-gp"``
+(Optuna's GPSampler; needs PyTorch), ``"random"`` (without replacement) and ``"grid"`` (file
+order). Optuna samplers
 see every parameter categorical (as the tuner encodes a space) except ``cmaes``; a proposal
 outside the constrained space is told ``inf`` and not counted. ``strategy`` may also be any
 callable ``(landscape, budget, seed, evaluate, measured) -> None``: check your own.
