@@ -116,14 +116,25 @@ def _search_loop(search: Search, log: TrialLog, evaluator: Evaluator, kernel: An
         evaluator.learn(log.adopt(search.finished()))  # What finished while we asked.
         fresh = log.fresh([config for _, config in asked])                  # skip known
         fresh = _declared(kernel, log, fresh, args, kwargs)                 # constraints
-        for record in evaluator.evaluate(fresh):                            # evaluate
-            log.add(record)                                                 # record
-        new = {number for number, _ in fresh}
-        for trial, config in asked:                                         # tell
-            record = log.record_of(config)
-            search.tell(trial, record, new=record.number in new)
-            new.discard(record.number)
+        try:
+            for record in evaluator.evaluate(fresh):                        # evaluate
+                log.add(record)                                             # record
+        finally:  # Interrupted mid-batch: what was measured is still told (and saved).
+            _tell(search, log, asked, {number for number, _ in fresh})      # tell
         evaluator.learn(log.adopt(search.finished()))  # Other hosts on the same study.
+
+
+def _tell(search: Search, log: TrialLog, asked: Sequence[tuple[Any, dict[str, Any]]],
+          new: set[int]) -> None:
+    """Tells the study each asked trial whose config has a record (all, after a whole batch)."""
+    from pallas_tune.tuning.log import config_key
+
+    for trial, config in asked:
+        record = log.by_config.get(config_key(config))
+        if record is None:
+            continue  # Not measured (an interrupt): released to the queue by the caller.
+        search.tell(trial, record, new=record.number in new)
+        new.discard(record.number)
 
 
 def _declared(kernel: Any, log: TrialLog, fresh: list[tuple[int, dict[str, Any]]],
