@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns its exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    from pallas_tune.errors import PallasTuneError, TuneOptionError
+    from pallas_tune.errors import PallasTuneError, SearchSpaceError, TuneOptionError
 
     try:
         with _import_path():
@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.code == 130:
             return 130
         raise
-    except (CLIUsageError, TuneOptionError) as e:
+    except (CLIUsageError, TuneOptionError, SearchSpaceError) as e:  # Bad input given.
         _error(args.command, e)
         return 2
     except (PallasTuneError, OSError) as e:
