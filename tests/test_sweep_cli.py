@@ -26,13 +26,6 @@ def _cli(args, cache_dir, **env):
                           env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir, **env))
 
 
-def _sweep(cache_dir, *extra, **env):
-    r = _cli(["sweep", "toy_kernels:scale", "--shapes", SHAPES, "--trials", "3", "--repeats",
-              "1", "-q", *extra], cache_dir, **env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
-
-
 def test_version_and_usage_errors(cache_dir):
     from pallas_tune.cli import main
 
@@ -63,42 +56,50 @@ def test_bad_shapes_are_stopped_before_tracing(cache_dir, capsys, shapes, messag
         assert "right spec looks like 'x=1024x1024:float32,y=1024x1024:float32'" in err
 
 
-def test_show_formats_check_and_merge(cache_dir, tmp_path):
-    _sweep(cache_dir, "--no-storage")
-    js = _cli(["show", "--format", "json", "--trials"], cache_dir)
-    assert js.returncode == 0, js.stderr
-    data = json.loads(js.stdout)
-    [entry] = [e for e in data["entries"] if e["key"] == KEY]
+def _main(capsys, *args):
+    from pallas_tune.cli import main
+
+    rc = main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_show_formats_check_and_merge(cache_dir, tmp_path, capsys):
+    rc, _, err = _main(capsys, "sweep", "toy_kernels:scale", "--shapes", SHAPES, "--trials",
+                       "3", "--repeats", "1", "-q", "--no-storage")
+    assert rc == 0, err
+    rc, out, err = _main(capsys, "show", "--format", "json", "--trials")
+    assert rc == 0, err
+    [entry] = [e for e in json.loads(out)["entries"] if e["key"] == KEY]
     assert entry["chip"] == "cpu" and entry["runs"] and entry["runs"][0]["trials"]
-    rows = list(csv.reader(io.StringIO(_cli(["show", "--format", "csv"], cache_dir).stdout)))
+    rows = list(csv.reader(io.StringIO(_main(capsys, "show", "--format", "csv")[1])))
     assert rows[0][:3] == ["kernel", "chip", "key"] and any(r[2] == KEY for r in rows[1:])
-    ok = _cli(["check", str(cache_dir)], cache_dir)
-    assert ok.returncode == 0 and ": OK" in ok.stdout, ok.stdout + ok.stderr
+    rc, out, err = _main(capsys, "check", str(cache_dir))
+    assert rc == 0 and ": OK" in out, out + err
     # Another host's cache: a config outside the space, under a chip name not normalized.
     other = tmp_path / "other" / "v6e"
     other.mkdir(parents=True)
     good = (cache_dir / "cpu" / "toy_kernels.scale.json").read_text()
     (other / "toy_kernels.scale.json").write_text(
         good.replace('"chip": "cpu"', '"chip": "tpu_v6e"').replace('"br": ', '"br": 7 + '))
-    bad = _cli(["check", str(tmp_path / "other")], cache_dir)
-    assert bad.returncode == 1, bad.stdout
-    assert "rename it to 'tpu_v6e'" in bad.stdout and "problem:" in bad.stdout, bad.stdout
-    # merge: two hosts' files into one root; the faster entry of a key wins.
+    rc, out, _ = _main(capsys, "check", str(tmp_path / "other"))
+    assert rc == 1 and "rename it to 'tpu_v6e'" in out and "problem:" in out, out
+    # merge: two hosts' files into one root.
     host_b = tmp_path / "b" / "cpu"
     host_b.mkdir(parents=True)
-    entries_line = good.replace(KEY, "x=128x256:float32,factor=2.0")
-    (host_b / "toy_kernels.scale.json").write_text(entries_line)
+    (host_b / "toy_kernels.scale.json").write_text(
+        good.replace(KEY, "x=128x256:float32,factor=2.0"))
     into = tmp_path / "merged"
-    m = _cli(["merge", str(cache_dir / "cpu" / "toy_kernels.scale.json"),
-              str(host_b / "toy_kernels.scale.json"), "--into", str(into)], cache_dir)
-    assert m.returncode == 0, m.stdout + m.stderr
+    rc, out, err = _main(capsys, "merge", str(cache_dir / "cpu" / "toy_kernels.scale.json"),
+                         str(host_b / "toy_kernels.scale.json"), "--into", str(into))
+    assert rc == 0, out + err
     from pallas_tune.cache import read_file
 
     merged = read_file(str(into / "cpu" / "toy_kernels.scale.json"))
     assert set(merged["entries"]) == {KEY, "x=128x256:float32,factor=2.0"}
 
 
-def test_record_then_sweep_from_record(cache_dir, tmp_path):
+def test_record_then_sweep_from_record(cache_dir, tmp_path, capsys):
     record = tmp_path / "misses.jsonl"
     code = ("import jax.numpy as jnp, toy_kernels as t\n"
             "t.scale(jnp.ones((64, 256), jnp.float32))\n"
@@ -113,10 +114,11 @@ def test_record_then_sweep_from_record(cache_dir, tmp_path):
     assert lines[0]["ref"] == "toy_kernels:scale" and lines[0]["chip"] == "cpu"
     with open(record, "a") as f:
         f.write("not json\n")
-    s = _cli(["sweep", "--from-record", str(record), "--trials", "2", "--repeats", "1",
-              "--no-storage", "-q"], cache_dir)
-    assert s.returncode == 0, s.stderr[-3000:]
-    assert "1 line(s)" in s.stderr  # The bad line is named, not fatal.
+    from pallas_tune.cli import main
+
+    assert main(["sweep", "--from-record", str(record), "--trials", "2", "--repeats", "1",
+                 "--no-storage", "-q"]) == 0
+    assert "1 line(s)" in capsys.readouterr().err  # The bad line is named, not fatal.
     from pallas_tune.cache import read_file
 
     entries = read_file(str(cache_dir / "cpu" / "toy_kernels.scale.json"))["entries"]
@@ -174,3 +176,50 @@ def test_library_caches_rank_after_the_user_cache(cache_dir, tmp_path, monkeypat
     kern.cache.write("cpu", "lib.kern", "k", {"config": {"b": 1}, "median_ms": 1.0})
     assert kern.cache.lookup("cpu", "lib.kern", "k")[0]["config"] == {"b": 1}
     assert os.path.exists(cache_dir / "cpu")  # Only the user root was written.
+
+
+def _records():
+    from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
+
+    def rec(n, config, ms, outcome=Outcome.OK):
+        m = Measurement(times_ms=(ms,), compile_ms=1.0, timer="wallclock") if ms else None
+        return TrialRecord(number=n, config=config, outcome=outcome, measurement=m,
+                           error="" if ms else "does not fit\nmore")
+    return [rec(0, {"b": 1}, 4.0), rec(1, {"b": 2}, 1.0), rec(2, {"b": 4}, None,
+                                                             Outcome.INFEASIBLE)]
+
+
+def _progress(n, best_ms, best):
+    from pallas_tune.tuning.result import Progress
+
+    return Progress(asked=n + 1, evaluated=n + 1, timed=min(n + 1, 2), duplicates=0, budget=3,
+                    best_ms=best_ms, best=best, elapsed_s=0.1)
+
+
+@pytest.mark.parametrize("mode", ["lines", "live"])
+def test_progress_shows_done_outcomes_best_vs_default_and_eta(mode):
+    pytest.importorskip("rich") if mode == "live" else None
+    from pallas_tune.cli.progress import SweepProgress
+
+    out = io.StringIO()
+    p = SweepProgress(label="k", total=3, default={"b": 1}, mode=mode, stream=out)
+    bests = [(4.0, {"b": 1}), (1.0, {"b": 2}), (1.0, {"b": 2})]
+    for n, r in enumerate(_records()):
+        p.callback(r, _progress(n, *bests[n]))
+    p.close()
+    text = out.getvalue()
+    assert "2/3" in text and "1 infeasible" in text and "2 ok" in text, text
+    assert "vs default 4 ms (4.00x)" in text, text
+    if mode == "lines":
+        assert text.count("\n") == 3 and "ETA" in text
+
+
+def test_show_never_cuts_a_key(cache_dir, capsys):
+    from pallas_tune.cache import TuningCache
+    from pallas_tune.cli import main
+
+    key = "x=" + "x".join(["8"] * 40) + ":float32,mode=" + "long" * 30
+    TuningCache(str(cache_dir), use_shipped=False).write(
+        "cpu", "k.long", key, {"config": {"b": 1}, "median_ms": 1.0})
+    assert main(["show", "--kernel", "k.long", "--chip", "cpu"]) == 0
+    assert key in capsys.readouterr().out

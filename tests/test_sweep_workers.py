@@ -1,7 +1,8 @@
 """Distributed sweeps: several `pallas-tune sweep` processes on one storage, started at the same
 moment, and kill -9 resumes. Real PostgreSQL (pgserver) where it can start; SQLite always.
 
-The same scenarios repeated in a loop: benchmarks/sweep_workers.py."""
+The same scenarios repeated in a loop, kill -9 on PostgreSQL too, and two workers on SQLite:
+benchmarks/sweep_workers.py (results in benchmarks/results/sweep_workers.txt)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,8 @@ def test_three_workers_on_postgres_start_together(tmp_path):
         assert acc["workers"] >= 2, acc  # The work was shared, not done thrice.
 
 
-def test_two_workers_on_sqlite(tmp_path):
-    url = f"sqlite:///{tmp_path / 'studies.db'}"
-    _assert_clean(url, wait_all(start_workers(2, url, TRIALS, str(tmp_path / "cache"), "-q")))
-
-
-@pytest.mark.parametrize("backend", ["sqlite-default", "postgres"])
+# The same on PostgreSQL, and both repeated: benchmarks/sweep_workers.py loops.
+@pytest.mark.parametrize("backend", ["sqlite-default"])
 def test_kill9_then_the_same_command_resumes(tmp_path, backend):
     cache = str(tmp_path / "cache")
     if backend == "postgres":

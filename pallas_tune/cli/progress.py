@@ -61,7 +61,7 @@ class SweepProgress:
         if (self.default is not None and record.config == self.default
                 and record.outcome.timed and record.duplicate_of is None):
             self.default_ms = record.median_ms
-        done = min(progress.timed, self.total)
+        done = min(progress.timed + getattr(progress, "from_storage", 0), self.total)
         status = self.status(progress)
         if self.mode == "live" and self._live is not None:
             self._live.update(self._task, completed=done, status=status)

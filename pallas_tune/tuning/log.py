@@ -123,7 +123,9 @@ class TrialLog:
                         duplicates=sum(r.duplicate_of is not None for r in here),
                         budget=self.options.trials, best_ms=best.median_ms if best else math.inf,
                         best=dict(best.config) if best else None,
-                        elapsed_s=time.perf_counter() - self.started)
+                        elapsed_s=time.perf_counter() - self.started,
+                        from_storage=sum(r.spent_device_time for r in self.records
+                                         if r.number in self.imported))
 
     def counts(self) -> dict[str, int]:
         """Asked of the sampler, evaluated, distinct programs, device timings spent, ..."""
