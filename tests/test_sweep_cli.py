@@ -223,3 +223,26 @@ def test_show_never_cuts_a_key(cache_dir, capsys):
         "cpu", "k.long", key, {"config": {"b": 1}, "median_ms": 1.0})
     assert main(["show", "--kernel", "k.long", "--chip", "cpu"]) == 0
     assert key in capsys.readouterr().out
+
+
+def test_fresh_study_starts_over_and_a_rerun_resumes(cache_dir, capsys):
+    import optuna
+
+    from pallas_tune.cli import main
+
+    base = ["sweep", "toy_kernels:scale", "--shapes", SHAPES, "--trials", "2", "--repeats", "1",
+            "-q"]
+    storage = f"sqlite:///{cache_dir / '.studies' / 'studies.db'}"
+    name = f"toy_kernels.scale|cpu|{KEY}"
+
+    def workers():
+        s = optuna.load_study(study_name=name, storage=storage)
+        return [t.user_attrs["worker"] for t in s.trials if "worker" in t.user_attrs]
+
+    assert main(base) == 0
+    assert len(workers()) == 2
+    assert main([*base, "--force"]) == 0  # Resumed: the study has its 2 trials; none re-run.
+    assert len(workers()) == 2
+    assert main([*base, "--force", "--fresh-study"]) == 0
+    assert len(workers()) == 2 and len(optuna.load_study(study_name=name,
+                                                         storage=storage).trials) == 2

@@ -118,7 +118,11 @@ def _sweep_parser(sub: Any) -> None:
     s.add_argument("--no-storage", action="store_true",
                    help="keep studies in memory only (not resumable). Without --storage they "
                         "live in an SQLite file in the user cache directory")
-    s.add_argument("--force", action="store_true", help="re-tune keys already in the user cache")
+    s.add_argument("--force", action="store_true",
+                   help="re-tune keys already in the user cache (resuming their stored studies)")
+    s.add_argument("--fresh-study", action="store_true",
+                   help="delete each shape's stored study first and start over (after changing "
+                        "the kernel's code; run it on one worker, then start the others)")
     s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
     out = s.add_mutually_exclusive_group()
     out.add_argument("-v", "--verbose", action="store_true", help="print every trial")

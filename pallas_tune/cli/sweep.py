@@ -178,6 +178,8 @@ def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
         if not args.force and found is not None and found[1] == user_file:
             _say(args, f"  {key}: cached, skipped (--force re-tunes)")
             continue
+        if args.fresh_study and args.storage:
+            _delete_study(args.storage, options.study_name or f"{kernel.name}|{chip}|{key}")
         progress = _progress(args, kernel, options, f"[{i + 1}/{len(calls)}] {key}")
         t0 = time.perf_counter()
         try:
@@ -201,6 +203,17 @@ def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
                    f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
                    f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
     return failures
+
+
+def _delete_study(storage: str, name: str) -> None:
+    import optuna
+
+    from pallas_tune.tuning.storage import open_storage
+
+    try:
+        optuna.delete_study(study_name=name, storage=open_storage(storage))
+    except KeyError:
+        pass  # None yet.
 
 
 def _progress(args: argparse.Namespace, kernel: Any, options: Any, label: str) -> Any:
