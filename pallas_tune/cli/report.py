@@ -128,7 +128,7 @@ def _figures(plt: Any, optuna: Any, study: Any, trials: list[dict[str, Any]],
         im = ax.imshow(grid, origin="lower", cmap="viridis_r", aspect="auto")
         ax.set_xticks(range(len(xs_)), [str(v) for v in xs_])
         ax.set_yticks(range(len(ys_)), [str(v) for v in ys_])
-        ax.set(xlabel=px, ylabel=py, title="best median ms over two block dims")
+        ax.set(xlabel=px, ylabel=py, title="best median ms over two block dims (blank: not tried)")
         fig.colorbar(im, ax=ax, label="ms")
         pngs.append(_png(fig, plt, f"{stem}_heatmap.png"))
         frags.append(go.Figure(go.Heatmap(z=grid, x=[str(v) for v in xs_],
