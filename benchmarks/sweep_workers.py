@@ -112,6 +112,9 @@ def loops(args: argparse.Namespace) -> None:
                      f"{min(r['timed'] for r in rs):>4d}-{max(r['timed'] for r in rs):<5d} "
                      f"{min(r['workers'] for r in rs):>6d}-{max(r['workers'] for r in rs):<5d} "
                      f"{walls[len(walls) // 2]:15.1f}")
+    lines.append("# per run (states: the study's trial states; PRUNED = a worker backed off a "
+                 "config another worker held; FAIL = the killed worker's trial, requeued):")
+    lines += [f"# {r['scenario']:32s} run {r['run']}: {r['states']}" for r in rows]
     _write(args.out or os.path.join(HERE, "results", "sweep_workers.txt"),
            _header(" ".join(["python benchmarks/sweep_workers.py", *sys.argv[1:]]), lines))
 
