@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import sweep_harness as h  # noqa: E402
 
 SPACE = 16
+TP_SHAPES = "x=256x1024:float32"  # Bigger than the loops' shape: a trial costs ~1 s here.
 
 
 def _header(command: str, lines: list[str]) -> list[str]:
@@ -46,8 +47,9 @@ def _header(command: str, lines: list[str]) -> list[str]:
             "machinery, not kernel speed.", *lines]
 
 
-def _cmd(storage: str | None, trials: int, study: str, *extra: str) -> list[str]:
-    return h.sweep_command(storage, trials, "-q", "--study-name", study, *extra)
+def _cmd(storage: str | None, trials: int, study: str, *extra: str, shapes: str = h.SHAPES
+         ) -> list[str]:
+    return h.sweep_command(storage, trials, "-q", "--study-name", study, *extra, shapes=shapes)
 
 
 def _judge(storage: str, study: str, results: list[tuple[int, str, str]], trials: int,
@@ -126,8 +128,8 @@ def throughput(args: argparse.Namespace) -> None:
         for workers in (1, 2, 4):
             study, cache = f"tp-{workers}", os.path.join(tmp, f"t{workers}")
             t0 = time.perf_counter()
-            procs = [subprocess.Popen(_cmd(url, trials, study), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True,
+            procs = [subprocess.Popen(_cmd(url, trials, study, shapes=TP_SHAPES),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env=h.worker_env(cache)) for _ in range(workers)]
             res = h.wait_all(procs, timeout=1800)
             wall = time.perf_counter() - t0
@@ -138,12 +140,17 @@ def throughput(args: argparse.Namespace) -> None:
     lines = [f"# one PostgreSQL storage; each worker count sweeps its own study of all {trials}"
              " configs (trials=16, exhaustive: every config enqueued once, claimed by one "
              "worker);",
-             "# wall: first worker start to last worker exit (JAX import and tracing "
-             "included); configs/min = evaluated configs per minute of wall time.",
-             f"{'workers':>7s} {'wall s':>8s} {'configs':>7s} {'configs/min':>11s} "
-             f"{'speed-up':>8s} {'dupl':>5s} {'crashed':>7s} {'workers seen':>12s}"]
+             f"# shape {TP_SHAPES}; wall: first worker start to last worker exit (JAX import "
+             "and tracing included); configs/min = evaluated configs per minute of wall time;",
+             "# programs timed: configs whose program was run (a config whose lowered program "
+             "another config already ran is a duplicate and not timed; that check is per "
+             "process, so concurrent workers can time one program twice);",
+             "# dupl: configs evaluated by more than one worker.",
+             f"{'workers':>7s} {'wall s':>8s} {'configs':>7s} {'programs timed':>14s} "
+             f"{'configs/min':>11s} {'speed-up':>8s} {'dupl':>5s} {'crashed':>7s} "
+             f"{'workers seen':>12s}"]
     for workers, wall, r in rows:
-        lines.append(f"{workers:7d} {wall:8.1f} {r['evaluated']:7d} "
+        lines.append(f"{workers:7d} {wall:8.1f} {r['evaluated']:7d} {r['timed']:14d} "
                      f"{60 * r['evaluated'] / wall:11.1f} {base / wall:8.2f} "
                      f"{r['duplicates']:5d} {r['crashed']:7d} {r['workers']:12d}")
     lines.append(f"# {os.cpu_count()} cores: past 2 workers they share the cores, so the "

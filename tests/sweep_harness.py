@@ -46,8 +46,9 @@ def worker_env(cache_dir: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def sweep_command(storage: str | None, trials: int, *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "pallas_tune", "sweep", KERNEL, "--shapes", SHAPES,
+def sweep_command(storage: str | None, trials: int, *extra: str, shapes: str = SHAPES
+                  ) -> list[str]:
+    cmd = [sys.executable, "-m", "pallas_tune", "sweep", KERNEL, "--shapes", shapes,
            "--trials", str(trials), "--repeats", "1", "--max-time-s", "0.05", "--force",
            *extra]
     return cmd + (["--storage", storage] if storage else [])
