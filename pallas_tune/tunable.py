@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import chips, dispatch, keys
+from pallas_tune import _record, chips, dispatch, keys
 from pallas_tune.cache import TuningCache, default_cache
 from pallas_tune.constraints import Constraint, as_constraints
 from pallas_tune.errors import SearchSpaceError, warn
@@ -143,6 +144,8 @@ class TunableKernel:
         hit = self._memo.get(by_key)
         if hit is None:
             hit = dispatch.resolve(self, chip, key, args, kwargs)
+            if hit.source != "cache":  # A miss: PALLAS_TUNE_RECORD may want it.
+                _record.miss(self, chip, key, args, kwargs, hit.source)
             with self._lock:
                 self._memo[by_key] = hit
         return hit
@@ -225,6 +228,17 @@ def _default_name(fn: Callable[..., Any]) -> str:
     return f"{module}.{qualname}"
 
 
+def _library_cache(cache: Any) -> TuningCache | None:
+    if cache is None or isinstance(cache, TuningCache):
+        return cache
+    dirs = [cache] if isinstance(cache, str | os.PathLike) else list(cache)
+    for d in dirs:
+        if not isinstance(d, str | os.PathLike):
+            raise SearchSpaceError(f"cache={cache!r} must be a directory, a list of them or a "
+                                   "TuningCache.")
+    return TuningCache(library_roots=[os.fspath(d) for d in dirs])
+
+
 def tunable(
     fn: Callable[..., Any] | None = None,
     *,
@@ -237,6 +251,7 @@ def tunable(
     vmem_estimate: Callable[..., int] | None = None,
     standin: Callable[..., Any] | None = None,
     constraints: Mapping[str, str | Callable[..., Any]] | Sequence[Constraint] | None = None,
+    cache: TuningCache | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -274,6 +289,11 @@ def tunable(
         mapping name → expression string or callable (see :mod:`pallas_tune.constraints`), e.g.
         ``{"bk_divides_k": "x.shape[1] % bk == 0"}``; added to those of a ``space=`` file. A
         config that breaks one is never measured nor served.
+      cache: where this kernel's tuned configs are looked up besides the user cache: a
+        directory (or several) of ``<chip>/<kernel>.json`` files that a library ships in its
+        wheel, e.g. ``cache=importlib.resources.files("mylib") / "caches"``. They rank after
+        the user cache and before ``PALLAS_TUNE_CACHE_PATH`` and pallas-tune's own caches
+        (see :mod:`pallas_tune.cache.store`). Or a :class:`~pallas_tune.cache.TuningCache`.
       **choices: parameter name → list of choices.
 
     Raises:
@@ -304,7 +324,8 @@ def tunable(
             merged, default=default if default is not None else base_default,
             constraints=tuple({**base_constraints, **extra}.values()))
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
-                             vmem_estimate=vmem_estimate, standin=standin)
+                             vmem_estimate=vmem_estimate, standin=standin,
+                             cache=_library_cache(cache))
 
     if fn is not None:
         if not callable(fn):

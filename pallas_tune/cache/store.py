@@ -9,9 +9,16 @@ Layout under each root, per chip directory ``<root>/<chip>/`` (``<stem>`` is
 - ``<stem>[.estimate].trials.jsonl``: the trial ledger (:mod:`pallas_tune.cache.ledger`);
 - ``*.lock`` and ``.tmp-*``: a writer's lock and temp files (readers ignore them).
 
-Lookup order (first valid entry wins): measured before estimates; within each, the user root
-(``PALLAS_TUNE_CACHE_DIR``, else the platform's user cache directory) before the caches shipped
-in the package. A file that cannot be read at all is skipped with a warning (strict mode raises
+Lookup order (first valid entry wins): measured before estimates; within each, by root:
+
+1. the user root (``PALLAS_TUNE_CACHE_DIR``, else the platform's user cache directory): what
+   you tuned here always wins;
+2. the kernel's library caches (``@tunable(cache="DIR")``: a downstream library's tuned caches
+   shipped in its wheel), in the order given;
+3. the search path ``PALLAS_TUNE_CACHE_PATH`` (directories separated by ``os.pathsep``);
+4. the caches shipped in pallas-tune itself.
+
+Only the user root is ever written. A file that cannot be read at all is skipped with a warning (strict mode raises
 :class:`CacheFormatError`); a damaged entry is skipped with a warning naming the file, the key
 and the reason, and the file's other entries still serve. No file is ever modified by a reader.
 """
@@ -23,7 +30,7 @@ import math
 import os
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pallas_tune import _settings, chips, keys
@@ -69,8 +76,9 @@ class TuningCache:
     """
 
     def __init__(self, user_root: str | None = None, shipped_root: str | None = None,
-                 *, use_shipped: bool = True):
+                 *, use_shipped: bool = True, library_roots: Sequence[str] = ()):
         self._user_root = user_root
+        self._library_roots = tuple(os.fspath(r) for r in library_roots)
         self._shipped_root = shipped_root if shipped_root is not None else (
             _shipped_root() if use_shipped else None
         )
@@ -84,11 +92,13 @@ class TuningCache:
         return self._user_root or _settings.cache_dir()
 
     def roots(self) -> list[str]:
+        """Where entries are looked up, first match first (see the module docstring)."""
+        search = os.environ.get("PALLAS_TUNE_CACHE_PATH", "")
         roots = [self.user_root]
-        if self._shipped_root and os.path.abspath(self._shipped_root) != os.path.abspath(
-            roots[0]
-        ):
-            roots.append(self._shipped_root)
+        for r in (*self._library_roots, *(p for p in search.split(os.pathsep) if p),
+                  self._shipped_root):
+            if r and os.path.abspath(r) not in {os.path.abspath(x) for x in roots}:
+                roots.append(r)
         return roots
 
     def path(self, chip: str, kernel: str, *, kind: str = "measured", root: str | None = None

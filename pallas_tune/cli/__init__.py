@@ -1,8 +1,16 @@
-"""``pallas-tune``: offline sweeps and cache inspection. The only module that prints.
+"""``pallas-tune``: offline sweeps, reports and cache tools. The only part that prints.
 
     pallas-tune sweep MODULE:KERNEL --shapes "x=1024x1024:bfloat16,y=1024x1024:bfloat16" --trials 32
     pallas-tune sweep --space matmul            # kernel and shape sets from search_spaces/matmul.toml
-    pallas-tune show [--kernel matmul] [--chip cpu] [--trials [--key KEY]]
+    pallas-tune sweep --from-record misses.jsonl   # the shapes production met (PALLAS_TUNE_RECORD)
+    pallas-tune show [--kernel matmul] [--chip v6e] [--format table|json|csv] [--trials]
+    pallas-tune check [PATH ...]                # non-zero exit on a problem (for a library's CI)
+    pallas-tune merge OUT.json IN.json ...      # combine cache files several hosts wrote
+    pallas-tune report --kernel matmul [--key KEY] [--out DIR]
+
+Exit status: 0 success, 1 a failure (a shape that failed to tune, a cache problem found by
+check), 2 a usage error (bad flags or specs), 130 interrupted (Ctrl-C; the sweep resumes).
+Errors go to stderr.
 
 Kernels are imported from the installed packages and from ``--path DIR`` only: the current
 directory is not searched (a ``jax.py`` lying there must not run). A ``--space`` file names a
@@ -12,289 +20,30 @@ module to import, like any config that names code; it is validated whole before 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import inspect
-import math
 import os
 import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["main"]
 
 from pallas_tune.cli.options import _fmt_config, add_tune_options, tune_options  # noqa: E402
+from pallas_tune.cli.shapes import (  # noqa: E402
+    CLIUsageError,
+    build_call,
+    read_shapes,
+    spec_items,
+)
 
-_tune_options = tune_options  # The name tests and older callers use.
-
-
-class CLIUsageError(Exception):
-    """Bad command-line input; printed without a traceback."""
-
-
-@contextlib.contextmanager
-def _import_path(paths: Sequence[str] = ()) -> Iterator[None]:
-    """sys.path for importing kernels: the ``--path`` directories first, and without the current
-    directory that ``python -m`` and ``-c`` put first (restored afterwards)."""
-    saved = list(sys.path)
-    here = os.path.realpath(os.getcwd())
-    if sys.path and (sys.path[0] == "" or os.path.realpath(sys.path[0]) == here):
-        del sys.path[0]
-    sys.path[:0] = [os.path.abspath(p) for p in paths]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
+_tune_options = tune_options  # The names tests and older callers use.
+_spec_items = spec_items
+_read_shapes = read_shapes
 
 
-def _load_kernel(ref: str, paths: Sequence[str] = ()) -> Any:
-    from pallas_tune import _refs
-    from pallas_tune.tunable import TunableKernel
-
-    for p in paths:
-        if not os.path.isdir(p):
-            raise CLIUsageError(f"--path {p}: not a directory")
-    with _import_path(paths):
-        try:
-            obj = _refs.load(ref)
-        except (ValueError, ImportError, AttributeError) as e:
-            hint = ("" if paths else " (the current directory is not searched: pass --path . "
-                                     "to import kernels from files here)")
-            raise CLIUsageError(f"cannot load kernel {ref!r}: {e}{hint}") from None
-    if not isinstance(obj, TunableKernel):
-        raise CLIUsageError(f"{ref} is not a @pallas_tune.tunable kernel (got {type(obj).__name__})")
-    return obj
-
-
-def _check_specs(specs: Sequence[str]) -> None:
-    """Validates --shapes / [[shapes]] syntax before any kernel module is imported."""
-    from pallas_tune import keys
-
-    for spec in specs:
-        try:
-            keys.parse_key(spec)
-        except ValueError as e:
-            raise CLIUsageError(str(e)) from None
-
-
-def _spec_items(spec: Any) -> str:
-    """A shapes entry from a TOML file (a table) → the --shapes string form."""
-    if isinstance(spec, str):
-        return spec
-    parts = []
-    for k, v in spec.items():
-        if isinstance(v, bool):
-            v = "true" if v else "false"
-        parts.append(f"{k}={v}")
-    return ",".join(parts)
-
-
-def build_call(kernel: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
-    """Turns ``"x=1024x1024:bfloat16,causal=true"`` into (args, kwargs) of ShapeDtypeStructs."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_tune import keys
-
-    try:
-        parsed = keys.parse_key(spec)
-    except ValueError as e:
-        raise CLIUsageError(str(e)) from None
-
-    def materialize(p: Any) -> Any:
-        if p[0] == "array":
-            try:
-                dtype = jnp.dtype(p[2])
-            except TypeError:
-                raise CLIUsageError(f"unknown dtype {p[2]!r} in {spec!r}") from None
-            return jax.ShapeDtypeStruct(p[1], dtype)
-        if p[0] == "arrays":
-            return tuple(materialize(x) for x in p[1])
-        return p[1]
-
-    values = {name: materialize(p) for name, p in parsed.items()}
-    sig = inspect.signature(kernel.fn)
-    try:
-        bound = sig.bind_partial(**values)
-    except TypeError as e:
-        raise CLIUsageError(f"--shapes {spec!r} does not fit {kernel.name}{sig}: {e}") from None
-    return list(bound.args), dict(bound.kwargs)
-
-
-def _read_shapes(args: argparse.Namespace) -> list[str]:
-    specs: list[str] = []
-    for s in args.shapes or []:
-        if s.startswith("@") or (os.path.isfile(s) and not "=" in s):
-            path = s.lstrip("@")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    specs += [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
-            except OSError as e:
-                raise CLIUsageError(f"cannot read shapes file {path}: {e}") from None
-        else:
-            specs.append(s)
-    return specs
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    from pallas_tune.errors import PallasTuneError
-    from pallas_tune.space import load_space
-
-    kernel_ref = args.kernel
-    specs = _read_shapes(args)
-    if args.space:
-        loaded = load_space(args.space)
-        kernel_ref = kernel_ref or loaded["kernel"]
-        if not specs:
-            specs = [_spec_items(s) for s in loaded["shapes"]]
-    if not kernel_ref:
-        raise CLIUsageError("name the kernel (MODULE:NAME) or a --space file that names one")
-    if not specs:
-        raise CLIUsageError("give at least one --shapes (or a --space file with [[shapes]])")
-    _check_specs(specs)
-    kernel = _load_kernel(kernel_ref, args.path or ())
-    from pallas_tune import chips
-
-    if args.interpret is not None:
-        os.environ["PALLAS_TUNE_INTERPRET"] = args.interpret
-        from pallas_tune import _settings
-
-        _settings.reload()
-    chip = chips.normalize_chip(args.chip) if args.chip else chips.current_chip()
-    options = tune_options(args, chip)  # Bad values fail here, before any shape is tuned.
-    kind = "estimate" if options.timer == "tpu-estimate" else "measured"
-    print(f"pallas-tune sweep: {kernel.name} on {chip} ({len(specs)} shape(s), "
-          f"{options.trials} trials each, space of {kernel.space.size}, timer {options.timer})")
-    failures = 0
-    for spec in specs:
-        call_args, call_kwargs = build_call(kernel, spec)
-        key = kernel.cache_key(*call_args, **call_kwargs)
-        user_file = kernel.cache.path(chip, kernel.name, kind=kind)
-        found = kernel.cache.lookup(chip, kernel.name, key)
-        if not args.force and found is not None and found[1] == user_file:
-            print(f"  {key}: cached, skipped (--force re-tunes)")
-            continue
-        t0 = time.perf_counter()
-        try:
-            result = kernel.tune(*call_args, options=tune_options(args, chip), **call_kwargs)
-        except (PallasTuneError, ValueError) as e:
-            failures += 1
-            print(f"  {key}: FAILED: {e}")
-            continue
-        counts = result.trials["outcome"].value_counts().to_dict()
-        label = " (compiler estimate)" if kind == "estimate" else ""
-        print(f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
-              f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
-              f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
-    return 1 if failures else 0
-
-
-def _esc(value: Any, width: int | None = None) -> str:
-    """Text safe for a terminal: control and format characters (escape sequences, bidi
-    overrides) shown as Python escapes, never sent raw."""
-    text = value if isinstance(value, str) else str(value)
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                       for c in text)
-    return text if width is None else text[:width]
-
-
-def show_rows(reports: Sequence[Any]) -> list[tuple[str, ...]]:
-    """Table rows (kernel, chip, key, best config, median_ms, how, cache) for ``show``."""
-    rows = []
-    for r in reports:
-        where = ("shipped" if r.shipped else "user") + (" (recovered)" if r.role == "recovered"
-                                                         else "")
-        kernel = r.kernel or os.path.basename(r.path)
-        if r.error is not None:
-            rows.append((kernel, r.chip, "?", f"UNREADABLE: {r.error}", "", "", where))
-            continue
-        for damage in r.damage:
-            rows.append((kernel, r.chip, "?", f"DAMAGED: {damage}", "", "", where))
-        for e in r.entries:
-            if e.problem is not None:
-                rows.append((kernel, r.chip, e.key, f"SKIPPED: {e.problem}", "", "", where))
-                continue
-            how = (e.timer or "?") + (" (interpret)" if e.interpret else "")
-            if r.kind != "measured":
-                how = f"ESTIMATE: {how}"
-            if e.outside_space:
-                how += " (outside space)"
-            ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
-            rows.append((kernel, r.chip, e.key, _fmt_config(e.config or {}), ms, how, where))
-    return rows
-
-
-def show_problems(reports: Sequence[Any]) -> list[str]:
-    """One line per unreadable file, damaged line or skipped entry, in full."""
-    out = []
-    for r in reports:
-        if r.error is not None:
-            out.append(f"{r.path}: {r.error}")
-        out += [f"{r.path}: {d}" for d in r.damage]
-        out += [f"{r.path}, key {e.key!r}: {e.problem}" for e in r.entries if e.problem]
-    return out
-
-
-def cmd_show(args: argparse.Namespace) -> int:
-    from pallas_tune import chips
-    from pallas_tune.cache import default_cache
-    from pallas_tune.cache.inventory import inventory
-
-    cache = default_cache()
-    chip = chips.normalize_chip(args.chip) if args.chip else None
-    reports = inventory(cache, kernel=args.kernel, chip=chip)
-    rows = show_rows(reports)
-    if args.key:
-        rows = [r for r in rows if args.key in r[2]]
-    if not rows:
-        print(_esc(f"no cache entries (looked in {cache.roots()})"))
-        return 0
-    header = ("kernel", "chip", "key", "best config", "median_ms", "how", "cache")
-    rows = [tuple(_esc(c) for c in r) for r in rows]
-    widths = [min(max(len(r[i]) for r in rows + [header]), 70) for i in range(len(header))]
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
-    for r in rows:
-        print("  ".join(c[:w].ljust(w) for c, w in zip(r, widths, strict=True)))
-    problems = show_problems(reports)
-    if problems:
-        print("\nnot served (files are left as they are):")
-        for line in problems:
-            print(_esc(f"  {line}"))
-    if args.trials:
-        _print_trials(reports, args.key)
-    return 0
-
-
-def _print_trials(reports: Sequence[Any], key_filter: str | None) -> None:
-    from pallas_tune.cache.inventory import trial_history
-
-    for r in reports:
-        for e in r.entries:
-            if key_filter and key_filter not in e.key:
-                continue
-            runs, bad = trial_history(r, e.key)
-            where = r.ledger or r.path
-            print()
-            print(_esc(f"{r.kernel or '?'} on {r.chip}, {e.key}: {len(runs)} tuning run(s) "
-                       f"in {where}" + (f" ({bad} unreadable ledger lines skipped)" if bad
-                                        else "")))
-            for run in runs:
-                written = run.get("written") or "?"
-                trials = run.get("trials") if isinstance(run.get("trials"), list) else []
-                print(_esc(f"  run written {written}: {len(trials)} trials"))
-                for t in trials:
-                    if not isinstance(t, dict):
-                        print(_esc(f"    (not a trial record: {t!r:.60})"))
-                        continue
-                    ms = t.get("median_ms")
-                    ms_text = f"{ms:.4g}" if isinstance(ms, int | float) and not isinstance(
-                        ms, bool) and math.isfinite(ms) else "-"
-                    config = t.get("config") if isinstance(t.get("config"), dict) else {}
-                    error = f"  {t['error']}" if isinstance(t.get("error"), str) else ""
-                    print(_esc(f"    #{t.get('number', '?')!s:>4} "
-                               f"{t.get('outcome', '?')!s:14} {ms_text:>10}  "
-                               f"{_fmt_config(config)}{error}", 200))
+from pallas_tune.cli.show import _esc, cmd_show, show_problems, show_rows  # noqa: E402
+from pallas_tune.cli.sweep import cmd_sweep  # noqa: E402
+from pallas_tune.cli.sweep import import_path as _import_path  # noqa: E402
+from pallas_tune.cli.sweep import load_kernel as _load_kernel  # noqa: E402
 
 
 def cmd_feasibility(args: argparse.Namespace) -> int:
@@ -345,25 +94,69 @@ def cmd_feasibility(args: argparse.Namespace) -> int:
 
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pallas-tune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("sweep", help="tune a kernel for a list of argument shapes")
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("pallas-tune")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _sweep_parser(sub: Any) -> None:
+    s = sub.add_parser("sweep", help="tune a kernel for a list of argument shapes (resumable; "
+                                     "any number of workers may share one --storage)")
     s.add_argument("kernel", nargs="?", help="MODULE:NAME of a @tunable kernel")
     s.add_argument("--shapes", action="append",
                    help='e.g. "x=1024x1024:bfloat16,y=1024x1024:bfloat16" (repeatable), or '
                         "@FILE with one such line per shape")
     s.add_argument("--space", help="a search_spaces/ file name or path; supplies the kernel and "
                                    "shape sets when not given")
-    s.add_argument("--force", action="store_true", help="re-tune keys already in the user cache")
+    s.add_argument("--from-record", metavar="FILE",
+                   help="tune exactly the shapes a program met and missed in the cache "
+                        "(a file written with PALLAS_TUNE_RECORD=FILE)")
+    s.add_argument("--no-storage", action="store_true",
+                   help="keep studies in memory only (not resumable). Without --storage they "
+                        "live in an SQLite file in the user cache directory")
+    s.add_argument("--force", action="store_true",
+                   help="re-tune keys already in the user cache (resuming their stored studies)")
+    s.add_argument("--fresh-study", action="store_true",
+                   help="delete each shape's stored study first and start over (after changing "
+                        "the kernel's code; run it on one worker, then start the others)")
     s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
-    s.add_argument("-v", "--verbose", action="store_true", help="print every trial")
+    out = s.add_mutually_exclusive_group()
+    out.add_argument("-v", "--verbose", action="store_true", help="print every trial")
+    out.add_argument("-q", "--quiet", action="store_true",
+                     help="print nothing but errors (no progress display)")
     add_tune_options(s)
     s.add_argument("--path", action="append", metavar="DIR",
                    help="also import kernels from DIR (repeatable; e.g. --path . for a kernel in "
                         "a file here: the current directory is not searched otherwise)")
     s.set_defaults(func=cmd_sweep)
+
+
+def _tool_parsers(sub: Any) -> None:
+    from pallas_tune.cli import check as _check
+    from pallas_tune.cli import report as _report
+
+    sh = sub.add_parser("show", help="list what the caches hold")
+    sh.add_argument("--kernel", help="only kernels whose name contains this")
+    sh.add_argument("--chip", help="only this chip (e.g. cpu, tpu_v6e, v6e, 'TPU v6 lite')")
+    sh.add_argument("--key", help="only keys containing this")
+    sh.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    sh.add_argument("--trials", action="store_true",
+                    help="also print the trial history of each entry shown (from the ledger)")
+    sh.set_defaults(func=cmd_show)
+    _check.add_parsers(sub)
+    _report.add_parser(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pallas-tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"pallas-tune {_version()}")
+    sub = p.add_subparsers(dest="command", required=True)
+    _sweep_parser(sub)
     f = sub.add_parser("feasibility", help="VMEM model (and compiler) verdict per candidate")
     f.add_argument("kernel", help="MODULE:NAME of a @tunable kernel")
     f.add_argument("--chip", default="v6e", help="v4, v5e, v5p, v6e, 7x or a device_kind")
@@ -373,27 +166,36 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--path", action="append", metavar="DIR",
                    help="also import kernels from DIR (repeatable)")
     f.set_defaults(func=cmd_feasibility)
-    sh = sub.add_parser("show", help="list what the caches hold")
-    sh.add_argument("--kernel", help="only kernels whose name contains this")
-    sh.add_argument("--chip", help="only this chip (e.g. cpu, tpu_v6e, v6e)")
-    sh.add_argument("--key", help="only keys containing this")
-    sh.add_argument("--trials", action="store_true",
-                    help="also print the trial history of each entry shown (from the ledger)")
-    sh.set_defaults(func=cmd_show)
+    _tool_parsers(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one command; returns its exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    from pallas_tune.errors import PallasTuneError
+    from pallas_tune.errors import PallasTuneError, SearchSpaceError, TuneOptionError
 
     try:
         with _import_path():
             return int(args.func(args) or 0)
-    except (CLIUsageError, PallasTuneError) as e:
-        print(_esc(f"pallas-tune {args.command}: error: {e}").replace("\\n", "\n"),
-              file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"pallas-tune {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except SystemExit as e:
+        if e.code == 130:
+            return 130
+        raise
+    except (CLIUsageError, TuneOptionError, SearchSpaceError) as e:  # Bad input given.
+        _error(args.command, e)
         return 2
+    except (PallasTuneError, OSError) as e:
+        _error(args.command, e)
+        return 1
+
+
+def _error(command: str, e: BaseException) -> None:
+    print(_esc(f"pallas-tune {command}: error: {e}").replace("\\n", "\n"), file=sys.stderr,
+          flush=True)
 
 
 if __name__ == "__main__":

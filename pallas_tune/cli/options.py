@@ -56,14 +56,19 @@ def _limits_arg(text: str) -> float | dict[str, float]:
         ) from None
 
 
-def tune_options(args: argparse.Namespace, chip: str) -> Any:
+def tune_options(args: argparse.Namespace, chip: str, *, callbacks: tuple[Any, ...] | None = None
+                 ) -> Any:
+    """The ``TuneOptions`` of a sweep's flags; ``callbacks``: the progress display's (else
+    ``-v`` prints every trial)."""
     from pallas_tune.tuning.options import TuneOptions
 
     given = {n: getattr(args, n) for n in TuneOptions.names()
              if n not in _CLI_ONLY and getattr(args, n, None) is not None}
     given.setdefault("seed", 0)  # Sweeps are reproducible unless told otherwise.
     given["chip"] = chip
-    if args.verbose:
+    if callbacks is not None:
+        given["callbacks"] = callbacks
+    elif getattr(args, "verbose", False):
         given["callbacks"] = (_print_trial,)
     return TuneOptions.build(**given)
 
@@ -80,7 +85,7 @@ def _print_trial(record: Any, progress: Any) -> None:
 
 def _fmt_config(config: Any) -> str:
     if not isinstance(config, dict):
-        return _esc(repr(config), 70)
+        return repr(config)[:70]
     return " ".join(f"{k}={_fmt_value(v)}" for k, v in config.items())
 
 

@@ -88,14 +88,16 @@ class TrialLog:
         is missing)."""
         return sum(r.spent_device_time for r in self.records)
 
-    def wants_more(self) -> bool:
+    def wants_more(self, pending: int = 0) -> bool:
+        """Whether to ask for more; ``pending``: trials other workers run now (they count
+        against ``trials``, the study's total, and against the space)."""
         o = self.options
         attempts = o.max_attempts or max(10 * o.trials, 100)
-        return (self.timed < o.trials and self.asked < attempts
-                and len(self.by_config) < self.space_size and not self._plateaued())
+        return (self.timed + pending < o.trials and self.asked < attempts
+                and len(self.by_config) + pending < self.space_size and not self._plateaued())
 
-    def batch(self, parallelism: int) -> int:
-        return max(1, min(parallelism, self.options.trials - self.timed))
+    def batch(self, parallelism: int, pending: int = 0) -> int:
+        return max(1, min(parallelism, self.options.trials - self.timed - pending))
 
     def _plateaued(self) -> bool:
         """``patience`` timed trials in a row without improving the best by more than 1%."""
@@ -121,7 +123,9 @@ class TrialLog:
                         duplicates=sum(r.duplicate_of is not None for r in here),
                         budget=self.options.trials, best_ms=best.median_ms if best else math.inf,
                         best=dict(best.config) if best else None,
-                        elapsed_s=time.perf_counter() - self.started)
+                        elapsed_s=time.perf_counter() - self.started,
+                        from_storage=sum(r.spent_device_time for r in self.records
+                                         if r.number in self.imported))
 
     def counts(self) -> dict[str, int]:
         """Asked of the sampler, evaluated, distinct programs, device timings spent, ..."""

@@ -9,6 +9,7 @@ re-ranking, the result, the cache), and :mod:`pallas_tune.measure` below them al
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = ["run", "tune", "warm_start_configs"]
 
 # The stand-in check estimates at most this many candidates' stand-in scales.
 STANDIN_SCAN = 512
+WAIT_S = 0.5  # Poll interval while other workers finish the study's last trials.
 
 
 def tune(kernel: Any, *args: Any, options: TuneOptions | None = None, **kwargs: Any
@@ -82,25 +84,57 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
                              sampler=options.sampler, seed=options.seed, trials=options.trials,
                              warm=warm)
         log = TrialLog(options, kernel.space.size)
-        evaluator.learn(log.adopt(search.finished()))
-        while log.wants_more():
-            asked = search.ask(log.batch(evaluator.parallelism))                  # ask
-            log.asked += len(asked)
-            fresh = log.fresh([config for _, config in asked])                  # skip known
-            fresh = _declared(kernel, log, fresh, args, kwargs)                 # constraints
-            for record in evaluator.evaluate(fresh):                            # evaluate
-                log.add(record)                                                 # record
-            new = {number for number, _ in fresh}
-            for trial, config in asked:                                         # tell
-                record = log.record_of(config)
-                search.tell(trial, record, new=record.number in new)
-                new.discard(record.number)
-            evaluator.learn(log.adopt(search.finished()))  # Other hosts on the same study.
+        try:
+            _search_loop(search, log, evaluator, kernel, args, kwargs)
+        except BaseException:
+            search.release()  # Ctrl-C, a crash: our running trials go back to the queue.
+            raise
+        search.close()
         ranking = finish.rerank(evaluator, log, options)
         extra.update(strategy=search.strategy, evaluator=evaluator.kind)
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,
                                      device=evaluator.device, study=search.study, extra=extra)
     return finish.write(kernel, result) if options.write else result
+
+
+def _search_loop(search: Search, log: TrialLog, evaluator: Evaluator, kernel: Any,
+                 args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Ask, skip what is known, evaluate, tell, until the study has its ``trials`` (other
+    workers' finished and running trials count: ``trials`` is the study's total)."""
+    evaluator.learn(log.adopt(search.finished()))
+    while True:
+        pending = search.pending_elsewhere()
+        if not log.wants_more(pending):
+            if pending and log.wants_more(0):  # Others hold what is left: wait for them.
+                time.sleep(WAIT_S)
+                evaluator.learn(log.adopt(search.finished()))
+                continue
+            return
+        asked, backed_off = search.ask(log.batch(evaluator.parallelism, pending),  # ask
+                                       budget=log.options.trials)
+        log.asked += len(asked) + backed_off
+        evaluator.learn(log.adopt(search.finished()))  # What finished while we asked.
+        fresh = log.fresh([config for _, config in asked])                  # skip known
+        fresh = _declared(kernel, log, fresh, args, kwargs)                 # constraints
+        try:
+            for record in evaluator.evaluate(fresh):                        # evaluate
+                log.add(record)                                             # record
+        finally:  # Interrupted mid-batch: what was measured is still told (and saved).
+            _tell(search, log, asked, {number for number, _ in fresh})      # tell
+        evaluator.learn(log.adopt(search.finished()))  # Other hosts on the same study.
+
+
+def _tell(search: Search, log: TrialLog, asked: Sequence[tuple[Any, dict[str, Any]]],
+          new: set[int]) -> None:
+    """Tells the study each asked trial whose config has a record (all, after a whole batch)."""
+    from pallas_tune.tuning.log import config_key
+
+    for trial, config in asked:
+        record = log.by_config.get(config_key(config))
+        if record is None:
+            continue  # Not measured (an interrupt): released to the queue by the caller.
+        search.tell(trial, record, new=record.number in new)
+        new.discard(record.number)
 
 
 def _declared(kernel: Any, log: TrialLog, fresh: list[tuple[int, dict[str, Any]]],

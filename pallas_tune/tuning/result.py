@@ -23,7 +23,8 @@ class Progress:
     ``asked``: candidates asked of the sampler; ``evaluated``: trials recorded this run;
     ``timed``: trials that spent device time (distinct programs run); ``duplicates``: trials
     whose program was already evaluated; ``budget``: the ``trials`` option; ``best_ms`` and
-    ``best``: the best ``ok`` trial so far (search-phase median)."""
+    ``best``: the best ``ok`` trial so far (search-phase median); ``from_storage``: timed trials
+    of the stored study not run here (a resumed run, other workers)."""
 
     asked: int
     evaluated: int
@@ -33,6 +34,8 @@ class Progress:
     best_ms: float
     best: dict[str, Any] | None
     elapsed_s: float
+    from_storage: int = 0  # Timed trials this run took from the stored study (a resume, or
+    #                        other workers on it): timed + from_storage is the study's count.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -94,6 +94,8 @@ class Search:
         self.codec = codec
         self.strategy = strategy
         self._seen: set[int] = set()  # Study trial numbers already imported or told.
+        self._active: dict[int, Any] = {}  # Our RUNNING trials, by trial id.
+        self._heartbeat: Any = None
 
     @classmethod
     def open(cls, space: Any, *, name: str, storage: Any, sampler: str, seed: int | None,
@@ -103,21 +105,46 @@ class Search:
         configs are, in order, and the sampler proposes the rest."""
         import optuna
 
+        from pallas_tune.tuning import storage as _storage
+
         codec = ParamCodec(space)
         exhaustive = space.size <= trials
         strategy = ("exhaustive" if exhaustive else
                     sampler if space.size <= GP_MAX_CANDIDATES else "tpe")
-        study = optuna.create_study(
-            direction="minimize", sampler=_sampler(space, codec, strategy, seed, trials),
-            storage=storage, study_name=name if storage is not None else None,
-            load_if_exists=storage is not None)
-        study.set_user_attr("constant_params", codec.constants)
+        chosen = _sampler(space, codec, strategy, seed, trials)
+        if storage is None:
+            study, created = optuna.create_study(direction="minimize", sampler=chosen), True
+        else:
+            study, created = _storage.load_or_create(_storage.open_storage(storage), name,
+                                                     sampler=chosen)
         search = cls(study, codec, strategy=strategy)
-        fresh = not any(t.state.is_finished() for t in study.trials)
-        queue = space.ordered_candidates() if exhaustive else (warm if fresh else ())
-        for config in queue:
-            study.enqueue_trial(codec.encode(config), skip_if_exists=True)
+        if created:
+            study.set_user_attr("constant_params", codec.constants)
+        else:
+            _storage.fail_dead(study)  # A resume after kill -9: this host's dead trials.
+        if created or not search.running():  # Loaders top up a queue only when nobody runs.
+            fresh = not any(t.state.is_finished() for t in study.trials)
+            queue = space.ordered_candidates() if exhaustive else (warm if fresh else ())
+            for config in queue:
+                study.enqueue_trial(codec.encode(config), skip_if_exists=not created)
+        search._heartbeat = _storage.Heartbeat(study._storage, lambda: list(search._active))
         return search
+
+    def running(self) -> list[Any]:
+        """The study's RUNNING trials (of any worker)."""
+        from optuna.trial import TrialState
+
+        return self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+
+    def pending_elsewhere(self) -> int:
+        """Trials other workers are evaluating now (dead workers' trials failed first)."""
+        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+            return 0
+        from pallas_tune.tuning import storage as _storage
+
+        _storage.fail_dead(self.study)
+        mine = {t.number for t in self._active.values()}
+        return sum(t.number not in mine for t in self.running())
 
     def finished(self) -> list[tuple[dict[str, Any], TrialRecord]]:
         """Finished trials not seen before (a resumed study; other hosts sharing it), as
@@ -136,19 +163,98 @@ class Search:
             out.append((config, _stored_record(t, config)))
         return out
 
-    def ask(self, n: int) -> list[tuple[Any, dict[str, Any]]]:
-        """``n`` new trials and their configs, each asked after the previous one suggested (so
-        the sampler sees the earlier ones as pending)."""
-        asked = []
+    def ask(self, n: int, *, budget: int | None = None
+            ) -> tuple[list[tuple[Any, dict[str, Any]]], int]:
+        """Up to ``n`` new trials and their configs, each asked after the previous one
+        suggested (so the sampler sees the earlier ones as pending), and how many were given
+        up because another worker runs the same config (see :mod:`.storage`: claims) or
+        because ``budget`` timed trials are done or running ahead of it in the study."""
+        import warnings
+
+        from pallas_tune.tuning import storage as _storage
+
+        asked, backed_off = [], 0
         for _ in range(n):
-            trial = self.study.ask()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Optuna: heartbeats outside optimize().
+                trial = self.study.ask()
+            self._active[trial._trial_id] = trial
+            self._heartbeat.beat(trial._trial_id)
             try:
-                asked.append((trial, self.codec.suggest(trial)))
+                trial.storage.set_trial_system_attr(trial._trial_id, _storage.OWNER_ATTR,
+                                                    _storage.owner())
+                config = self.codec.suggest(trial)
             except ValueError as e:  # Optuna: a stored study with other distributions.
+                self._drop(trial)
                 raise SearchSpaceError(
                     f"the stored study {self.study.study_name!r} was made for another search "
                     f"space ({e}); pass another study_name= or storage=.") from None
-        return asked
+            if self._claimed_elsewhere(trial) or (budget is not None and
+                                                  self._ahead(trial) >= budget):
+                self._drop(trial, pruned=True)
+                backed_off += 1
+                continue
+            asked.append((trial, config))
+        return asked, backed_off
+
+    def _claimed_elsewhere(self, trial: Any) -> bool:
+        """Whether another worker's RUNNING trial holds the same params (read after ours were
+        written, so of two simultaneous claims at least one sees the other)."""
+        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+            return False
+        params = trial.params
+        for t in self.running():
+            if t.number != trial.number and (
+                    t.params or t.system_attrs.get("fixed_params")) == params:
+                return True
+        return False
+
+    def _ahead(self, trial: Any) -> int:
+        """Trials before this one in the study that are timed or running (the study's
+        ``trials`` budget is shared: of workers that ask at once, the later ones wait)."""
+        from optuna.trial import TrialState
+
+        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+            return 0
+        n = 0
+        for t in self.study.get_trials(deepcopy=False,
+                                       states=(TrialState.RUNNING, TrialState.COMPLETE)):
+            if t.number >= trial.number:
+                continue
+            if t.state == TrialState.RUNNING or (
+                    "worker" in t.user_attrs and not t.user_attrs.get("duplicate")
+                    and t.value is not None and math.isfinite(t.value)):
+                n += 1
+        return n
+
+    def _drop(self, trial: Any, *, pruned: bool = False) -> None:
+        from optuna.trial import TrialState
+
+        self._active.pop(trial._trial_id, None)
+        if pruned:
+            trial.set_user_attr("backed_off", True)
+        self.study.tell(trial, state=TrialState.PRUNED if pruned else TrialState.FAIL,
+                        skip_if_finished=True)
+
+    def release(self) -> None:
+        """Gives back the trials this worker holds (an interrupt, an error): failed, and
+        their params queued again so that any worker (or the resumed run) takes them."""
+        from pallas_tune.tuning import storage as _storage
+
+        for trial in list(self._active.values()):
+            try:
+                self._drop(trial)
+                if self.study._storage.__class__.__name__ != "InMemoryStorage":
+                    _storage._retry()(self.study, self.study._storage.get_trial(
+                        trial._trial_id))
+            except Exception:  # noqa: BLE001  Best effort: heartbeats expire otherwise.
+                pass
+        self.close()
+
+    def close(self) -> None:
+        heartbeat = getattr(self, "_heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.close()
 
     def tell(self, trial: Any, record: TrialRecord, *, new: bool) -> None:
         """Tells the study a trial's value: the median for a timed one (``slow`` included, at
@@ -157,7 +263,10 @@ class Search:
         before), so its details are stored with it."""
         attrs: dict[str, Any] = {"outcome": record.outcome.value}
         if new:
-            attrs.update(fingerprint=record.fingerprint, error=record.error[:1000],
+            from pallas_tune.tuning.storage import owner
+
+            attrs.update(worker=owner(), duplicate=record.duplicate_of is not None or None,
+                         fingerprint=record.fingerprint, error=record.error[:1000],
                          detail=record.detail)
             if record.measurement is not None:
                 attrs["timer"] = record.measurement.timer
@@ -165,6 +274,7 @@ class Search:
             if v not in (None, ""):
                 trial.set_user_attr(k, v)
         self._seen.add(trial.number)
+        self._active.pop(trial._trial_id, None)
         self.study.tell(trial, record.median_ms if record.outcome.timed else math.inf)
 
 
@@ -181,7 +291,9 @@ def _stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:
                         timer=attrs.get("timer", "wallclock"))
     return TrialRecord(number=-1, config=config, outcome=outcome, measurement=m,
                        error=(attrs.get("error", "") + " (from the stored study)").strip(),
-                       detail=attrs.get("detail", ""), fingerprint=attrs.get("fingerprint"))
+                       detail=attrs.get("detail", ""), fingerprint=attrs.get("fingerprint"),
+                       # Another trial's program: no device time (-1: not a number here).
+                       duplicate_of=-1 if attrs.get("duplicate") else None)
 
 
 def _sampler(space: Any, codec: ParamCodec, strategy: str, seed: int | None, trials: int) -> Any:

@@ -1,0 +1,196 @@
+"""``pallas-tune check`` (validate cache files, for a library's CI) and ``pallas-tune merge``
+(combine the cache files several hosts wrote). Neither ever changes an input file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from pallas_tune.cli.shapes import CLIUsageError
+
+__all__ = ["add_parsers", "cmd_check", "cmd_merge"]
+
+
+def add_parsers(sub: Any) -> None:
+    c = sub.add_parser("check", help="validate cache files (exit 1 on a problem)")
+    c.add_argument("paths", nargs="*", metavar="PATH",
+                   help="cache roots, chip directories or winners files (default: the user "
+                        "cache)")
+    c.add_argument("--path", action="append", metavar="DIR",
+                   help="also import kernels from DIR, to check configs against them")
+    c.add_argument("--no-kernels", action="store_true",
+                   help="check the files only, without importing the kernels they name")
+    c.set_defaults(func=cmd_check)
+    m = sub.add_parser("merge", help="merge cache files written by several hosts into one cache")
+    m.add_argument("inputs", nargs="+", metavar="FILE", help="winners files (<chip>/<kernel>.json)")
+    m.add_argument("--into", metavar="ROOT",
+                   help="the cache root to merge into (default: the user cache)")
+    m.set_defaults(func=cmd_merge)
+
+
+def _winners_files(paths: list[str]) -> Iterator[tuple[str, str]]:
+    """(path, chip directory name) of every winners or side file under ``paths``."""
+    from pallas_tune.cache import names
+
+    for p in paths:
+        if os.path.isfile(p):
+            yield p, os.path.basename(os.path.dirname(os.path.abspath(p)))
+            continue
+        if not os.path.isdir(p):
+            raise CLIUsageError(f"{p}: no such file or directory")
+        for dirpath, dirnames, filenames in os.walk(p):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "_")))
+            for name in sorted(filenames):
+                kind = names.classify(name)
+                if kind is not None and kind[0] != "ledger":
+                    yield os.path.join(dirpath, name), os.path.basename(dirpath)
+
+
+def _read(path: str) -> tuple[Any, str | None]:
+    from pallas_tune.cache import files
+    from pallas_tune.errors import CacheFormatError
+
+    try:
+        raw, st = files.read_raw(path)
+        return files.parse_winners(raw, path, st), None
+    except (OSError, CacheFormatError) as e:
+        return None, str(e)
+
+
+def _kernel(name: str, paths: list[str], memo: dict[str, Any]) -> Any:
+    """The tunable a file names (``module.qualname``), or None when it cannot be imported."""
+    if name in memo:
+        return memo[name]
+    from pallas_tune.cli.sweep import load_kernel
+
+    found = None
+    module, _, attr = name.rpartition(".")
+    while module and found is None:
+        try:
+            found = load_kernel(f"{module}:{attr}", paths)
+        except CLIUsageError:
+            module, _, head = module.rpartition(".")
+            attr = f"{head}.{attr}"
+    memo[name] = found
+    return found
+
+
+def _check_entries(wf: Any, kernel: Any, path: str) -> list[str]:
+    from pallas_tune.cache.entries import entry_problem
+    from pallas_tune.cli.shapes import build_call
+
+    problems = []
+    for key, value, problem in wf.items():
+        problem = problem or entry_problem(value)
+        if problem is None and kernel is not None:
+            found = kernel.entry_problems(value)
+            if not found:
+                try:
+                    args, kwargs = build_call(kernel, key)
+                    found = kernel.violations(value["config"], args, kwargs)
+                except CLIUsageError as e:
+                    found = [f"key is not a shape spec of {kernel.name} ({e})"]
+            problem = "; ".join(found) or None
+        if problem is not None:
+            problems.append(f"{path}: entry {key!r}: {problem}")
+    return problems
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from pallas_tune import chips
+    from pallas_tune.cache import default_cache
+
+    paths = args.paths or [default_cache().user_root]
+    problems: list[str] = []
+    notes: list[str] = []
+    memo: dict[str, Any] = {}
+    n_files = n_entries = 0
+    for path, chip_dir in _winners_files(paths):
+        n_files += 1
+        if chips.normalize_chip(chip_dir) != chip_dir:
+            problems.append(f"{path}: chip directory {chip_dir!r} is not a normalized chip name;"
+                            f" rename it to {chips.normalize_chip(chip_dir)!r}")
+        wf, error = _read(path)
+        if wf is None:
+            problems.append(f"{path}: unreadable: {error}")
+            continue
+        problems += [f"{path}: {d}" for d in wf.damage]
+        header_chip = wf.header.get("chip")
+        if isinstance(header_chip, str) and header_chip != chip_dir:
+            problems.append(f"{path}: header chip {header_chip!r} is not its directory's "
+                            f"{chip_dir!r}; move the file to {header_chip}/")
+        name = wf.header.get("kernel")
+        kernel = None
+        if isinstance(name, str) and not args.no_kernels:
+            kernel = _kernel(name, args.path or [], memo)
+            if kernel is None:
+                notes.append(f"{path}: kernel {name!r} not importable here (pass --path DIR); "
+                             "its configs were checked against the file format only")
+        n_entries += len(wf.keys())
+        problems += _check_entries(wf, kernel, path)
+    for line in notes:
+        print(f"note: {line}")
+    for line in problems:
+        print(f"problem: {line}")
+    if not n_files:
+        print(f"pallas-tune check: no cache files under {', '.join(paths)}", file=sys.stderr)
+        return 1
+    verdict = "OK" if not problems else f"{len(problems)} problem(s)"
+    print(f"pallas-tune check: {n_files} file(s), {n_entries} entries: {verdict}")
+    return 1 if problems else 0
+
+
+def _better(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+    """Whether ``b`` should replace ``a``: faster, or ``a`` has no time."""
+    if a is None:
+        return True
+    ta, tb = a.get("median_ms"), b.get("median_ms")
+    ok = [isinstance(t, int | float) and not isinstance(t, bool) and t == t for t in (ta, tb)]
+    return (ok[1] and not ok[0]) or (all(ok) and tb < ta)
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Per (chip, kernel, kind, key), the fastest valid entry of the inputs and the target
+    wins; written with the cache's atomic merge (inputs are only read)."""
+    from pallas_tune import chips
+    from pallas_tune.cache import TuningCache, default_cache
+    from pallas_tune.cache.entries import entry_problem
+
+    cache = TuningCache(args.into) if args.into else default_cache()
+    groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    skipped = 0
+    for path, chip_dir in _winners_files(args.inputs):
+        wf, error = _read(path)
+        if wf is None:
+            print(f"pallas-tune merge: skipped {path}: {error}", file=sys.stderr)
+            skipped += 1
+            continue
+        kernel, kind = wf.header.get("kernel"), wf.header.get("kind", "measured")
+        chip = chips.normalize_chip(str(wf.header.get("chip") or chip_dir))
+        if not isinstance(kernel, str):
+            print(f"pallas-tune merge: skipped {path}: no kernel name", file=sys.stderr)
+            skipped += 1
+            continue
+        target = groups.setdefault((chip, kernel, kind), {})
+        for key, value, problem in wf.items():
+            if problem is not None or entry_problem(value) is not None:
+                skipped += 1
+                continue
+            if _better(target.get(key), value):
+                target[key] = dict(value)
+    written = 0
+    for (chip, kernel, kind), entries in groups.items():
+        keep = {}
+        for key, entry in entries.items():
+            current = cache.lookup(chip, kernel, key)
+            if current is None or _better(current[0], entry):
+                keep[key] = entry
+        if keep:
+            path = cache.write_many(chip, kernel, keep, kind=kind)
+            written += len(keep)
+            print(f"merged {len(keep)} entries of {kernel} on {chip} into {path}")
+    print(f"pallas-tune merge: {written} entries written, {skipped} skipped")
+    return 1 if skipped and not written else 0

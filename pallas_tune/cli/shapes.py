@@ -1,0 +1,134 @@
+"""``--shapes`` specs: read, checked against the kernel's signature and reference before any
+kernel is traced, and turned into the call's ``ShapeDtypeStruct`` arguments."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["CLIUsageError", "build_call", "check_specs", "example_spec", "read_shapes",
+           "spec_items"]
+
+_ARRAYISH = re.compile(r"[0-9][0-9A-Za-z]*(x[0-9A-Za-z]*)*(:.*)?")
+
+
+class CLIUsageError(Exception):
+    """Bad command-line input; printed without a traceback, exit status 2."""
+
+
+def check_specs(specs: Sequence[str]) -> None:
+    """Validates --shapes syntax before any kernel module is imported."""
+    for spec in specs:
+        _parse(spec)
+
+
+def _parse(spec: str) -> dict[str, Any]:
+    from pallas_tune import keys
+
+    try:
+        parsed = keys.parse_key(spec)
+    except ValueError as e:
+        raise CLIUsageError(f"--shapes {spec!r}: {e}") from None
+    for name, p in parsed.items():
+        text = p[1] if p[0] == "static" else None
+        if isinstance(text, str) and ("x" in text or ":" in text) and _ARRAYISH.fullmatch(text):
+            dims, _, dtype = text.partition(":")
+            if dtype and not all(d.isdigit() for d in dims.split("x")):
+                why = f"dims {dims!r} must be whole numbers separated by 'x'"
+            elif not dtype:
+                why = f"it has no dtype: write {name}={dims}:float32 (or bfloat16, int8, ...)"
+            else:
+                why = "it is neither an array spec nor a plain value"
+            raise CLIUsageError(f"--shapes {spec!r}: {name}={text}: {why}; an array is "
+                                f"written name=DIMS:DTYPE, e.g. {name}=1024x1024:bfloat16")
+    return parsed
+
+
+def example_spec(kernel: Any) -> str:
+    """A spec of the right form for ``kernel``: its untuned arguments without defaults."""
+    tuned = set(kernel.space.names)
+    parts = [f"{n}=1024x1024:float32" for n, p in kernel.signature.parameters.items()
+             if n not in tuned and p.default is inspect.Parameter.empty
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return ",".join(parts) or "(no array arguments)"
+
+
+def build_call(kernel: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
+    """Turns ``"x=1024x1024:bfloat16,causal=true"`` into (args, kwargs) of ShapeDtypeStructs,
+    checked against the kernel's signature and (abstractly, never run) its reference."""
+    import jax
+    import jax.numpy as jnp
+
+    parsed = _parse(spec)
+
+    def materialize(p: Any) -> Any:
+        if p[0] == "array":
+            try:
+                dtype = jnp.dtype(p[2])
+            except TypeError:
+                raise CLIUsageError(f"unknown dtype {p[2]!r} in {spec!r}") from None
+            return jax.ShapeDtypeStruct(p[1], dtype)
+        if p[0] == "arrays":
+            return tuple(materialize(x) for x in p[1])
+        return p[1]
+
+    values = {name: materialize(p) for name, p in parsed.items()}
+    sig = kernel.signature
+    hint = f"; a right spec looks like {example_spec(kernel)!r}"
+    tuned = set(kernel.space.names)
+    named_tuned = sorted(tuned.intersection(values))
+    if named_tuned:
+        raise CLIUsageError(f"--shapes {spec!r} sets {', '.join(named_tuned)}, which "
+                            f"{kernel.name} tunes: give only its arguments{hint}")
+    try:
+        bound = sig.bind_partial(**values)
+    except TypeError as e:
+        raise CLIUsageError(f"--shapes {spec!r} does not fit {kernel.name}{sig}: {e}{hint}"
+                            ) from None
+    missing = [n for n, p in sig.parameters.items()
+               if n not in tuned and n not in values and p.default is inspect.Parameter.empty
+               and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if missing:
+        raise CLIUsageError(f"--shapes {spec!r} does not fit {kernel.name}{sig}: missing "
+                            f"{', '.join(missing)}{hint}")
+    args, kwargs = list(bound.args), dict(bound.kwargs)
+    if kernel.reference is not None:
+        try:
+            jax.eval_shape(functools.partial(kernel.reference, **kwargs), *args)
+        except Exception as e:  # noqa: BLE001  Any refusal of the reference is the spec's fault.
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise CLIUsageError(f"--shapes {spec!r}: {kernel.name}'s reference refuses these "
+                                f"shapes ({type(e).__name__}: {first}){hint}") from None
+    return args, kwargs
+
+
+def spec_items(spec: Any) -> str:
+    """A shapes entry from a TOML file (a table) -> the --shapes string form."""
+    if isinstance(spec, str):
+        return spec
+    parts = []
+    for k, v in spec.items():
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        parts.append(f"{k}={v}")
+    return ",".join(parts)
+
+
+def read_shapes(args: argparse.Namespace) -> list[str]:
+    specs: list[str] = []
+    for s in getattr(args, "shapes", None) or []:
+        if s.startswith("@") or (os.path.isfile(s) and "=" not in s):
+            path = s.lstrip("@")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    specs += [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+            except OSError as e:
+                raise CLIUsageError(f"cannot read shapes file {path}: {e}") from None
+        else:
+            specs.append(s)
+    return specs

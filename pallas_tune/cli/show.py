@@ -1,0 +1,153 @@
+"""``pallas-tune show``: what the caches hold, as a table, JSON or CSV, with no key cut."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pallas_tune.cli.options import _fmt_config
+
+__all__ = ["cmd_show", "show_problems", "show_rows"]
+
+_HEADER = ("kernel", "chip", "key", "best config", "median_ms", "how", "cache")
+
+
+def _esc(value: Any, width: int | None = None) -> str:
+    """Text safe for a terminal: control and format characters (escape sequences, bidi
+    overrides) shown as Python escapes, never sent raw."""
+    text = value if isinstance(value, str) else str(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                       for c in text)
+    return text if width is None else text[:width]
+
+
+def show_rows(reports: Sequence[Any]) -> list[tuple[str, ...]]:
+    """Table rows (kernel, chip, key, best config, median_ms, how, cache) for ``show``."""
+    rows = []
+    for r in reports:
+        where = ("shipped" if r.shipped else "user") + (" (recovered)" if r.role == "recovered"
+                                                         else "")
+        kernel = r.kernel or os.path.basename(r.path)
+        if r.error is not None:
+            rows.append((kernel, r.chip, "?", f"UNREADABLE: {r.error}", "", "", where))
+            continue
+        for damage in r.damage:
+            rows.append((kernel, r.chip, "?", f"DAMAGED: {damage}", "", "", where))
+        for e in r.entries:
+            if e.problem is not None:
+                rows.append((kernel, r.chip, e.key, f"SKIPPED: {e.problem}", "", "", where))
+                continue
+            how = (e.timer or "?") + (" (interpret)" if e.interpret else "")
+            if r.kind != "measured":
+                how = f"ESTIMATE: {how}"
+            if e.outside_space:
+                how += " (outside space)"
+            ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
+            rows.append((kernel, r.chip, e.key, _fmt_config(e.config or {}), ms, how, where))
+    return rows
+
+
+def show_problems(reports: Sequence[Any]) -> list[str]:
+    """One line per unreadable file, damaged line or skipped entry, in full."""
+    out = []
+    for r in reports:
+        if r.error is not None:
+            out.append(f"{r.path}: {r.error}")
+        out += [f"{r.path}: {d}" for d in r.damage]
+        out += [f"{r.path}, key {e.key!r}: {e.problem}" for e in r.entries if e.problem]
+    return out
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from pallas_tune import chips
+    from pallas_tune.cache import default_cache
+    from pallas_tune.cache.inventory import inventory
+
+    cache = default_cache()
+    chip = chips.normalize_chip(args.chip) if args.chip else None
+    reports = inventory(cache, kernel=args.kernel, chip=chip)
+    rows = show_rows(reports)
+    if args.key:
+        rows = [r for r in rows if args.key in r[2]]
+    fmt = args.format
+    if fmt == "json":
+        out = [dict(zip(_HEADER, r, strict=True)) for r in rows]
+        if args.trials:
+            for item in out:
+                item["runs"] = _runs_of(reports, item["kernel"], item["chip"], item["key"])
+        json.dump({"roots": cache.roots(), "entries": out,
+                   "problems": show_problems(reports)}, sys.stdout, indent=1, default=str)
+        print()
+        return 0
+    if fmt == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(_HEADER)
+        w.writerows(rows)
+        return 0
+    if not rows:
+        print(_esc(f"no cache entries (looked in {cache.roots()})"))
+        return 0
+    rows = [tuple(_esc(c) for c in r) for r in rows]
+    # Config, how and cache columns wrap at 70; the key and kernel are never cut.
+    widths = [max(len(r[i]) for r in [*rows, _HEADER]) for i in range(len(_HEADER))]
+    print("  ".join(h.ljust(w) for h, w in zip(_HEADER, widths, strict=True)).rstrip())
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    problems = show_problems(reports)
+    if problems:
+        print("\nnot served (files are left as they are):")
+        for line in problems:
+            print(_esc(f"  {line}"))
+    if args.trials:
+        _print_trials(reports, args.key)
+    return 0
+
+
+def _runs_of(reports: Sequence[Any], kernel: str, chip: str, key: str) -> list[Any]:
+    from pallas_tune.cache.inventory import trial_history
+
+    for r in reports:
+        if (r.kernel or os.path.basename(r.path)) == kernel and r.chip == chip and any(
+                e.key == key for e in r.entries):
+            return trial_history(r, key)[0]
+    return []
+
+
+def _print_trials(reports: Sequence[Any], key_filter: str | None) -> None:
+    from pallas_tune.cache.inventory import trial_history
+
+    for r in reports:
+        for e in r.entries:
+            if key_filter and key_filter not in e.key:
+                continue
+            runs, bad = trial_history(r, e.key)
+            where = r.ledger or r.path
+            print()
+            print(_esc(f"{r.kernel or '?'} on {r.chip}, {e.key}: {len(runs)} tuning run(s) "
+                       f"in {where}" + (f" ({bad} unreadable ledger lines skipped)" if bad
+                                        else "")))
+            for run in runs:
+                written = run.get("written") or "?"
+                trials = run.get("trials") if isinstance(run.get("trials"), list) else []
+                print(_esc(f"  run written {written}: {len(trials)} trials"))
+                for t in trials:
+                    if not isinstance(t, dict):
+                        print(_esc(f"    (not a trial record: {t!r:.60})"))
+                        continue
+                    ms = t.get("median_ms")
+                    ms_text = f"{ms:.4g}" if isinstance(ms, int | float) and not isinstance(
+                        ms, bool) and math.isfinite(ms) else "-"
+                    config = t.get("config") if isinstance(t.get("config"), dict) else {}
+                    error = f"  {t['error']}" if isinstance(t.get("error"), str) else ""
+                    print(_esc(f"    #{t.get('number', '?')!s:>4} "
+                               f"{t.get('outcome', '?')!s:14} {ms_text:>10}  "
+                               f"{_fmt_config(config)}{error}", 200))
+
+

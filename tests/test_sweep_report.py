@@ -1,0 +1,82 @@
+"""`pallas-tune report` in a real headless browser (Chromium through Selenium): the page loads
+with no script error, every plotly figure draws, and the screenshot is not blank."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import subprocess_env
+
+pytest.importorskip("plotly", reason="report needs the report extra (plotly, matplotlib)")
+pytest.importorskip("matplotlib", reason="report needs the report extra (plotly, matplotlib)")
+
+
+def _chromium():
+    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium")
+    browser = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"),
+                                shutil.which("google-chrome")) if p), None)
+    driver = shutil.which("chromedriver")
+    if not browser or not driver:
+        pytest.skip("needs Chromium and chromedriver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                "--window-size=1200,1600"):
+        options.add_argument(arg)
+    options.binary_location = browser
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=options, service=Service(driver))
+
+
+def _cli(args, cache_dir):
+    return subprocess.run([sys.executable, "-m", "pallas_tune", *args], capture_output=True,
+                          text=True, timeout=600,
+                          env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir))
+
+
+def test_report_renders_in_chromium(cache_dir, tmp_path):
+    r = _cli(["sweep", "toy_kernels:scale", "--shapes", "x=64x256:float32", "--trials", "6",
+              "--repeats", "1", "--no-storage", "-q"], cache_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "report"
+    r = _cli(["report", "--kernel", "scale", "--out", str(out)], cache_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["00_compare.png", "00_heatmap.png", "00_history.png",
+                    "00_importances.png", "00_outcomes.png"], pngs
+    page = (out / "index.html").read_text()
+    assert "<script src=" not in page  # Self-contained: plotly.js is inline.
+    driver = _chromium()
+    try:
+        driver.get((out / "index.html").as_uri())
+        driver.implicitly_wait(10)
+        figures = driver.find_elements("css selector", ".plotly-graph-div")
+        drawn = driver.find_elements("css selector", ".plotly-graph-div .main-svg")
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        title = driver.title
+        shot = tmp_path / "screenshot.png"
+        driver.save_screenshot(str(shot))
+    finally:
+        driver.quit()
+    assert title == "pallas-tune report: scale"
+    assert len(figures) == 5 and len(drawn) >= 5, (len(figures), len(drawn))
+    assert not errors, errors
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(shot))
+    assert pixels.shape[0] > 1000 and pixels.std() > 0.05  # Drawn, not a blank page.
+    keep = os.environ.get("PALLAS_TUNE_KEEP_SCREENSHOT")
+    if keep:
+        shutil.copy(shot, keep)
+
+
+def test_report_without_entries_is_a_clear_error(cache_dir, tmp_path):
+    r = _cli(["report", "--kernel", "nothing_here", "--out", str(tmp_path / "r")], cache_dir)
+    assert r.returncode == 2 and "run pallas-tune sweep first" in r.stderr, r.stderr
