@@ -63,6 +63,9 @@ def cases(draw):
 @settings(PROFILE)
 @given(case=cases(), config=st.sampled_from([dict(c) for c in hstu_attention.space]))
 @example(case=((1, 1, 700, 128, 128, 700), jnp.float32, 0), config=dict(bq=256, bkv=512))
+# Diagonal blocks split in halves (bq == bkv >= 256), with a ragged last block.
+@example(case=((1, 2, 640, 128, 128, 640), jnp.float32, 3), config=dict(bq=256, bkv=256))
+@example(case=((1, 1, 1100, 64, 128, 2203), jnp.bfloat16, 4), config=dict(bq=512, bkv=512))
 @example(case=((1, 1, 300, 64, 128, 7), jnp.bfloat16, 1), config=dict(bq=128, bkv=128))
 @example(case=((2, 1, 100, 8, 8, 1), jnp.float32, 2), config=dict(bq=2048, bkv=128))
 def test_matches_reference(case, config):
