@@ -1,138 +1,291 @@
-"""How well does the VMEM model agree with the real TPU compiler? (deviceless; needs libtpu)
+"""How well do the block rules and the VMEM model agree with the real TPU compiler? (needs libtpu)
 
-For every candidate of the full search space of several kernels, on several chips, compile
-deviceless with libtpu (the real Mosaic + XLA:TPU compiler, no TPU attached) and compare with
-(a) the model alone (its point estimate against the limit) and (b) the two-stage filter the tuner
-uses (model; borderline candidates compiled). Prints the confusion matrices and the targets:
-≥ 99% agreement of the model, no compiler-OOM candidate passed by the two-stage filter, ≤ 1% of
-compilable candidates rejected.
+Every verdict here is checked against a deviceless libtpu compile (the real Pallas lowering,
+Mosaic and XLA:TPU compiler, no TPU attached). Three parts:
 
-    python benchmarks/feasibility_accuracy.py [--chips v6e v5e] [--threads 2] [--csv out.csv]
+``rules``: the block rules on ragged shapes (array dims no tile divides), f32/bf16/int8, rank 1
+  to 3, squeezed dims, pl.Buffered(3), grids past the array, the shipped matmul and RMS norm on
+  ragged problems, on v5e, v6e and 7x. Agreement of ``block_rule_violations(calls, spec=chip)``
+  with the compiler, and of the two-stage filter (model verdict; "uncertain" compiled).
+``calibration``: the VMEM model on the kernels it was built from (pallas-tune's matmul, flash
+  attention, RMS norm): each candidate is compiled at the default limit (the truth) and, where
+  that runs out, again with the scoped limit raised, so that every candidate reports the VMEM it
+  needs. The model's error near the limit gives the "uncertain" band (model.BAND_*).
+``heldout``: the same on kernels the model was not built from: JAX's own
+  ``jax.experimental.pallas.ops.tpu.matmul`` and ``...ops.tpu.flash_attention``.
+
+Targets: >= 99% agreement of the model (point estimate) with the compiler; 0 false passes (the
+two-stage filter lets through a candidate the compiler rejects).
+
+    python benchmarks/feasibility_accuracy.py [--parts rules calibration heldout] [--threads 2]
+        [--csv rows.csv]
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
+import datetime
 import os
-import time
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import feasibility_cases as cases  # noqa: E402
+
+from pallas_tune.chips import chip_spec  # noqa: E402
 from pallas_tune.feasibility import compile as _compile  # noqa: E402
 from pallas_tune.feasibility import inspect as _inspect  # noqa: E402
 from pallas_tune.feasibility import model as feasibility  # noqa: E402
-from pallas_tune.chips import chip_spec  # noqa: E402
-from pallas_tune.kernels.flash_attention import flash_attention  # noqa: E402
-from pallas_tune.kernels.matmul import matmul  # noqa: E402
-from pallas_tune.kernels.rms_norm import rms_norm  # noqa: E402
 
-import pallas_tune as pt  # noqa: E402
-
-S = jax.ShapeDtypeStruct
-SEM = [("parallel", "parallel", "arbitrary")]
-# The shipped matmul space stops at 1024 tiles; this one reaches past every chip's limits.
-matmul_wide = pt.tunable(bm=[256, 512, 1024, 2048], bn=[256, 512, 1024, 2048],
-                         bk=[256, 512, 1024, 2048], buffering=[1, 2], semantics=SEM,
-                         name="matmul_wide")(matmul.fn)
-CASES = [
-    ("matmul 4096^3 bf16, tiles to 2048", matmul_wide, (S((4096, 4096), jnp.bfloat16),) * 2, {}),
-    ("matmul 2048^3 bf16", matmul, (S((2048, 2048), jnp.bfloat16),) * 2, {}),
-    ("matmul 4096^3 f32", matmul, (S((4096, 4096), jnp.float32),) * 2, {}),
-    ("flash_attention llama8b S=8192 causal", flash_attention,
-     (S((1, 32, 8192, 128), jnp.bfloat16), S((1, 8, 8192, 128), jnp.bfloat16),
-      S((1, 8, 8192, 128), jnp.bfloat16)), {"causal": True}),
-    ("rms_norm 8192x4096 bf16", rms_norm,
-     (S((8192, 4096), jnp.bfloat16), S((4096,), jnp.bfloat16)), {}),
-]
+MiB = 2**20
+REJECTS = (*_compile.OOM_KINDS, _compile.BLOCK_RULE)
 
 
-def run(chips: list[str], threads: int, csv: str | None) -> None:
-    if not _compile.libtpu_available():
-        print("libtpu is not installed: pip install 'pallas-tune[tpu]'. Nothing to compare.")
-        return
-    rows = []
-    jobs = []
-    for chip in chips:
-        spec = chip_spec(chip)
-        for label, kernel, args, static in CASES:
-            for config in kernel.space:
-                kw = {**static, **config}
-                calls = _inspect.find_pallas_calls(kernel.fn, args, kw)
-                verdict = feasibility.model_verdict(calls, spec)
-                jobs.append((spec.name, label, kernel, args, kw, config, verdict))
-    print(f"compiling {len(jobs)} candidates deviceless with {threads} threads ...", flush=True)
-    t0 = time.perf_counter()
+@dataclasses.dataclass(kw_only=True)
+class Row:
+    part: str
+    chip: str
+    group: str
+    label: str
+    status: str = "trace_error"  # Model verdict status.
+    model_ok: bool = False  # Rules pass and the point estimate fits.
+    rules: list[str] = dataclasses.field(default_factory=list)
+    native: list[str] = dataclasses.field(default_factory=list)
+    est: int = 0
+    limit: int = 0
+    kind: str = ""  # Compiler outcome at the default limit.
+    message: str = ""
+    used: int | None = None  # Scoped VMEM the compiler allocated (default limit).
+    need: int | None = None  # Scoped VMEM needed (from a raised-limit compile where needed).
 
-    def compile_one(job):
-        chip, _, kernel, args, kw, _, _ = job
-        return _compile.compile_deviceless(kernel.fn, args, kw, chip=chip)
+    @property
+    def compiles(self) -> bool:
+        return self.kind == "ok"
+
+    @property
+    def two_stage_ok(self) -> bool:
+        return self.status == "ok" or (self.status == "uncertain" and self.compiles)
+
+    @property
+    def runtime_only(self) -> bool:
+        """Rejected only by the in-bounds rule, which no compiler checks (run-time failure)."""
+        return bool(self.rules) and all("in bounds" in p for p in self.rules)
+
+
+def evaluate(part: str, chip: str, case: cases.Case, *, need: bool) -> Row:
+    spec = chip_spec(chip)
+    row = Row(part=part, chip=spec.name, group=case.group, label=case.label)
+    try:
+        calls = _inspect.find_pallas_calls(case.fn, case.args, case.kwargs)
+    except Exception as e:  # noqa: BLE001 - reported, not counted.
+        row.message = f"{type(e).__name__}: {e}"[:300]
+        return row
+    v = feasibility.model_verdict(calls, spec)
+    row.status, row.model_ok, row.est, row.limit = v.status, v.ok, v.vmem_bytes, v.limit_bytes
+    row.rules = _inspect.block_rule_violations(calls, spec=spec)
+    row.native = _inspect.block_rule_violations(calls, spec=spec, native_tiling=True)
+    res = _compile.compile_deviceless(case.fn, case.args, case.kwargs, chip=spec.name)
+    row.kind, row.used = res.kind, res.scoped_vmem_bytes
+    row.message = res.message.splitlines()[0][:300] if res.message else ""
+    row.need = res.scoped_vmem_bytes
+    if need and res.kind in _compile.OOM_KINDS:
+        raised = (spec.vmem_usable_bytes // MiB - 1) * MiB
+        again = _compile.compile_deviceless(case.fn, case.args, case.kwargs, chip=spec.name,
+                                            scoped_limit_bytes=raised)
+        row.need = again.scoped_vmem_bytes if again.ok else None
+    return row
+
+
+def run_part(part: str, chips: list[str], threads: int) -> list[Row]:
+    jobs = [(chip, c) for chip in chips for c in cases.CASES[part](chip)]
+    print(f"[{part}] compiling {len(jobs)} candidates deviceless with {threads} threads ...",
+          file=sys.stderr, flush=True)
+    done = [0]
+
+    def one(job: tuple[str, cases.Case]) -> Row:
+        row = evaluate(part, job[0], job[1], need=part != "rules")
+        done[0] += 1
+        if done[0] % 100 == 0:
+            print(f"[{part}] {done[0]}/{len(jobs)}", file=sys.stderr, flush=True)
+        return row
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        results = list(pool.map(compile_one, jobs))
-    wall = time.perf_counter() - t0
-    for job, res in zip(jobs, results, strict=True):
-        chip, label, _, _, _, config, v = job
-        compiles = res.ok
-        model_ok = v.ok  # Point estimate within the limit (borderline: estimate decides).
-        two_stage_ok = v.status == "ok" or (v.status == "borderline" and compiles)
-        rows.append(dict(chip=chip, case=label, config=config, status=v.status,
-                         est=v.vmem_bytes, limit=v.limit_bytes, kind=res.kind,
-                         used=res.scoped_vmem_bytes, compiles=compiles, model_ok=model_ok,
-                         two_stage_ok=two_stage_ok, compile_s=res.compile_s))
-
-    print(f"\ncompiled in {wall:.0f} s wall ({sum(r['compile_s'] for r in rows):.0f} s of "
-          f"compiler time); jax {jax.__version__}\n")
-    print(f"{'chip':8s} {'case':40s} {'n':>4s} | model vs compiler: {'TP':>4s} {'TN':>4s} "
-          f"{'FP':>4s} {'FN':>4s} {'agree':>6s} | two-stage: {'FP':>3s} {'FN':>3s} "
-          f"{'compiled':>8s}")
-    total = dict(n=0, agree=0, fp2=0, fn2=0, compilable=0, compiled=0)
-    for chip in dict.fromkeys(r["chip"] for r in rows):
-        for label in dict.fromkeys(r["case"] for r in rows):
-            rs = [r for r in rows if r["chip"] == chip and r["case"] == label]
-            tp = sum(r["model_ok"] and r["compiles"] for r in rs)
-            tn = sum(not r["model_ok"] and not r["compiles"] for r in rs)
-            fp = sum(r["model_ok"] and not r["compiles"] for r in rs)
-            fn = sum(not r["model_ok"] and r["compiles"] for r in rs)
-            fp2 = sum(r["two_stage_ok"] and not r["compiles"] for r in rs)
-            fn2 = sum(not r["two_stage_ok"] and r["compiles"] for r in rs)
-            compiled = sum(r["status"] == "borderline" for r in rs)
-            print(f"{chip:8s} {label:40s} {len(rs):4d} | {'':19s}{tp:4d} {tn:4d} {fp:4d} {fn:4d} "
-                  f"{(tp + tn) / len(rs):6.1%} | {'':11s}{fp2:3d} {fn2:3d} {compiled:8d}")
-            total["n"] += len(rs)
-            total["agree"] += tp + tn
-            total["fp2"] += fp2
-            total["fn2"] += fn2
-            total["compilable"] += sum(r["compiles"] for r in rs)
-            total["compiled"] += compiled
-    print(f"\nmodel alone: {total['agree']}/{total['n']} = {total['agree'] / total['n']:.2%} "
-          f"agreement (target >= 99%)")
-    print(f"two-stage filter: {total['fp2']} compiler-infeasible candidates passed (target 0), "
-          f"{total['fn2']}/{total['compilable']} compilable candidates rejected "
-          f"(target <= 1%), {total['compiled']}/{total['n']} candidates needed a compile")
-    bad = [r for r in rows if r["model_ok"] != r["compiles"]]
-    if bad:
-        print("\nmodel disagreements (estimate vs what the compiler allocated):")
-        for r in bad:
-            used = f"{r['used'] / 2**20:.2f}" if r["used"] else "-"
-            print(f"  {r['chip']:8s} {r['case'][:28]:28s} {str(r['config'])[:70]:70s} "
-                  f"{r['status']:10s} est {r['est'] / 2**20:7.2f} MiB used {used:>7s} "
-                  f"limit {r['limit'] / 2**20:5.1f} -> {r['kind']}")
-    if csv:
-        import pandas as pd
-
-        pd.DataFrame(rows).to_csv(csv, index=False)
-        print(f"\nwrote {csv}")
+        return list(pool.map(one, jobs))
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--chips", nargs="+", default=["v6e", "v5e"])
+def _pct(a: int, n: int) -> str:
+    return f"{a / n:.2%}" if n else "-"
+
+
+def report_rules(rows: list[Row]) -> None:
+    print("## Block rules on ragged shapes: block_rule_violations(calls, spec=chip) vs the compiler")
+    print("rejected = Pallas lowering/Mosaic rejected the block (kind block_rule); runtime-only = "
+          "only the in-bounds rule fails (compiles, then reads/writes out of bounds)\n")
+    print(f"{'chip':8s} {'group':34s} {'n':>4s} {'compiles':>8s} {'rejected':>8s} {'rules':>6s} "
+          f"{'agree':>7s} {'FP':>3s} {'FN':>3s} {'rt-only':>7s} {'other':>5s} | two-stage FP | "
+          f"native-tiling extra rejects (compile ok)")
+    tot = dict(n=0, agree=0, fp=0, fn=0, fp2=0, rt=0, other=0, native=0)
+    for chip in dict.fromkeys(r.chip for r in rows):
+        for group in dict.fromkeys(r.group for r in rows):
+            rs = [r for r in rows if r.chip == chip and r.group == group and r.kind]
+            if not rs:
+                continue
+            judged = [r for r in rs if not r.runtime_only]
+            rej = [r for r in judged if r.kind == _compile.BLOCK_RULE]
+            fp = sum(not r.rules and r.kind == _compile.BLOCK_RULE for r in judged)
+            fn = sum(bool(r.rules) and r.kind != _compile.BLOCK_RULE for r in judged)
+            other = sum(r.kind not in ("ok", _compile.BLOCK_RULE) for r in rs)
+            fp2 = sum(r.two_stage_ok and not r.compiles for r in rs)
+            rt = sum(r.runtime_only for r in rs)
+            native = sum(bool(r.native) and not r.rules and r.compiles for r in rs)
+            agree = len(judged) - fp - fn
+            print(f"{chip:8s} {group[:34]:34s} {len(rs):4d} {sum(r.compiles for r in rs):8d} "
+                  f"{len(rej):8d} {sum(bool(r.rules) for r in judged):6d} "
+                  f"{_pct(agree, len(judged)):>7s} {fp:3d} {fn:3d} {rt:7d} {other:5d} | "
+                  f"{fp2:12d} | {native}")
+            for k, v in dict(n=len(judged), agree=agree, fp=fp, fn=fn, fp2=fp2, rt=rt,
+                             other=other, native=native).items():
+                tot[k] += v
+    skipped = sum(not r.kind for r in rows)
+    print(f"\nrules: {tot['agree']}/{tot['n']} = {_pct(tot['agree'], tot['n'])} agreement with the "
+          f"compiler ({tot['fp']} false passes, {tot['fn']} false rejects); {tot['rt']} grids "
+          f"past the array rejected by the in-bounds rule (the compiler accepts them); "
+          f"{tot['other']} other compiler rejections; {skipped} cases not traceable")
+    print(f"two-stage filter: {tot['fp2']} candidates passed that the compiler rejects (target 0)")
+    print(f"native_tiling=True would also reject {tot['native']} candidates the compiler "
+          f"accepts (why it is opt-in)")
+    for r in rows:
+        if r.kind and not r.runtime_only and bool(r.rules) != (r.kind == _compile.BLOCK_RULE):
+            print(f"  disagreement {r.chip} {r.group} {r.label}: rules {r.rules[:1]} compiler "
+                  f"{r.kind} {r.message[:160]}")
+        if r.kind not in ("", "ok", _compile.BLOCK_RULE):
+            print(f"  other rejection {r.chip} {r.group} {r.label}: {r.kind} {r.message[:160]}")
+
+
+def near_limit(r: Row) -> bool:
+    hi = max(r.est, r.need or 0)
+    return r.need is not None and r.est > 0 and 0.5 * r.limit <= hi <= 2 * r.limit
+
+
+def error_stats(rows: list[Row]) -> tuple[list[float], str]:
+    errs = sorted(r.need / r.est - 1 for r in rows if near_limit(r))
+    if not errs:
+        return errs, "no candidates near the limit"
+    q = np.quantile(errs, [0, 0.05, 0.5, 0.95, 1])
+    return errs, (f"n={len(errs)} need/estimate-1: min {q[0]:+.1%} p5 {q[1]:+.1%} median "
+                  f"{q[2]:+.1%} p95 {q[3]:+.1%} max {q[4]:+.1%}")
+
+
+def report_vmem(title: str, rows: list[Row]) -> None:
+    print(f"## {title}")
+    print(f"{'chip':8s} {'case':42s} {'n':>4s} | model: {'agree':>6s} {'FP':>3s} {'FN':>3s} | "
+          f"verdicts: {'ok':>4s} {'unc':>4s} {'inf':>4s} | two-stage: {'FP':>3s} {'FN':>3s} | "
+          f"error near limit")
+    tot = dict(n=0, agree=0, fp2=0, fn2=0, unc=0, compilable=0)
+    for chip in dict.fromkeys(r.chip for r in rows):
+        for group in dict.fromkeys(r.group for r in rows):
+            rs = [r for r in rows if r.chip == chip and r.group == group and r.kind]
+            if not rs:
+                continue
+            fp = sum(r.model_ok and not r.compiles for r in rs)
+            fn = sum(not r.model_ok and r.compiles for r in rs)
+            fp2 = sum(r.two_stage_ok and not r.compiles for r in rs)
+            fn2 = sum(not r.two_stage_ok and r.compiles for r in rs)
+            counts = [sum(r.status == s for r in rs) for s in ("ok", "uncertain", "infeasible")]
+            _, stats = error_stats(rs)
+            print(f"{chip:8s} {group[:42]:42s} {len(rs):4d} | {'':7s}"
+                  f"{_pct(len(rs) - fp - fn, len(rs)):>6s} {fp:3d} {fn:3d} | {'':10s}"
+                  f"{counts[0]:4d} {counts[1]:4d} {counts[2]:4d} | {'':11s}{fp2:3d} {fn2:3d} | "
+                  f"{stats}")
+            tot["n"] += len(rs)
+            tot["agree"] += len(rs) - fp - fn
+            tot["fp2"] += fp2
+            tot["fn2"] += fn2
+            tot["unc"] += counts[1]
+            tot["compilable"] += sum(r.compiles for r in rs)
+    _, stats = error_stats(rows)
+    print(f"\nmodel alone: {tot['agree']}/{tot['n']} = {_pct(tot['agree'], tot['n'])} agreement "
+          f"(target >= 99%)")
+    print(f"two-stage filter: {tot['fp2']} compiler-rejected candidates passed (target 0), "
+          f"{tot['fn2']}/{tot['compilable']} compilable candidates rejected; "
+          f"{tot['unc']}/{tot['n']} were uncertain (compiled, or tried without libtpu)")
+    print(f"model error near the limit (estimate or need within 0.5x-2x of it): {stats}")
+    misses = [r for r in rows if r.kind and (r.model_ok != r.compiles or r.status == "uncertain"
+                                             and not r.compiles)]
+    failed_below = [r for r in rows if r.kind in _compile.OOM_KINDS and r.need
+                    and r.need <= r.limit]
+    for r in misses:
+        need = f"{r.need / MiB:7.2f}" if r.need else "      -"
+        print(f"  {r.chip:8s} {r.group[:26]:26s} {r.label[:58]:58s} {r.status:10s} est "
+              f"{r.est / MiB:7.2f} need {need} limit {r.limit / MiB:5.1f} MiB -> {r.kind}")
+    if failed_below:
+        print(f"  ran out although the need fit the limit: "
+              f"{[(r.label, r.need / MiB) for r in failed_below]}")
+    print()
+
+
+def band_report(calibration: list[Row], heldout: list[Row]) -> None:
+    errs, stats = error_stats(calibration)
+    print("## The uncertain band")
+    if errs:
+        print(f"measured on the calibration kernels: the compiler needed up to {max(errs):+.2%} "
+              f"more and up to {-min(errs):.2%} less than the estimate ({stats})")
+    print(f"shipped (pallas_tune.feasibility.model): BAND_UNDER={feasibility.BAND_UNDER:.2%} "
+          f"(need above the estimate), BAND_OVER={feasibility.BAND_OVER:.2%} (below)")
+    if errs and (max(errs) > feasibility.BAND_UNDER or -min(errs) > feasibility.BAND_OVER):
+        print("WARNING: the calibration error exceeds the shipped band; update BAND_* in model.py")
+    h_errs, h_stats = error_stats(heldout)
+    if h_errs:
+        out = sum(e > feasibility.BAND_UNDER or -e > feasibility.BAND_OVER for e in h_errs)
+        print(f"held-out (upstream kernels, not used to set the band): {h_stats}; {out}/"
+              f"{len(h_errs)} outside the shipped band")
+    print()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", default=["rules", "calibration", "heldout"],
+                   choices=["rules", "calibration", "heldout"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv")
     a = p.parse_args()
-    run(a.chips, a.threads, a.csv)
+    if not _compile.libtpu_available():
+        print("libtpu is not installed: pip install 'pallas-tune[tpu]'. Nothing to compare.")
+        return
+    import libtpu  # noqa: F401 - for its version in the header.
+
+    print(f"# $ JAX_PLATFORMS=cpu python benchmarks/feasibility_accuracy.py {' '.join(sys.argv[1:])}"
+          f"\n# {datetime.date.today()}, shared 2-core CPU host (no TPU); jax {jax.__version__}, "
+          f"libtpu {getattr(libtpu, '__version__', '?')}. Every verdict is checked against a "
+          f"deviceless compile; only agreement counts and VMEM sizes are reported, no times.\n")
+    rows: dict[str, list[Row]] = {}
+    for part in a.parts:
+        rows[part] = run_part(part, cases.CHIPS[part], a.threads)
+        if part == "rules":
+            report_rules(rows[part])
+            print()
+        else:
+            report_vmem({"calibration": "VMEM model on the kernels it was built from "
+                                        "(calibration)",
+                         "heldout": "VMEM model on held-out upstream JAX kernels"}[part],
+                        rows[part])
+    if "calibration" in rows:
+        band_report(rows["calibration"], rows.get("heldout", []))
+    if a.csv:
+        import pandas as pd
+
+        pd.DataFrame([dataclasses.asdict(r) for rs in rows.values() for r in rs]).to_csv(
+            a.csv, index=False)
+        print(f"wrote {a.csv}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,217 +1,217 @@
-"""How few evaluations does each search strategy need? Replayed on measured landscapes.
+"""How good is each search strategy after few evaluations? Replayed on measured landscapes.
 
-Landscapes: every Kernel Tuner cache file under ../shared/landscapes (real GPU measurements; the
-folder is optional: skipped with a note where absent) and benchmarks/landscapes (full-space v6e
-compiler ESTIMATES from benchmarks/tpu_estimate.py). Each evaluation draws one recorded repeat
-(noisy), failures cost an evaluation, a repeated proposal costs nothing.
+Landscapes: every Kernel Tuner cache file under ../shared/landscapes (or --landscapes, or
+$PALLAS_TUNE_LANDSCAPES: real GPU measurements, 5 kernels on 10 devices) and
+benchmarks/landscapes (full-space v6e compiler ESTIMATES from benchmarks/tpu_estimate.py). Each
+evaluation draws one recorded repeat (noisy), a failure costs an evaluation, a repeated proposal
+costs nothing; every strategy runs on the same seeds.
 
-Strategies: pallas-tune's `default` (GP over the enumerated candidates, pallas_tune.search),
-`tpe` (Optuna TPE as it comes), `tpe-mv` (the previous default: multivariate TPE), `random`,
-`grid`, and Kernel Tuner 1.5 strategies in its simulation mode (`KT:*`, which replays the mean
-time of a config, not a noisy repeat; marked [mean]) where `kernel-tuner` is installed (`pip
-install 'pallas-tune[bench]'`). On pallas-tune's own landscapes, `default+warm` is what the tuner
-does: it measures its warm starts first (the declared default, the nearest tuned shapes'
-winners, the roofline model's picks: pallas_tune.tuner.warm_start_configs), then searches.
+Strategies: pallas-tune's `default`; `random`; Optuna's samplers (`tpe`: TPESampler as it comes,
+`tpe-mv`: multivariate and grouped, `cmaes`: CmaEsSampler over value ranks, `optuna-gp`:
+GPSampler, where PyTorch is installed); Kernel Tuner 1.5 strategies in its own simulation mode
+(`KT:*`, fed per-seed files whose times are drawn repeats: the same noise), among them the
+generated `adaptive_tabu_greywolf` and `hybrid_vndx` (Kernel Tuner's names for the MLSys 2026
+`gen_*` strategies).
 
-Columns: mean of min(1, optimum / best so far) after 10, 20, 50 and 100 evaluations (± standard
-error at 50), and the median number of evaluations to come within 5% and 2% of the optimum
-(inf when fewer than half the seeds got there; the share that did in brackets). `random` runs
-over the whole space, so its medians are always measured; where random needs more than the
-budget, `default` runs on to --long-budget evaluations so that its median is measured too.
-The closing table checks the target: default's median to 5% at most a quarter of random's (or
-at most 3 where random needs fewer than 12).
+Scores: `@N` is the mean over seeds of min(1, optimum / t), t the *mean* recorded time of the
+config that measured best in the first N evaluations (what a user would ship; a lucky noisy draw
+earns nothing), optimum the best mean time in the file. `to 5%`: median evaluations until that
+config is within 5% of the optimum (inf when fewer than half the seeds got there within the
+budget; the share that did in brackets). `ms/sugg`: the strategy's own wall time per proposal
+(for KT: its whole simulated run, file reading included, per evaluation). `AM score`: the
+autotuning-methodology package's performance score (mean over evaluations 1..budget of its
+standardised curve against its calculated random-search baseline: 0 = random, 1 = optimum at
+once; random search itself scores below 0 here because the noisy best-measured config is not
+the best config measured, and the baseline counts expected ranks).
 
-    python benchmarks/search_efficiency.py [--seeds 20] [--budget 100] [--long-budget 600]
+Replays are cached per (landscape, strategy, seed, budget) under benchmarks/results/cache/
+(pallas-tune's own strategies also by a hash of the search package), so a rerun resumes.
+
+    nice -n 10 python benchmarks/search_efficiency.py [--seeds 20] [--budget 100] [--jobs 1]
+        [--strategies default,random,...] [--landscapes DIR] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
-import gzip
 import math
 import os
+import platform
 import statistics
-import tempfile
-import time
-import warnings
+import sys
 
-from pallas_tune.search import replay
+import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SHARED = os.path.join(HERE, "..", "..", "shared", "landscapes")
-KT_STRATEGIES = ["random_sample", "genetic_algorithm", "bayes_opt", "dual_annealing",
-                 "pso", "adaptive_tabu_greywolf"]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import search_harness as h  # noqa: E402
 
+from pallas_tune.search import gp, replay  # noqa: E402
 
-def _kt_run(path_json: str, strategy: str, budget: int, seed: int) -> list[float]:
-    import kernel_tuner
-
-    res, _ = kernel_tuner.tune_cache(path_json, strategy=strategy, quiet=True, seed=seed,
-                                     strategy_options={"max_fevals": budget})
-    out = []
-    for r in res[:budget]:
-        t = r.get("time")
-        out.append(float(t) if isinstance(t, int | float) and math.isfinite(t) else math.inf)
-    return out
+KT = ["adaptive_tabu_greywolf", "hybrid_vndx", "dual_annealing", "firefly_algorithm", "pso",
+      "genetic_algorithm"]
+OURS = ["default"]
+PEERS = ["random", "tpe-mv", "cmaes", "optuna-gp"] + [f"KT:{s}" for s in KT]
 
 
-def _stats(seqs: list[list[float]], opt: float, budget: int) -> dict[str, object]:
-    def at(seq: list[float], n: int) -> float:
-        best = min(seq[:n], default=math.inf)
-        return min(1.0, opt / best) if math.isfinite(best) and best > 0 else 0.0
-
-    def reach(seq: list[float], tol: float) -> float:
-        for i, t in enumerate(seq):
-            if t <= opt * (1 + tol):
-                return i + 1
-        return math.inf
-
-    out: dict[str, object] = {}
-    for n in (10, 20, 50, 100):
-        if n <= budget:
-            out[f"@{n}"] = statistics.mean(at(s, n) for s in seqs)
-    vals50 = [at(s, min(50, budget)) for s in seqs]
-    out["se50"] = statistics.stdev(vals50) / math.sqrt(len(vals50)) if len(vals50) > 1 else 0.0
-    for tol in (0.05, 0.02):
-        r = [reach(s, tol) for s in seqs]
-        share = sum(math.isfinite(x) for x in r) / len(r)
-        out[f"reach{tol}"] = (statistics.median(r), share)
-    return out
+def _available(labels: list[str]) -> tuple[list[str], list[str]]:
+    notes, keep = [], []
+    for lab in labels:
+        mod = {"KT": "kernel_tuner", "optuna-gp": "torch"}.get(lab.split(":")[0])
+        if mod:
+            try:
+                __import__(mod)
+            except ImportError:
+                notes.append(f"{lab} skipped: {mod} is not installed "
+                             "(pip install 'pallas-tune[bench]', torch for optuna-gp)")
+                continue
+        keep.append(lab)
+    return keep, notes
 
 
-def _warm_starts(path: str) -> list[dict] | None:
-    """The tuner's warm starts for a pallas-tune landscape (None for other files)."""
-    import json
-
-    with open(path) as f:
-        meta = json.load(f)
-    if "pallas_tune_key" not in meta:
-        return None
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import sys
-
-    sys.path.insert(0, HERE)
-    from tpu_estimate import CASES
-
-    from pallas_tune.tuning.loop import warm_start_configs
-
-    for name, kernel, args, static in CASES:
-        if name == meta["kernel_name"]:
-            return warm_start_configs(kernel, args, static, "v6e", meta["pallas_tune_key"])
-    return None
+def _row(land, label: str, recs: list[dict], budget: int) -> dict:
+    vals = {n: [h.at(land, r, n) for r in recs] for n in (20, 50, 100) if n <= budget}
+    evals = sum(len(r["configs"]) for r in recs)
+    return {
+        "label": label, "seeds": len(recs),
+        **{f"@{n}": statistics.mean(v) for n, v in vals.items()},
+        "se50": (statistics.stdev(vals[50]) / math.sqrt(len(recs)) if len(recs) > 1 else 0.0),
+        "reach": h.median_reach(land, recs, 0.05, budget),
+        "ms": 1000 * sum(r["seconds"] for r in recs) / max(1, evals),
+        "am": h.methodology_score(land, recs, budget),
+    }
 
 
-def _runs(land, method: str, budget: int, seeds: range, jobs: int, warm=()) -> list[list[float]]:
-    if jobs > 1 and len(seeds) > 1:
-        from joblib import Parallel, delayed
-
-        return Parallel(n_jobs=jobs)(delayed(replay.run)(land, method, budget=budget, seed=s,
-                                                         warm_start=warm) for s in seeds)
-    return [replay.run(land, method, budget=budget, seed=s, warm_start=warm) for s in seeds]
+def _fmt(row: dict, budget: int) -> str:
+    med, share = row["reach"]
+    cells = [row["label"], str(row["seeds"]), f"{row.get('@20', math.nan):.3f}",
+             f"{row['@50']:.3f} ± {row['se50']:.3f}", f"{row.get('@100', math.nan):.3f}",
+             f"{med:g} ({share:.0%})", f"{row['ms']:.1f}", f"{row['am']:.3f}"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--peer-seeds", type=int, default=None,
+                   help="seeds for the peers (default: --seeds; the first ones, so shared)")
     p.add_argument("--budget", type=int, default=100)
-    p.add_argument("--long-budget", type=int, default=600,
-                   help="default's budget where random needs more than --budget evaluations")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="processes for the seeds of pallas-tune's strategies")
-    p.add_argument("--no-kt", action="store_true", help="skip Kernel Tuner's strategies")
+    p.add_argument("--jobs", type=int, default=1, help="processes (the machine is shared)")
+    p.add_argument("--strategies", default=",".join(OURS + PEERS))
+    p.add_argument("--landscapes", default=None,
+                   help=f"folder of Kernel Tuner files (default: ${replay.LANDSCAPES_ENV} or "
+                        "../shared/landscapes)")
+    p.add_argument("--only", default="", help="comma-separated landscape ids (kernel/device)")
+    p.add_argument("--cache", default=h.CACHE)
+    p.add_argument("--out", default=None, help="also write the report here")
+    p.add_argument("--run-only", action="store_true", help="replay (fill the cache), no report")
+    p.add_argument("--cached-only", action="store_true",
+                   help="report only the replays already cached (rows say how many seeds)")
     a = p.parse_args()
-    warnings.filterwarnings("ignore")
-    paths = sorted(glob.glob(os.path.join(SHARED, "**", "*.json.gz"), recursive=True))
+    labels, notes = _available(h.split_labels(a.strategies))
+    paths = replay.find_landscapes(a.landscapes)
     if not paths:
-        print(f"note: {os.path.normpath(SHARED)} is absent: shared GPU landscapes skipped")
-    paths += sorted(glob.glob(os.path.join(HERE, "landscapes", "*.json")))
-    try:
-        import kernel_tuner  # noqa: F401
-
-        have_kt = not a.no_kt
-    except ImportError:
-        have_kt = False
-        print("note: kernel-tuner is not installed (pip install 'pallas-tune[bench]'): "
-              "Kernel Tuner peers skipped")
-    tmp = tempfile.mkdtemp(prefix="pt-landscapes-")
-    targets = []
-    for path in paths:
-        land = replay.load(path)
-        opt = land.optimum
-        name = os.path.relpath(path, os.path.join(HERE, "..", "..")) if "shared" in path else \
-            os.path.relpath(path, HERE)
-        print(f"\n#### {name}: {len(land.configs)} configs, optimum {opt:.5g} ms, "
-              f"{args_str(a)}")
-        print("| method | @10 | @20 | @50 | @100 | evals to 5% (reached) | evals to 2% (reached) "
-              "| s |")
-        print("|---|---|---|---|---|---|---|---|")
-        seeds = range(a.seeds)
-        t0 = time.perf_counter()
-        rand = _runs(land, "random", len(land.configs), seeds, 1)
-        rand_t = time.perf_counter() - t0
-        rand_reach = _stats(rand, opt, a.budget)["reach0.05"][0]
-        long = math.isinf(rand_reach) or rand_reach > a.budget
-        precomputed = {"random": (rand, rand_t)}
-        warm = _warm_starts(path) if path.endswith(".json") else None
-        methods = [("default", None)]
-        if warm:
-            methods.append(("default+warm", None))
-        methods += [(s, None) for s in ("tpe", "tpe-mv", "random", "grid")]
-        if have_kt:
-            plain = os.path.join(tmp, os.path.basename(path).replace(".gz", ""))
-            if path.endswith(".gz"):
-                with gzip.open(path, "rt") as f, open(plain, "w") as g:
-                    g.write(f.read())
+        notes.append("no shared landscapes found (set --landscapes or "
+                     f"${replay.LANDSCAPES_ENV}): GPU landscapes skipped")
+    paths += sorted(glob.glob(os.path.join(h.HERE, "landscapes", "*.json")))
+    if a.only:
+        paths = [q for q in paths if h.landscape_id(q) in a.only.split(",")]
+    peer_seeds = a.seeds if a.peer_seeds is None else a.peer_seeds
+    # Small spaces first, so that an interrupted run has covered the most landscapes.
+    units = [(q, lab, a.budget, s) for q in sorted(paths, key=os.path.getsize)
+             for lab in labels for s in range(a.seeds if lab in OURS else peer_seeds)]
+    if a.cached_only:
+        cached = [u for u in units if os.path.exists(h._cache_path(a.cache, *u))]
+        units = cached
+    recs = h.replay_many(units, a.jobs, cache=a.cache)
+    if a.run_only:
+        return
+    by = {}
+    for (q, lab, _, _), r in zip(units, recs, strict=True):
+        by.setdefault((q, lab), []).append(r)
+    lines = [f"# $ python benchmarks/search_efficiency.py {' '.join(sys.argv[1:])}",
+             f"# {datetime.date.today()}; {platform.machine()} CPU shared with other jobs "
+             "(wall times are under load); " + _versions()]
+    lines += [f"# note: {n}" for n in notes]
+    summary = []
+    am: dict[str, list[float]] = {}
+    for q in paths:
+        land = h.load(q)
+        lid = h.landscape_id(q)
+        tuned = "yes" if lid in gp.TUNING_SET else "no"
+        lines += ["", f"#### {lid}: {len(land.configs)} configs, {len(land.keys)} parameters, "
+                  f"optimum {land.optimum:.5g} ms; used to choose the default's settings: {tuned}",
+                  "| strategy | seeds | @20 | @50 | @100 | to 5% (reached) | ms/sugg | AM score |",
+                  "|---|---|---|---|---|---|---|---|"]
+        rows = []
+        for lab in labels:
+            ok = [r for r in by.get((q, lab), []) if "error" not in r]
+            if ok and "benchmark_hub" in q:
+                am.setdefault(lab, []).append(h.methodology_score(land, ok, a.budget))
+            if not by.get((q, lab)):
+                lines.append(f"| {lab} | 0 | not run (compute) | | | | | |")
+            elif ok:
+                rows.append(_row(land, lab, ok, a.budget))
+                lines.append(_fmt(rows[-1], a.budget))
             else:
-                plain = path
-            methods += [(f"KT:{s}", plain) for s in KT_STRATEGIES]
-        for method, plain in methods:
-            t0 = time.perf_counter()
-            seqs = []
-            if method in precomputed:
-                seqs, elapsed = precomputed[method]
-            elif plain is None:
-                budget = a.long_budget if long and method.startswith("default") else a.budget
-                seqs = _runs(land, method.split("+")[0], budget,
-                             seeds if method != "grid" else range(1), a.jobs,
-                             warm if method == "default+warm" else ())
-            else:
-                try:
-                    seqs = [_kt_run(plain, method[3:], a.budget, seed) for seed in seeds]
-                except Exception as e:  # noqa: BLE001 - a peer that crashes is reported.
-                    seqs = []
-                    print(f"| {method} [mean] | failed: {type(e).__name__}: {str(e)[:60]} "
-                          "| | | | | | |")
-            if not seqs:
-                continue
-            st = _stats(seqs, opt, a.budget)
-            if method.startswith("default"):
-                targets.append((name, method, st["reach0.05"], rand_reach))
-            label = method + (" [mean]" if plain is not None else "")
-            if len(seqs[0]) > a.budget:
-                label += f" (run to {len(seqs[0])})"
-            cells = [f"{st.get(f'@{n}', float('nan')):.3f}" for n in (10, 20)]
-            cells.append(f"{st['@50']:.3f} ± {st['se50']:.3f}")
-            cells.append(f"{st.get('@100', float('nan')):.3f}")
-            for tol in (0.05, 0.02):
-                med, share = st[f"reach{tol}"]
-                cells.append(f"{med:g} ({share:.0%})")
-            elapsed = precomputed[method][1] if method in precomputed else \
-                time.perf_counter() - t0
-            print(f"| {label} | " + " | ".join(cells) + f" | {elapsed:.0f} |", flush=True)
-    print("\n#### Target: default's median evaluations to 5% of the optimum at most a quarter of "
-          "random's (at most 3 where random needs fewer than 12)")
-    print("| landscape | strategy | default (reached) | random | target | met |")
-    print("|---|---|---|---|---|---|")
-    for name, method, (med, share), rnd in targets:
-        target = 3 if rnd < 12 else rnd / 4
-        print(f"| {name} | {method} | {med:g} ({share:.0%}) | {rnd:g} | ≤ {target:g} | "
-              f"{'yes' if med <= target else 'no'} |")
+                lines.append(f"| {lab} | 0 | failed: {by[(q, lab)][0]['error']} | | | | | |")
+        ours = next((r for r in rows if r["label"] == "default"), None)
+        peers = [r for r in rows if r["label"] not in OURS]
+        if ours and peers:
+            best = max(peers, key=lambda r: r["@50"])
+            common = statistics.mean(h.at(land, r, 50) for r in by[(q, "default")][:peer_seeds])
+            summary.append((lid, len(land.configs), tuned, ours, best, common))
+    lines += _summary(summary, peer_seeds)
+    lines += ["", "#### autotuning-methodology score over the GPU landscapes (mean of the per-"
+              "landscape scores above; the package aggregates search spaces the same way)",
+              "| strategy | landscapes | mean AM score |", "|---|---|---|"]
+    lines += [f"| {lab} | {len(v)} | {np.nanmean(v):.3f} |"
+              for lab, v in sorted(am.items(), key=lambda kv: -np.nanmean(kv[1]))]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
 
 
-def args_str(a: argparse.Namespace) -> str:
-    return f"{a.seeds} seeds, budget {a.budget}"
+def _summary(summary: list, peer_seeds: int) -> list[str]:
+    out = ["", "#### Default against the best peer at 50 evaluations (mean opt/best over seeds)",
+           f"`margin` compares on the {peer_seeds} seeds every strategy ran "
+           f"(0..{peer_seeds - 1}); "
+           "`chose settings`: the landscape was used to choose the default's settings "
+           "(gp.TUNING_SET).", "",
+           "| landscape | configs | chose settings | default @50 (seeds) | default @50 "
+           "(shared seeds) | best peer @50 | best peer | margin | ≥ 0.95 | above best peer |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for lid, n, tuned, ours, best, common in summary:
+        margin = common - best["@50"]
+        out.append(f"| {lid} | {n} | {tuned} | {ours['@50']:.3f} ({ours['seeds']}) | "
+                   f"{common:.3f} | "
+                   f"{best['@50']:.3f} | {best['label']} | {margin:+.3f} | "
+                   f"{'yes' if ours['@50'] >= 0.95 else 'no'} | "
+                   f"{'yes' if margin > 0 else ('tie' if margin == 0 else 'no')} |")
+    if summary:
+        d = np.array([s[5] for s in summary])
+        b = np.array([s[4]["@50"] for s in summary])
+        a = np.array([s[3]["@50"] for s in summary])
+        out.append(f"| mean | | | {a.mean():.3f} | {d.mean():.3f} | {b.mean():.3f} | | "
+                   f"{np.mean(d - b):+.3f} | {int((a >= 0.95).sum())}/{len(d)} | "
+                   f"{int((d > b).sum())}/{len(d)} |")
+    return out
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for pkg in ("optuna", "kernel_tuner", "autotuning_methodology", "torch"):
+        try:
+            out.append(f"{pkg} {version(pkg)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(out)
 
 
 if __name__ == "__main__":

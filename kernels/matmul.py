@@ -1,7 +1,10 @@
 """Tiled matmul with f32 accumulation: the reference tunable kernel.
 
-Grid (M/bm, N/bn, K/bk); the K axis is the reduction ("arbitrary", last). The accumulator lives in
-VMEM scratch; the output tile is written on the last K step.
+Grid (cdiv(M, bm), cdiv(N, bn), cdiv(K, bk)); the K axis is the reduction ("arbitrary", last).
+The accumulator lives in VMEM scratch; the output tile is written on the last K step. Any M, K, N:
+ragged M and N blocks are dropped on store; when no bk divides K, the last K step zeroes the
+columns of x and rows of y past K before its dot (emitted only then, so shapes that divide compile
+to the same program as without it; benchmarks/ragged.py measures the cost).
 """
 
 from __future__ import annotations
@@ -14,21 +17,76 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
+from pallas_tune.kernels import _ragged
 
 __all__ = ["matmul", "matmul_reference"]
 
-
-def matmul_reference(x: jax.Array, y: jax.Array) -> jax.Array:
-    """Plain-JAX matmul with f32 accumulation, cast to the input dtype."""
-    return jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
+DTYPES = (jnp.float32, jnp.bfloat16)  # Mosaic rejects f16 and int8 x int8 -> f32 dots.
 
 
-def _matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
+# The public entry; registered as a tunable kernel (search_spaces/matmul.toml) at the end of the
+# file, once its reference and stand-in exist.
+def matmul(
+    x: jax.Array,
+    y: jax.Array,
+    *,
+    bm: int,
+    bn: int,
+    bk: int,
+    buffering: int,
+    semantics: tuple[str, str, str],
+) -> jax.Array:
+    """``x @ y`` for x (M, K) and y (K, N) of one dtype (float32 or bfloat16) → (M, N).
+
+    Tiled (bm, bk) × (bk, bn); any M, K, N. Block sizes larger than a dimension are clamped to
+    it (a full dimension always meets the TPU block rule), so small problems run with any config.
+
+    Raises:
+      ValueError: x or y is not 2-D, the inner dimensions differ, or the dtypes are not one of
+        float32 and bfloat16.
+    """
+    if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[0]:
+        raise ValueError(f"matmul needs x (M, K) and y (K, N); got x {x.shape}, y {y.shape}")
+    if x.dtype != y.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"matmul supports float32 or bfloat16 operands of one dtype; got x "
+                         f"{x.dtype}, y {y.dtype}: cast both to bfloat16 or float32")
+    (m, k), n = x.shape, y.shape[1]
+    bm, bn, bk = min(bm, m), min(bn, n), min(bk, k)
+    buffered = functools.partial(pl.BlockSpec, pipeline_mode=pl.Buffered(buffering))
+    return pl.pallas_call(
+        functools.partial(_kernel, k_tail=k % bk),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), pl.cdiv(k, bk)),
+        in_specs=[
+            buffered((bm, bk), lambda i, j, kk: (i, kk)),
+            buffered((bk, bn), lambda i, j, kk: (kk, j)),
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=tuple(semantics)),
+        name=f"matmul_{bm}x{bn}x{bk}",
+    )(x, y)
+
+
+def _kernel(x_ref, y_ref, o_ref, acc_ref, *, k_tail):
     @pl.when(pl.program_id(2) == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+    if k_tail:  # K is ragged: only the last K step reads past it, and only it pays for the mask.
+        last = pl.program_id(2) == pl.num_programs(2) - 1
+
+        @pl.when(jnp.logical_not(last))
+        def _full():
+            acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+        @pl.when(last)
+        def _tail():
+            x = _ragged.fill_tail(x_ref[...], k_tail, axis=1)
+            y = _ragged.fill_tail(y_ref[...], k_tail, axis=0)
+            acc_ref[...] += jnp.dot(x, y, preferred_element_type=jnp.float32)
+    else:
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _store():
@@ -42,41 +100,14 @@ def _standin(args, kwargs, config):
     x, y = args
     (m, k), n = x.shape, y.shape[1]
     bm, bn, bk = min(config["bm"], m), min(config["bn"], n), min(config["bk"], k)
-    (mb, nb), scale = shrink_parallel([m // bm, n // bn], k // bk)
-    return [jax.ShapeDtypeStruct((mb * bm, k), x.dtype),
-            jax.ShapeDtypeStruct((k, nb * bn), y.dtype)], kwargs, scale
+    (mb, nb), scale = shrink_parallel([pl.cdiv(m, bm), pl.cdiv(n, bn)], pl.cdiv(k, bk))
+    return [jax.ShapeDtypeStruct((min(mb * bm, m), k), x.dtype),
+            jax.ShapeDtypeStruct((k, min(nb * bn, n)), y.dtype)], kwargs, scale
 
 
-@pt.tunable(space="matmul", reference=matmul_reference, standin=_standin)
-def matmul(
-    x: jax.Array,
-    y: jax.Array,
-    *,
-    bm: int,
-    bn: int,
-    bk: int,
-    buffering: int,
-    semantics: tuple[str, str, str],
-) -> jax.Array:
-    """``x @ y`` for x (M, K) and y (K, N), tiled (bm, bk) × (bk, bn).
+def matmul_reference(x: jax.Array, y: jax.Array) -> jax.Array:
+    """Plain-JAX matmul with f32 accumulation, cast to the input dtype."""
+    return jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
 
-    Block sizes larger than a dimension are clamped to it, so small problems run with any config.
-    """
-    (m, k), (k2, n) = x.shape, y.shape
-    if k != k2:
-        raise ValueError(f"inner dimensions differ: x is {x.shape}, y is {y.shape}")
-    bm, bn, bk = min(bm, m), min(bn, n), min(bk, k)
-    buffered = functools.partial(pl.BlockSpec, pipeline_mode=pl.Buffered(buffering))
-    return pl.pallas_call(
-        _matmul_kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
-        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), pl.cdiv(k, bk)),
-        in_specs=[
-            buffered((bm, bk), lambda i, j, kk: (i, kk)),
-            buffered((bk, bn), lambda i, j, kk: (kk, j)),
-        ],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=tuple(semantics)),
-        name=f"matmul_{bm}x{bn}x{bk}",
-    )(x, y)
+
+matmul = pt.tunable(space="matmul", reference=matmul_reference, standin=_standin)(matmul)

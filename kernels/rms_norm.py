@@ -3,6 +3,10 @@
 A reduction-heavy, memory-bound kernel: its only tunable is the number of rows per block. XLA
 fuses the plain-JAX version well, so whether Pallas wins at all is an open question that
 benchmarks/kernels.py answers per chip, not this docstring.
+
+Any number of rows: the grid is cdiv(rows, block_rows) and a ragged last block computes rows that
+are dropped on store (each row is normalised on its own, so nothing leaks into valid rows). The
+reduction is over the whole hidden axis, one full block, so it has no ragged tail.
 """
 
 from __future__ import annotations
@@ -18,11 +22,42 @@ import pallas_tune as pt
 
 __all__ = ["rms_norm", "rms_norm_reference"]
 
+DTYPES = (jnp.float32, jnp.bfloat16)
 
-def rms_norm_reference(x, weight, *, eps: float = 1e-6):
-    xf = x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * inv * weight.astype(jnp.float32)).astype(x.dtype)
+
+# The public entry; registered as a tunable kernel (search_spaces/rms_norm.toml) at the end of
+# the file, once its reference and stand-in exist.
+def rms_norm(x, weight, *, eps: float = 1e-6, block_rows: int):
+    """RMSNorm over the last axis of x (..., hidden) with weight (hidden,) → x's shape and dtype.
+
+    Any leading axes (flattened to rows) and any hidden size; x float32 or bfloat16, weight any
+    float dtype (applied in f32). ``block_rows`` larger than the row count is clamped to it.
+
+    Raises:
+      ValueError: x is a scalar, weight is not (hidden,), or the dtypes are unsupported.
+    """
+    if x.ndim < 1 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm needs x (..., hidden) and weight (hidden,); got x {x.shape}, "
+                         f"weight {weight.shape}")
+    if x.dtype not in DTYPES or not jnp.issubdtype(weight.dtype, jnp.floating):
+        raise ValueError(f"rms_norm supports float32 or bfloat16 x and a float weight; got x "
+                         f"{x.dtype}, weight {weight.dtype}")
+    shape = x.shape
+    hidden = shape[-1]
+    x2 = x.reshape(-1, hidden)
+    rows = x2.shape[0]
+    br = min(block_rows, rows)
+    out = pl.pallas_call(
+        functools.partial(_kernel, eps=eps),
+        out_shape=jax.ShapeDtypeStruct(x2.shape, x.dtype),
+        grid=(pl.cdiv(rows, br),),
+        in_specs=[pl.BlockSpec((br, hidden), lambda i: (i, 0)),
+                  pl.BlockSpec((1, hidden), lambda i: (0, 0))],
+        out_specs=pl.BlockSpec((br, hidden), lambda i: (i, 0)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        name=f"rms_norm_{br}",
+    )(x2, weight.reshape(1, hidden))
+    return out.reshape(shape)
 
 
 def _kernel(x_ref, w_ref, o_ref, *, eps):
@@ -39,28 +74,15 @@ def _standin(args, kwargs, config):
     hidden = x.shape[-1]
     rows = x.size // hidden
     br = min(config["block_rows"], rows)
-    (nb,), scale = shrink_parallel([rows // br], 1)
-    return [jax.ShapeDtypeStruct((nb * br, hidden), x.dtype), w], kwargs, scale
+    (nb,), scale = shrink_parallel([pl.cdiv(rows, br)], 1)
+    return [jax.ShapeDtypeStruct((min(nb * br, rows), hidden), x.dtype), w], kwargs, scale
 
 
-@pt.tunable(space="rms_norm", reference=rms_norm_reference, standin=_standin)
-def rms_norm(x, weight, *, eps: float = 1e-6, block_rows: int):
-    """RMSNorm over the last axis of x (rows, hidden); weight (hidden,). Leading axes allowed."""
-    shape = x.shape
-    hidden = shape[-1]
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight shape {weight.shape} != ({hidden},)")
-    x2 = x.reshape(-1, hidden)
-    rows = x2.shape[0]
-    br = min(block_rows, rows)
-    out = pl.pallas_call(
-        functools.partial(_kernel, eps=eps),
-        out_shape=jax.ShapeDtypeStruct(x2.shape, x.dtype),
-        grid=(pl.cdiv(rows, br),),
-        in_specs=[pl.BlockSpec((br, hidden), lambda i: (i, 0)),
-                  pl.BlockSpec((1, hidden), lambda i: (0, 0))],
-        out_specs=pl.BlockSpec((br, hidden), lambda i: (i, 0)),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        name=f"rms_norm_{br}",
-    )(x2, weight.reshape(1, hidden))
-    return out.reshape(shape)
+def rms_norm_reference(x, weight, *, eps: float = 1e-6):
+    """Plain-JAX RMSNorm in f32, cast to x's dtype."""
+    xf = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * inv * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+rms_norm = pt.tunable(space="rms_norm", reference=rms_norm_reference, standin=_standin)(rms_norm)

@@ -8,7 +8,8 @@ Public API::
     def matmul(x, y, *, bm, bn, bk): ...
 
     matmul(x, y)                  # tuned config from the per-chip cache, at trace time
-    matmul.tune(x, y, trials=32)  # Optuna TPE search, measured, written to the cache
+    matmul.tune(x, y, trials=32)  # Bayesian search, measured, written to the cache
+    pt.tune(matmul, x, y, options=pt.TuneOptions(trials=32))  # the same
     matmul.config_for(x, y)       # the config a call would use, and its .source
 
 Importing this package does not import Optuna, pandas or the tuner; cached dispatch never does.
@@ -26,7 +27,9 @@ from pallas_tune.errors import NoFeasibleConfigError as NoFeasibleConfigError
 from pallas_tune.errors import PallasTuneError as PallasTuneError
 from pallas_tune.errors import PallasTuneWarning as PallasTuneWarning
 from pallas_tune.errors import SearchSpaceError as SearchSpaceError
+from pallas_tune.errors import TuneOptionError as TuneOptionError
 from pallas_tune.space import Config as Config
+from pallas_tune.space import Constraint as Constraint
 from pallas_tune.space import Param as Param
 from pallas_tune.space import SearchSpace as SearchSpace
 from pallas_tune.space import load_space as load_space
@@ -42,6 +45,9 @@ _LAZY = {
     "Verdict": "pallas_tune.feasibility.model",
     "chip_spec": "pallas_tune.chips",
     "ChipSpec": "pallas_tune.chips",
+    "tune": "pallas_tune.tuning",
+    "TuneOptions": "pallas_tune.tuning",
+    "TuningResult": "pallas_tune.tuning",
 }
 
 
@@ -57,6 +63,7 @@ __all__ = [
     "CacheMissError",
     "ChipSpec",
     "Config",
+    "Constraint",
     "InvalidConfig",
     "MeasurementError",
     "NoFeasibleConfigError",
@@ -66,6 +73,9 @@ __all__ = [
     "SearchSpace",
     "SearchSpaceError",
     "TunableKernel",
+    "TuneOptionError",
+    "TuneOptions",
+    "TuningResult",
     "Verdict",
     "check_feasible",
     "chip_spec",
@@ -76,4 +86,5 @@ __all__ = [
     "normalize_chip",
     "target",
     "tunable",
+    "tune",
 ]

@@ -17,6 +17,7 @@ __all__ = [
     "PallasTuneError",
     "PallasTuneWarning",
     "SearchSpaceError",
+    "TuneOptionError",
 ]
 
 
@@ -50,6 +51,10 @@ class NoFeasibleConfigError(PallasTuneError, RuntimeError):
 
 class MeasurementError(PallasTuneError, RuntimeError):
     """Measuring a candidate failed in a way that is not attributable to the candidate."""
+
+
+class TuneOptionError(PallasTuneError, ValueError):
+    """A tuning option is out of range or unknown (see :class:`pallas_tune.TuneOptions`)."""
 
 
 class PallasTuneWarning(UserWarning):

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["KeyFn", "call_key", "format_value", "parse_key", "key_distance"]
+__all__ = ["KeyFn", "call_key", "format_value", "key_distance", "parse_key", "shape_signature"]
 
 KeyFn = Callable[..., Any]
 
@@ -185,3 +185,18 @@ def key_distance(a: str, b: str) -> float:
                     continue
                 dist += abs(math.log2(dx / dy))
     return dist
+
+
+# One dim of an array item in a default key: after `=`, `(`, `;` or `x`, before `x` or `:dtype`.
+# Quoted static strings could hold look-alikes; callers confirm with key_distance.
+DIM_RE = re.compile(r"(?<=[=(;x])\d+(?=[x:])")
+
+
+def shape_signature(key: str) -> tuple[str, tuple[int, ...]]:
+    """A key with its array dims replaced by ``#``, and those dims: keys at a finite
+    :func:`key_distance` share the signature (the converse is confirmed by key_distance).
+
+    Two C-level regular-expression passes, so a cache can index thousands of keys by shape:
+    ``"x=8x128:float32,c=true"`` → ``("x=#x#:float32,c=true", (8, 128))``.
+    """
+    return DIM_RE.sub("#", key), tuple(map(int, DIM_RE.findall(key)))

@@ -10,15 +10,17 @@ import inspect
 import itertools
 import math
 import os
+import re
 import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from pallas_tune.constraints import Constraint, as_constraints
 from pallas_tune.errors import SearchSpaceError
 
-__all__ = ["Config", "Param", "SearchSpace", "TrialEncoder", "load_space"]
+__all__ = ["Config", "Constraint", "Param", "SearchSpace", "TrialEncoder", "load_space"]
 
-_SOURCES = ("cache", "nearest", "default", "explicit", "tuned")
+_SOURCES = ("cache", "nearest", "default", "model", "explicit", "tuned")
 
 
 def _freeze(value: Any) -> Any:
@@ -26,6 +28,26 @@ def _freeze(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(_freeze(v) for v in value)
     return value
+
+
+def typed_equal(a: Any, b: Any) -> bool:
+    """Equality that also compares types: ``128.0``, ``True`` and ``128`` are three values."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(typed_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _same_kind(value: Any, choice: Any) -> bool:
+    """Whether ``value`` has the type (and, for tuples, the length and element types) of
+    ``choice``."""
+    if type(value) is not type(choice):
+        return False
+    if isinstance(value, tuple):
+        return len(value) == len(choice) and all(
+            _same_kind(v, c) for v, c in zip(value, choice, strict=True))
+    return True
 
 
 def _check_hashable(name: str, value: Any) -> None:
@@ -65,6 +87,21 @@ class Param:
             raise SearchSpaceError(f"parameter {self.name!r} lists {dup!r} more than once.")
         object.__setattr__(self, "choices", choices)
 
+    def value_problem(self, value: Any, *, outside_ok: bool = False) -> str | None:
+        """Why ``value`` cannot be this parameter's value (None: it can). A value must be one of
+        the choices, of the same type (``128.0`` is not ``128``); with ``outside_ok``, any value
+        of a declared choice's type (a config marked as outside the space)."""
+        value = _freeze(value)
+        if any(typed_equal(value, c) for c in self.choices):
+            return None
+        if outside_ok and any(_same_kind(value, c) for c in self.choices):
+            return None
+        kinds = sorted({type(c).__name__ for c in self.choices})
+        if not any(_same_kind(value, c) for c in self.choices):
+            return (f"{self.name}={value!r} is a {type(value).__name__}, not a "
+                    f"{' or '.join(kinds)} like the declared choices {self.choices}")
+        return f"{self.name}={value!r} is not one of the declared choices {self.choices}"
+
     @property
     def is_power_of_two_ints(self) -> bool:
         return all(
@@ -80,15 +117,19 @@ class SearchSpace:
     Args:
       params: the tunable parameters.
       default: the config used on a cache miss, if given (must be a point of the space).
+      constraints: named predicates relating parameters to a call's arguments
+        (:class:`Constraint`); a config that breaks one is invalid for that call.
     """
 
     params: tuple[Param, ...]
     default: Mapping[str, Any] | None = None
+    constraints: tuple[Constraint, ...] = ()
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise SearchSpaceError(f"duplicate parameter names in {names}.")
+        object.__setattr__(self, "constraints", as_constraints(tuple(self.constraints)))
         if self.default is not None:
             default = {k: _freeze(v) for k, v in dict(self.default).items()}
             for k, v in default.items():
@@ -96,10 +137,9 @@ class SearchSpace:
                     raise SearchSpaceError(
                         f"default= names {k!r}, which is not a declared parameter ({names})."
                     )
-                if v not in self[k].choices:
-                    raise SearchSpaceError(
-                        f"default {k}={v!r} is not one of the declared choices {self[k].choices}."
-                    )
+                why = self[k].value_problem(v)
+                if why:
+                    raise SearchSpaceError(f"default {why}.")
             object.__setattr__(self, "default", default)
 
     @classmethod
@@ -121,9 +161,45 @@ class SearchSpace:
         raise KeyError(name)
 
     def __contains__(self, config: Mapping[str, Any]) -> bool:
-        return set(config) == set(self.names) and all(
-            config[p.name] in p.choices for p in self.params
-        )
+        return not self.config_problems(config)
+
+    def config_problems(self, config: Mapping[str, Any], *, outside_ok: bool = False
+                        ) -> list[str]:
+        """Why ``config`` is not a config of this space (empty: it is): it must name exactly
+        the declared parameters, with values of the declared types that are declared choices
+        (any value of those types with ``outside_ok``). Pure Python, no tracing."""
+        if not isinstance(config, Mapping):
+            return [f"the config is a {type(config).__name__}, not a mapping"]
+        names = set(self.names)
+        problems = []
+        unknown = sorted(str(k) for k in config if k not in names)
+        missing = [n for n in self.names if n not in config]
+        if unknown:
+            problems.append(f"names unknown parameter(s) {unknown} (declared: {list(self.names)})")
+        if missing:
+            problems.append(f"lacks parameter(s) {missing}")
+        for p in self.params:
+            if p.name in config:
+                why = p.value_problem(config[p.name], outside_ok=outside_ok)
+                if why:
+                    problems.append(why)
+        return problems
+
+    def constraint_problems(self, env: Mapping[str, Any]) -> list[str]:
+        """The declared constraints that do not hold for a call's arguments and config, by
+        name (``env``: every argument of the call and every tuned parameter)."""
+        problems = []
+        for c in self.constraints:
+            try:
+                if c.holds(env):
+                    continue
+                why = "does not hold"
+            except Exception as e:
+                why = f"raised {type(e).__name__}: {e}"
+            shown = ", ".join(f"{k}={_show(env[k])}" for k in sorted(c.reads or ()) if k in env)
+            problems.append(f"constraint {c.name} ({c.describe()}) {why}"
+                            + (f" for {shown}" if shown else ""))
+        return problems
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """Yields every config as a dict, the first parameter varying slowest."""
@@ -150,6 +226,14 @@ class SearchSpace:
             n for n, p in sig.parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
         }
         has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+        where = getattr(fn, "__qualname__", repr(fn))
+        for c in self.constraints:
+            unknown = sorted((c.reads or set()) - set(sig.parameters))
+            if unknown and not has_var_kw:
+                raise SearchSpaceError(
+                    f"constraint {c.name!r} ({c.describe()}) reads {unknown}, which are not "
+                    f"parameters of {where}{sig}; use the names of the signature, e.g. "
+                    "x.shape[1] for the second dim of argument x.")
         for p in self.params:
             if p.name in kwonly or has_var_kw:
                 continue
@@ -213,7 +297,7 @@ class Config(Mapping[str, Any]):
     ``origin`` optionally names the cache key or file behind it.
     """
 
-    __slots__ = ("_items", "_dict", "source", "origin")
+    __slots__ = ("_dict", "_items", "origin", "source")
 
     def __init__(self, items: Mapping[str, Any], *, source: str = "default", origin: str = ""):
         if source not in _SOURCES:
@@ -246,22 +330,40 @@ class Config(Mapping[str, Any]):
         return dict(self._dict)
 
 
+def _show(v: Any) -> str:
+    shape = getattr(v, "shape", None)
+    if shape is not None and hasattr(v, "dtype"):
+        return f"{'x'.join(map(str, shape)) or 'scalar'}:{getattr(v.dtype, 'name', v.dtype)}"
+    return repr(v)
+
+
 def _spaces_dir() -> str:
     from importlib import resources
 
     return str(resources.files("pallas_tune.search_spaces"))
 
 
+_KERNEL_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+                         r":[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
 def load_space(name_or_path: str) -> dict[str, Any]:
-    """Loads a search-space file (TOML) shipped in ``search_spaces/`` or at a path.
+    """Loads and validates a search-space file (TOML) shipped in ``search_spaces/`` or at a path.
 
     The file holds ``[params]`` (name → list of choices), optionally ``default`` (a table),
-    ``kernel`` (``"module:attr"``) and ``[[shapes]]`` (argument name → ``"AxB:dtype"`` spec, plus
-    static keyword values), used by ``pallas-tune sweep``.
+    ``[constraints]`` (name → expression, see :mod:`pallas_tune.constraints`), ``kernel``
+    (``"module:attr"``) and ``[[shapes]]`` (argument name → ``"AxB:dtype"`` spec, plus static
+    keyword values), used by ``pallas-tune sweep``.
+
+    Loading imports nothing: ``kernel`` names code that the caller (the CLI) imports only after
+    the whole file has validated here; treat a space file like any config that names a module.
 
     Returns:
       A dict with keys ``space`` (a :class:`SearchSpace`), ``kernel`` (str or None), ``shapes``
       (list of dicts) and ``path``.
+
+    Raises:
+      SearchSpaceError: the file is missing, not TOML, or any field is malformed.
     """
     path = name_or_path
     if not os.path.exists(path):
@@ -275,12 +377,36 @@ def load_space(name_or_path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SearchSpaceError(f"search-space file {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise SearchSpaceError(f"cannot read search-space file {path}: {e}") from None
     if "params" not in data or not isinstance(data["params"], dict):
         raise SearchSpaceError(f"search-space file {path} has no [params] table.")
-    space = SearchSpace.from_choices(data["params"], default=data.get("default"))
+    default = data.get("default")
+    if default is not None and not isinstance(default, dict):
+        raise SearchSpaceError(f"search-space file {path}: `default` must be a table.")
+    constraints = data.get("constraints", {})
+    if not isinstance(constraints, dict) or not all(isinstance(v, str)
+                                                    for v in constraints.values()):
+        raise SearchSpaceError(
+            f"search-space file {path}: [constraints] must map names to expression strings, "
+            'e.g. bk_divides_k = "x.shape[1] % bk == 0".')
+    try:
+        space = SearchSpace.from_choices(data["params"], default=default,
+                                         constraints=as_constraints(constraints))
+    except SearchSpaceError as e:
+        raise SearchSpaceError(f"search-space file {path}: {e}") from None
+    kernel = data.get("kernel")
+    if kernel is not None and (not isinstance(kernel, str) or not _KERNEL_REF.match(kernel)):
+        raise SearchSpaceError(
+            f"search-space file {path}: kernel = {kernel!r} is not MODULE:NAME, e.g. "
+            '"pallas_tune.kernels.matmul:matmul".')
     shapes = data.get("shapes", [])
-    if not isinstance(shapes, list) or not all(isinstance(s, dict) for s in shapes):
-        raise SearchSpaceError(f"search-space file {path}: `shapes` must be an array of tables.")
-    return {"space": space, "kernel": data.get("kernel"), "shapes": shapes, "path": path}
+    if not isinstance(shapes, list) or not all(
+        isinstance(sh, dict) and all(isinstance(k, str) and k.isidentifier() for k in sh)
+        for sh in shapes
+    ):
+        raise SearchSpaceError(
+            f"search-space file {path}: `shapes` must be an array of tables of argument names.")
+    return {"space": space, "kernel": kernel, "shapes": shapes, "path": path}

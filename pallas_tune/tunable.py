@@ -1,18 +1,12 @@
 """``@tunable``: declare a kernel's tunable parameters; resolve them from the cache at trace time.
 
-Resolution order for a call (documented once, here):
-
-1. keywords the caller passes explicitly win;
-2. an exact cache entry for (chip, kernel, key): measured entries before estimates, the user's
-   cache directory before the caches shipped in the package;
-3. ``PALLAS_TUNE_MODE=strict`` raises :class:`CacheMissError`; ``=tune`` tunes now and caches;
-4. the config of the nearest tuned shape of the same kernel on the same chip, if it satisfies the
-   TPU block rules for this call's shapes;
-5. the declared ``default=``, else the first point of the space that satisfies the block rules.
-
-Steps 3 to 5 warn once per (kernel, key). The result is memoized per process, so a repeated call
-costs one tuple build and one dict lookup, and nothing of this runs inside the compiled program:
-the kernel is traced with plain Python values, exactly as if they had been written by hand.
+Keywords the caller passes explicitly always win. The rest is resolved once per (chip, key) and
+process by :mod:`pallas_tune.dispatch`, whose docstring gives the order (exact cache entry,
+strict/tune modes, nearest tuned shape, declared default, the cost model's best valid config):
+every config it serves, from whichever source, has passed :meth:`TunableKernel.violations` for
+the call's shapes. The result is memoized, so a repeated call costs one tuple build and one dict
+lookup, and nothing of this runs inside the compiled program: the kernel is traced with plain
+Python values, exactly as if they had been written by hand.
 """
 
 from __future__ import annotations
@@ -23,9 +17,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import _settings, chips, keys
+from pallas_tune import chips, dispatch, keys
 from pallas_tune.cache import TuningCache, default_cache
-from pallas_tune.errors import CacheMissError, NoFeasibleConfigError, SearchSpaceError, warn
+from pallas_tune.constraints import Constraint, as_constraints
+from pallas_tune.errors import SearchSpaceError, warn
 from pallas_tune.space import Config, SearchSpace, load_space
 
 __all__ = ["TunableKernel", "tunable"]
@@ -53,7 +48,9 @@ class TunableKernel:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.space = space
-        self.name = name or f"{fn.__module__}.{fn.__qualname__}"
+        self.name = name if name is not None else _default_name(fn)
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise SearchSpaceError(f"name={name!r} must be a non-empty string.")
         self.key_fn = key
         self.reference = reference
         self.inputs = inputs
@@ -61,6 +58,7 @@ class TunableKernel:
         self.standin = standin
         self._cache = cache
         self._sig = inspect.signature(fn)
+        self.signature = self._sig
         self._tuned = frozenset(space.names)
         self._memo: dict[Any, Config] = {}
         self._warned: set[tuple[str, str]] = set()
@@ -141,102 +139,61 @@ class TunableKernel:
 
     def _resolve_slow(self, chip: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config:
         key = self.cache_key(*args, **kwargs)
-        found = self.cache.lookup(chip, self.name, key)
-        if found is not None:
-            entry, path = found
-            return Config(_coerce(entry["config"]), source="cache", origin=path)
-        mode = _settings.mode()
-        if mode == "strict":
-            raise CacheMissError(
-                f"PALLAS_TUNE_MODE=strict: no tuned config of kernel {self.name!r} on chip "
-                f"{chip!r} for key {key!r} (looked in {self.cache.roots()}). Fill it with:\n"
-                f"  pallas-tune sweep {self._cli_ref()} --shapes '{key}'\n"
-                "or unset PALLAS_TUNE_MODE to run on a fallback config."
-            )
-        if mode == "tune":
-            result = self._tune_from_trace(args, kwargs)
-            return Config(result.best, source="tuned", origin=key)
-        nearest = self._nearest(chip, key, args, kwargs)
-        if nearest is not None:
-            self._warn_once(
-                key,
-                f"pallas-tune: no tuned config of {self.name!r} on {chip!r} for {key!r}; using "
-                f"that of the nearest tuned shape {nearest.origin!r}: {nearest.to_dict()}. Tune "
-                f"this shape with: pallas-tune sweep {self._cli_ref()} --shapes '{key}'",
-            )
-            return nearest
-        config = self._fallback(args, kwargs)
-        self._warn_once(
-            key,
-            f"pallas-tune: no tuned config of {self.name!r} on {chip!r} for {key!r}; using the "
-            f"default {config.to_dict()}. Tune it with: pallas-tune sweep {self._cli_ref()} "
-            f"--shapes '{key}'",
-        )
-        return config
-
-    def _cli_ref(self) -> str:
-        return f"{self.fn.__module__}:{self.fn.__qualname__}"
+        by_key = ("key", chip, key)  # Same cache key from another fast key: no re-validation.
+        hit = self._memo.get(by_key)
+        if hit is None:
+            hit = dispatch.resolve(self, chip, key, args, kwargs)
+            with self._lock:
+                self._memo[by_key] = hit
+        return hit
 
     def violations(self, config: Mapping[str, Any], args: Sequence[Any],
                    kwargs: Mapping[str, Any]) -> list[str]:
-        """Why ``config`` cannot run for these arguments (TPU block rules, tracing errors)."""
-        from pallas_tune.feasibility import inspect as _inspect
+        """Why ``config`` cannot run for these arguments; empty if it can.
 
-        try:
-            calls = _inspect.find_pallas_calls(self.fn, args, {**kwargs, **config})
-        except Exception as e:  # noqa: BLE001 - any tracing failure makes the config invalid.
-            return [f"tracing failed: {type(e).__name__}: {e}"]
-        return _inspect.block_rule_violations(calls)
+        The one validity check, used for every config the dispatcher serves (cache entries,
+        nearest shapes, the default, the cost model's pick) and every candidate the tuner
+        measures: parameter names and value types, the kernel's declared ``constraints``, then
+        a trace of the kernel (:class:`~pallas_tune.errors.InvalidConfig` and tracing errors
+        become problems) and the TPU block rules on its pallas_calls."""
+        return dispatch.check(self, config, args, kwargs)[0]
 
-    def _nearest(self, chip: str, key: str, args: Sequence[Any],
-                 kwargs: Mapping[str, Any]) -> Config | None:
-        if self.key_fn is not None:
-            return None  # Custom keys have no notion of distance.
-        ranked = []
-        for other, entry, _ in self.cache.entries(chip, self.name):
-            d = keys.key_distance(key, other)
-            if d != float("inf"):
-                ranked.append((d, other, entry))
-        for _, other, entry in sorted(ranked, key=lambda t: (t[0], t[1])):
-            config = _coerce(entry.get("config", {}))
-            if set(config) != set(self._tuned):
-                continue
-            if not self.violations(config, args, kwargs):
-                return Config(config, source="nearest", origin=other)
-        return None
+    def declared_problems(self, config: Mapping[str, Any], args: Sequence[Any],
+                          kwargs: Mapping[str, Any]) -> list[str]:
+        """The untraced part of :meth:`violations`: names, value types, declared constraints.
+        The tuner applies it before a candidate reaches the evaluation boundary."""
+        return dispatch.declared_problems(self, config, args, kwargs)
 
-    def _fallback(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config:
-        if self.space.default is not None and set(self.space.default) == set(self._tuned):
-            return Config(self.space.default, source="default")
-        first_error = None
-        for i, candidate in enumerate(self.space.ordered_candidates()):
-            problems = self.violations(candidate, args, kwargs)
-            if not problems:
-                return Config(candidate, source="default")
-            first_error = first_error or problems[0]
-            if i >= 4096:
-                break
-        raise NoFeasibleConfigError(
-            f"no config of {self.name!r} satisfies the TPU block rules for "
-            f"{self.cache_key(*args, **kwargs)!r} (first problem: {first_error}); add block sizes "
-            "that divide these shapes to the declared space."
-        )
+    def check(self, config: Mapping[str, Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+              ) -> tuple[list[str], list[Any] | None]:
+        """:meth:`violations` and the traced ``pallas_call`` infos (None when the check stopped
+        before tracing), for callers that go on to model the calls without tracing again."""
+        return dispatch.check(self, config, args, kwargs)
+
+    def entry_problems(self, entry: Mapping[str, Any]) -> list[str]:
+        """Why a cache entry (``{"config": ..., "outside_space": ...}``) cannot be this
+        kernel's whatever the shapes: unknown or missing parameters, values of other types,
+        values outside the declared space (unless marked ``"outside_space": true``)."""
+        from pallas_tune.cache.entries import entry_problem
+
+        problem = entry_problem(entry)
+        return [problem] if problem else dispatch.entry_problems(self, entry)
 
     # ---- tuning --------------------------------------------------------------------------
 
-    def tune(self, *args: Any, trials: int = 32, seed: int | None = None, **kwargs: Any) -> Any:
+    def tune(self, *args: Any, options: Any = None, **kwargs: Any) -> Any:
         """Tunes the space for these arguments, writes the winner to the cache, returns a
-        :class:`pallas_tune.tuning.TuningResult` (``.best``, ``.best_ms``, ``.trials``).
+        :class:`pallas_tune.tuning.TuningResult` (``.best``, ``.best_ms``, ``.trials``,
+        ``.study``). Same as ``pallas_tune.tune(kernel, *args, **kwargs)``.
 
-        Arguments may be arrays or ``jax.ShapeDtypeStruct``\\ s (random inputs are made for
-        them). Keyword options of the tuner (``timer``, ``repeats``, ``warmup``, ``write``,
-        ``storage``, ``chip``, ``verbose``) are taken out of ``kwargs``; the rest are static
-        arguments of the kernel.
+        Arguments may be arrays or ``jax.ShapeDtypeStruct``\\ s (inputs are made for them).
+        Keywords naming a :class:`pallas_tune.TuneOptions` field (``trials``, ``seed``,
+        ``timer``, ``repeats``, ...) are tuning options, unless ``options=`` is given; the rest
+        are static arguments of the kernel.
         """
         from pallas_tune import tuning
 
-        options = {k: kwargs.pop(k) for k in tuning.loop.TUNE_OPTIONS if k in kwargs}
-        result = tuning.tune(self, args, kwargs, trials=trials, seed=seed, **options)
+        result = tuning.tune(self, *args, options=options, **kwargs)
         with self._lock:
             self._memo.clear()
         return result
@@ -256,10 +213,16 @@ class TunableKernel:
             return fut.result()
 
 
-def _coerce(config: Mapping[str, Any]) -> dict[str, Any]:
-    from pallas_tune.space import _freeze
-
-    return {k: _freeze(v) for k, v in config.items()}
+def _default_name(fn: Callable[..., Any]) -> str:
+    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "")
+    module = getattr(fn, "__module__", None) or ""
+    if not qualname or "<" in qualname:
+        raise SearchSpaceError(
+            f"@tunable on {module}.{qualname or fn!r}: a kernel defined inside a function or as "
+            "a lambda has no unique name (every kernel a factory makes would share "
+            f"{module}.{qualname!s}'s cache entries); pass an explicit name=, e.g. "
+            "name=f\"mylib.attention_{variant}\".")
+    return f"{module}.{qualname}"
 
 
 def tunable(
@@ -273,6 +236,7 @@ def tunable(
     inputs: Callable[..., Any] | None = None,
     vmem_estimate: Callable[..., int] | None = None,
     standin: Callable[..., Any] | None = None,
+    constraints: Mapping[str, str | Callable[..., Any]] | Sequence[Constraint] | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -286,11 +250,13 @@ def tunable(
 
         matmul(x, y)                       # config from the cache for this chip and shape
         matmul.tune(x, y, trials=32)       # Optuna TPE search; writes the cache
-        matmul.config_for(x, y).source     # "cache", "nearest" or "default"
+        matmul.config_for(x, y).source     # "cache", "nearest", "default" or "model"
 
     Args:
-      default: the config used on a cache miss (else the first valid point of the space).
-      name: cache name of the kernel (default: ``module.qualname``).
+      default: the config used on a cache miss when it is valid for the call (else the best
+        valid point of the space by the roofline cost model).
+      name: cache name of the kernel (default: ``module.qualname``; required for kernels
+        defined inside a function or as lambdas, whose qualified names are not unique).
       key: maps the call's arguments to the cache key (default: shapes and dtypes of array
         arguments plus the values of static non-tuned arguments, see :mod:`pallas_tune.keys`).
       reference: a function with the kernel's signature (minus tuned parameters) whose output
@@ -304,6 +270,10 @@ def tunable(
       standin: ``standin(args, kwargs, config) -> (args, kwargs, scale)``: a smaller problem with
         the same tiles whose compiler estimate times ``scale`` stands for the full one (the
         ``tpu-estimate`` timer compiles it instead; see :mod:`pallas_tune.measure.estimate`).
+      constraints: named predicates relating the parameters to the call's arguments, as a
+        mapping name → expression string or callable (see :mod:`pallas_tune.constraints`), e.g.
+        ``{"bk_divides_k": "x.shape[1] % bk == 0"}``; added to those of a ``space=`` file. A
+        config that breaks one is never measured nor served.
       **choices: parameter name → list of choices.
 
     Raises:
@@ -311,16 +281,17 @@ def tunable(
         choice list is empty or unhashable.
     """
 
+    extra = {c.name: c for c in as_constraints(constraints)}
+
     def wrap(f: Callable[..., Any]) -> TunableKernel:
         base: dict[str, Sequence[Any]] = {}
         base_default = None
-        if isinstance(space, str):
-            loaded = load_space(space)["space"]
+        base_constraints: dict[str, Any] = {}
+        if isinstance(space, str | SearchSpace):
+            loaded = load_space(space)["space"] if isinstance(space, str) else space
             base = {p.name: p.choices for p in loaded.params}
             base_default = loaded.default
-        elif isinstance(space, SearchSpace):
-            base = {p.name: p.choices for p in space.params}
-            base_default = space.default
+            base_constraints = {c.name: c for c in loaded.constraints}
         elif space is not None:
             raise SearchSpaceError(f"space={space!r} must be a SearchSpace or a file name.")
         merged = {**base, **choices}
@@ -329,8 +300,9 @@ def tunable(
                 f"@tunable on {getattr(f, '__qualname__', f)} declares no parameters; pass e.g. "
                 "bm=[128, 256]."
             )
-        s = SearchSpace.from_choices(merged, default=default if default is not None
-                                     else base_default)
+        s = SearchSpace.from_choices(
+            merged, default=default if default is not None else base_default,
+            constraints=tuple({**base_constraints, **extra}.values()))
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
                              vmem_estimate=vmem_estimate, standin=standin)
 

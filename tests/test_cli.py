@@ -3,12 +3,11 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import subprocess_env
 
 
 def _cli(args, cache_dir, **env):
-    return subprocess.run([sys.executable, "-m", "pallas_tune.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pallas_tune", *args], capture_output=True,
                           text=True, timeout=600,
                           env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir, **env))
 
@@ -39,3 +38,83 @@ def test_sweep_then_show_then_skip(cache_dir):
 def test_bad_input_is_a_clear_error(cache_dir, args, message):
     r = _cli(args, cache_dir)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+
+
+def _write(path, content):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+def test_show_survives_hostile_files_and_escapes_control_characters(cache_dir):
+    from pallas_tune.cache import TuningCache
+
+    c = TuningCache(str(cache_dir), use_shipped=False)
+    c.write("cpu", "toy_kernels.scale", "x=8x128:float32",
+            {"config": {"br": 8}, "median_ms": 0.5, "provenance": {"timer": "wallclock"}})
+    c.write("cpu", "other.kernel", "x=8x8:int32", {"config": {"b": 1}, "median_ms": 0.25})
+    path = c.path("cpu", "toy_kernels.scale")
+    lines = open(path).read().splitlines()
+    lines.insert(2, ',"typed": {"config": {"br": 8}, "median_ms": "fast", "provenance": [1]}')
+    lines.insert(3, ',"x=\\u001b[2J\\u001b]0;pwned\\u0007": {"config": {"br": "\\u001b[31m"}}')
+    _write(cache_dir / "cpu" / "toy_kernels.scale.json", "\n".join(lines) + "\n")
+    _write(cache_dir / "cpu" / "bad.json", b"\xff\xfe not utf-8")
+    _write(cache_dir / "cpu" / ".tmp-host-1-abc.json", b"{half")  # A killed writer's.
+    r = _cli(["show"], cache_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out
+    assert "other.kernel" in out and "0.25" in out  # Every other cache is still shown.
+    assert "SKIPPED: `median_ms` is a string" in out
+    assert "UNREADABLE" in out and "not UTF-8" in out
+    assert ".tmp-" not in out
+
+
+def test_show_trials_reads_the_ledger(cache_dir):
+    r = _cli(["sweep", "toy_kernels:scale", "--shapes", "x=64x256:float32", "--trials", "3",
+              "--repeats", "1"], cache_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (cache_dir / "cpu" / "toy_kernels.scale.trials.jsonl").exists()
+    show = _cli(["show", "--trials", "--key", "x=64x256"], cache_dir)
+    assert show.returncode == 0, show.stderr[-3000:]
+    assert "1 tuning run(s)" in show.stdout and "3 trials" in show.stdout
+    assert show.stdout.count(" ok ") >= 1
+
+
+def test_the_current_directory_is_not_imported_from(cache_dir, tmp_path):
+    here = tmp_path / "here"
+    marker = tmp_path / "ran"
+    _write(here / "jax.py", f"open({str(marker)!r}, 'w').write('x')\nraise SystemExit(9)\n")
+    _write(here / "mykern.py", "import pallas_tune as pt\n"
+                               "@pt.tunable(b=[1], name='mykern.k')\n"
+                               "def k(x, *, b):\n    return x\n")
+    args = ["feasibility", "pallas_tune.kernels.matmul:matmul", "--shapes", "x=8x128:floaty"]
+    r = subprocess.run([sys.executable, "-m", "pallas_tune", *args], capture_output=True,
+                       text=True, cwd=here, timeout=600,
+                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir))
+    assert r.returncode == 2 and "unknown dtype" in r.stderr, r.stderr[-2000:]
+    assert not marker.exists()  # The shipped kernel imported the real jax.
+    local = ["sweep", "mykern:k", "--shapes", "x=8:float32", "--trials", "1", "--repeats", "1"]
+    r = subprocess.run([sys.executable, "-m", "pallas_tune", *local], capture_output=True,
+                       text=True, cwd=tmp_path, timeout=600,
+                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir))
+    assert r.returncode == 2 and "--path" in r.stderr, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pallas_tune", *local, "--path", str(here)],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir))
+    assert r.returncode == 0 and "best {'b': 1}" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("space,message", [
+    ('kernel = "evil:k"\n[params]\nb = []\n', "has no choices"),
+    ('kernel = "evil:k"\n[params]\nb = [1]\n[constraints]\nc = "__import__(1)"\n',
+     "may call only"),
+    ('kernel = "evil:k"\n[params]\nb = [1]\n[[shapes]]\nx = "8:float32,oops"\n', "name=DIMS"),
+])
+def test_a_space_file_is_validated_before_its_module_is_imported(cache_dir, tmp_path, space,
+                                                                 message):
+    marker = tmp_path / "imported"
+    _write(tmp_path / "evil.py", f"open({str(marker)!r}, 'w').write('x')\n")
+    _write(tmp_path / "s.toml", space)
+    r = _cli(["sweep", "--space", str(tmp_path / "s.toml"), "--path", str(tmp_path)], cache_dir)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert not marker.exists()

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 import pallas_tune as pt
-from conftest import subprocess_env
 
 
 def _seed_cache(kernel, key, config, chip="cpu"):
@@ -19,12 +19,15 @@ def _seed_cache(kernel, key, config, chip="cpu"):
                                                 "provenance": {"kind": "measured"}})
 
 
-def test_default_on_miss_warns_once(cache_dir, fresh):
+def test_miss_without_default_uses_the_cost_model_and_warns_once(cache_dir, fresh):
     x = fresh.ones()
-    with pytest.warns(pt.PallasTuneWarning, match="no tuned config.*pallas-tune sweep"):
+    with pytest.warns(pt.PallasTuneWarning,
+                      match="no tuned config.*roofline cost model.*pallas-tune sweep"):
         cfg = fresh.scale.config_for(x)
-    assert cfg.source == "default"
-    assert cfg == {"br": 8, "bc": 128, "buffering": 1}  # First point that passes the rules.
+    assert cfg.source == "model"
+    # The fewest grid steps for 64x256 (not the first point of the space, br=8, bc=128).
+    assert (cfg["br"], cfg["bc"]) == (64, 256)
+    assert not fresh.scale.violations(cfg, (x,), {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         np.testing.assert_allclose(fresh.scale(x), x * 2)  # Same key: no second warning.
@@ -49,7 +52,7 @@ def test_static_kwargs_are_part_of_the_key(cache_dir, fresh):
                 {"br": 64, "bc": 256, "buffering": 2})
     assert fresh.scale.config_for(x, factor=3.0).source == "cache"
     with pytest.warns(pt.PallasTuneWarning):
-        assert fresh.scale.config_for(x).source == "default"
+        assert fresh.scale.config_for(x).source == "model"
 
 
 def test_nearest_tuned_shape_if_valid(cache_dir, fresh):
@@ -59,9 +62,15 @@ def test_nearest_tuned_shape_if_valid(cache_dir, fresh):
     with pytest.warns(pt.PallasTuneWarning, match="nearest tuned shape"):
         cfg = fresh.scale.config_for(x)
     assert cfg.source == "nearest" and cfg["br"] == 64
-    # 8x256: br=64 does not divide 8 (nor equal it): not valid, so the default is used.
+    # 8x256: a 64-row block over 8 rows is allowed on TPU (edge blocks are padded): used.
+    with pytest.warns(pt.PallasTuneWarning, match="nearest tuned shape"):
+        assert fresh.scale.config_for(fresh.ones((8, 256)))["br"] == 64
+    # br=12 tiles 12 rows (the full dim) but not 24 (12 is no multiple of 8): the default is used.
+    _seed_cache(fresh.scale_checked, "x=12x256:float32,factor=2.0",
+                {"br": 12, "bc": 128, "wrong": False})
+    assert fresh.scale_checked.config_for(fresh.ones((12, 256))).source == "cache"
     with pytest.warns(pt.PallasTuneWarning, match="using the default"):
-        cfg = fresh.scale.config_for(fresh.ones((8, 256)))
+        cfg = fresh.scale_checked.config_for(fresh.ones((24, 256)))
     assert cfg.source == "default"
 
 
@@ -164,3 +173,207 @@ def test_import_and_cached_call_do_not_import_optuna(cache_dir, fresh):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir), timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+# ---- issue 12: nothing invalid is ever served, whatever its source ----------------------------
+
+def _trace_counter(monkeypatch):
+    from pallas_tune.feasibility import inspect as _inspect
+
+    calls = []
+    real = _inspect.find_pallas_calls
+
+    def counting(fn, args, kwargs):
+        calls.append(dict(kwargs))
+        return real(fn, args, kwargs)
+
+    monkeypatch.setattr(_inspect, "find_pallas_calls", counting)
+    return calls
+
+
+@pytest.fixture
+def dk():
+    import dispatch_kernels
+
+    dispatch_kernels.rowsum._memo.clear()
+    dispatch_kernels.rowsum._warned.clear()
+    yield dispatch_kernels
+    dispatch_kernels.rowsum._memo.clear()
+    dispatch_kernels.rowsum._warned.clear()
+
+
+def test_declared_default_is_checked_like_any_candidate(cache_dir, dk):
+    x = dk.data((16, 512))
+    with pytest.warns(pt.PallasTuneWarning, match="using the default"):
+        assert dk.rowsum.config_for(x).source == "default"  # Valid at 512 columns.
+    x = dk.data((16, 384))
+    with pytest.warns(pt.PallasTuneWarning) as record:
+        cfg = dk.rowsum.config_for(x)
+    assert cfg.source == "model" and cfg["bc"] == 128
+    msg = " ".join(str(w.message) for w in record)
+    # Which config, why the default was refused, and the command that tunes the shape.
+    assert "using {'br': 16, 'bc': 128}" in msg
+    assert "the declared default {'br': 8, 'bc': 256} (constraint bc_divides_cols" in msg
+    assert "x=16x384:float32" in msg and ".tune(" in msg or "pallas-tune sweep" in msg
+    np.testing.assert_allclose(dk.rowsum(x), dk.rowsum_reference(x))
+
+
+def test_shipped_matmul_default_at_k384_is_valid_and_the_result_is_right(cache_dir):
+    """Issue 12: bm=bn=bk=256 at K=384 used to return NaN (the last K block read out of bounds).
+
+    The kernel now masks the ragged K tail, so the declared default is valid there: the dispatcher
+    checks it (the same check as every source) and uses it, and the result is right."""
+    from pallas_tune.kernels.matmul import matmul, matmul_reference
+
+    x = jax.random.normal(jax.random.key(0), (256, 384), jnp.float32)
+    y = jax.random.normal(jax.random.key(1), (384, 256), jnp.float32)
+    matmul._memo.clear()
+    with pytest.warns(pt.PallasTuneWarning, match="using the default .*'bk': 256"):
+        cfg = matmul.config_for(x, y)
+    assert cfg.source == "default" and not matmul.violations(cfg, (x, y), {})
+    out = matmul(x, y)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, matmul_reference(x, y), rtol=1e-5, atol=1e-4)
+    matmul._memo.clear()
+
+
+@pytest.mark.parametrize("config,reason", [
+    ({"br": 16, "bc": 256}, "constraint bc_divides_cols"),  # Valid types, wrong for the shape.
+    ({"br": 16.0, "bc": 128}, "br=16.0 is a float, not a int"),
+    ({"br": True, "bc": 128}, "br=True is a bool"),
+    ({"br": 16, "bc": 128, "bz": 1}, "unknown parameter"),
+    ({"br": 16}, "lacks parameter"),
+    ({"br": -16, "bc": 128}, "not one of the declared choices"),
+    ({"br": 32, "bc": 128}, "not one of the declared choices"),
+    ({"br": [16], "bc": 128}, "is a tuple, not a int"),
+])
+def test_exact_hit_is_validated_and_a_bad_entry_spares_the_others(cache_dir, dk, config, reason):
+    x, other = dk.data((16, 384)), dk.data((8, 384))
+    key, other_key = dk.rowsum.cache_key(x), dk.rowsum.cache_key(other)
+    path = dk.rowsum.cache.write_many("cpu", dk.rowsum.name, {
+        key: {"config": config}, other_key: {"config": {"br": 8, "bc": 128}}})
+    before = open(path, "rb").read()
+    with pytest.warns(pt.PallasTuneWarning) as record:
+        cfg = dk.rowsum.config_for(x)
+    assert cfg.source != "cache" and not dk.rowsum.violations(cfg, (x,), {})
+    skipped = [str(w.message) for w in record if "skipped the cache entry" in str(w.message)]
+    assert len(skipped) == 1 and path in skipped[0] and key in skipped[0]
+    assert reason in skipped[0]
+    np.testing.assert_allclose(dk.rowsum(x), dk.rowsum_reference(x))
+    assert dk.rowsum.config_for(other).source == "cache"  # The file's other entry serves.
+    assert open(path, "rb").read() == before
+
+
+def test_outside_space_entries_serve_only_when_marked_and_valid(cache_dir, dk):
+    from pallas_tune.cache import TuningCache
+
+    x = dk.data((16, 384))
+    key = dk.rowsum.cache_key(x)
+    dk.rowsum.cache.write("cpu", dk.rowsum.name, key, {"config": {"br": 4, "bc": 128}})
+    with pytest.warns(pt.PallasTuneWarning, match="br=4 is not one of the declared choices"):
+        assert dk.rowsum.config_for(x).source != "cache"
+    dk.rowsum._memo.clear()
+    dk.rowsum.cache.write("cpu", dk.rowsum.name, key,
+                          {"config": {"br": 16, "bc": 384}, "outside_space": True})
+    cfg = dk.rowsum.config_for(x)
+    assert cfg.source == "cache" and cfg == {"br": 16, "bc": 384}  # Full dims: valid.
+    np.testing.assert_allclose(dk.rowsum(x), dk.rowsum_reference(x))
+    assert isinstance(dk.rowsum.cache, TuningCache)
+
+
+def test_first_resolution_traces_once_then_memoized(cache_dir, dk, monkeypatch):
+    x = dk.data((16, 384))
+    dk.rowsum.cache.write("cpu", dk.rowsum.name, dk.rowsum.cache_key(x),
+                          {"config": {"br": 16, "bc": 128}})
+    traces = _trace_counter(monkeypatch)
+    assert dk.rowsum.config_for(x).source == "cache"
+    assert len(traces) == 1
+    jax.jit(dk.rowsum)(x)  # Another fast key (a tracer), same cache key: no new validation.
+    dk.rowsum.config_for(jax.ShapeDtypeStruct((16, 384), jnp.float32))
+    assert len(traces) == 1
+
+
+def test_a_miss_costs_a_few_traces_whatever_the_cache_size(cache_dir, dk, monkeypatch):
+    # 300 tuned shapes whose configs (bc=256) are all invalid for 384 columns.
+    entries = {f"x={8 * (i + 1)}x{256 * (1 + i % 4)}:float32": {"config": {"br": 8, "bc": 256}}
+               for i in range(300)}
+    dk.rowsum.cache.write_many("cpu", dk.rowsum.name, entries)
+    traces = _trace_counter(monkeypatch)
+    x = dk.data((16, 384))
+    with pytest.warns(pt.PallasTuneWarning):
+        cfg = dk.rowsum.config_for(x)
+    assert cfg.source == "model" and cfg["bc"] == 128
+    # Constraints refuse bc=256 before any trace: neighbours and default cost no trace here;
+    # the cost model traces the 2 valid candidates.
+    assert len(traces) <= 4
+
+
+def test_nearest_tries_at_most_three_distinct_configs(cache_dir, dk, monkeypatch):
+    # 200 tuned shapes near 8x128, all with b=64, which only a trace shows invalid for 8 rows.
+    kernel = dk.picky
+    kernel._memo.clear()
+    entries = {f"x={16 * (i + 1)}x128:float32": {"config": {"b": 64, "c": i % 8}}
+               for i in range(200)}
+    kernel.cache.write_many("cpu", kernel.name, entries)
+    traces = _trace_counter(monkeypatch)
+    with pytest.warns(pt.PallasTuneWarning) as record:
+        cfg = kernel.config_for(jnp.ones((8, 128)))
+    assert cfg.source == "default" and cfg == {"b": 8, "c": 0}
+    msg = " ".join(str(w.message) for w in record)
+    assert msg.count("the config of the tuned shape") == 3 and "must not exceed" in msg
+    assert len(traces) == 3 + 1  # Three distinct neighbour configs, then the default.
+    kernel._memo.clear()
+
+
+def test_kernels_from_factories_need_a_name(cache_dir):
+    def make(n):
+        @pt.tunable(b=[n])
+        def k(x, *, b):
+            return x
+        return k
+
+    with pytest.raises(pt.SearchSpaceError, match="no unique name.*name="):
+        make(1)
+    with pytest.raises(pt.SearchSpaceError, match="lambda|no unique name"):
+        pt.tunable(b=[1])(lambda x, *, b: x)
+
+    def make_named(n):
+        @pt.tunable(b=[n], name=f"tests.factory_{n}")
+        def k(x, *, b):
+            return x
+        return k
+
+    assert make_named(1).name != make_named(2).name
+
+
+def test_invalid_config_raised_by_the_kernel_is_a_violation(cache_dir):
+    @pt.tunable(b=[1, 2], name="tests.picky_local")
+    def picky(x, *, b):
+        if b == 2:
+            raise pt.InvalidConfig(f"b={b} must be 1 for x of shape {x.shape}")
+        return x
+
+    x = jnp.ones((4,))
+    assert picky.violations({"b": 2}, (x,), {}) == [
+        "the kernel refused it: b=2 must be 1 for x of shape (4,)"]
+    assert picky.violations({"b": 1}, (x,), {}) == []
+    picky.cache.write("cpu", picky.name, picky.cache_key(x), {"config": {"b": 2}})
+    with pytest.warns(pt.PallasTuneWarning, match="the kernel refused it"):
+        assert picky.config_for(x) == {"b": 1}
+
+
+def test_strict_mode_names_refused_entries(cache_dir, dk, monkeypatch):
+    x = dk.data((16, 384))
+    dk.rowsum.cache.write("cpu", dk.rowsum.name, dk.rowsum.cache_key(x),
+                          {"config": {"br": 16, "bc": 256}})
+    monkeypatch.setenv("PALLAS_TUNE_MODE", "strict")
+    with pytest.raises(pt.CacheMissError, match="were refused.*bc_divides_cols"):
+        dk.rowsum(x)
+
+
+def test_check_returns_the_traced_calls_for_the_tuner(cache_dir, fresh):
+    x = fresh.ones()
+    problems, calls = fresh.scale.check({"br": 8, "bc": 128, "buffering": 2}, (x,), {})
+    assert problems == [] and calls and calls[0].name == "scale"
+    problems, calls = fresh.scale.check({"br": 8, "bc": 128}, (x,), {})
+    assert problems == ["lacks parameter(s) ['buffering']"] and calls is None

@@ -51,3 +51,40 @@ def test_lowers_for_tpu_at_llama_shapes():
             text = jax.jit(lambda a, b, c: flash_attention(a, b, c, causal=True, **cfg)).trace(
                 q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("hq,hkv,sq,sk,d,bq,bkv", [
+    (2, 1, 1000, 1000, 128, 256, 256),   # Issue 12: NaN at S=1000, causal.
+    (2, 2, 300, 700, 64, 128, 256),      # Ragged and unequal lengths.
+    (4, 2, 700, 300, 80, 256, 128),
+    (1, 1, 129, 5, 16, 128, 128),
+    (1, 1, 1, 1, 8, 128, 128),
+])
+def test_ragged_lengths_match_reference(causal, hq, hkv, sq, sk, d, bq, bkv):
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (1, hq, sq, d), jnp.float32)
+    k = jax.random.normal(ks[1], (1, hkv, sk, d), jnp.float32)
+    v = jax.random.normal(ks[2], (1, hkv, sk, d), jnp.float32)
+    out = flash_attention(q, k, v, causal=causal, bq=bq, bkv=bkv)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out, flash_attention_reference(q, k, v, causal=causal),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_bad_dtype_is_a_clear_error():
+    q, k, v = _qkv(1, 2, 2, 128, 128, jnp.float16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        flash_attention(q, k, v, bq=128, bkv=128)
+
+
+@pytest.mark.libtpu
+def test_ragged_lengths_compile_for_tpu():
+    from pallas_tune.feasibility.compile import compile_deviceless
+
+    q = jax.ShapeDtypeStruct((1, 4, 1000, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 2, 1000, 128), jnp.bfloat16)
+    for causal in (False, True):
+        res = compile_deviceless(flash_attention.fn, [q, kv, kv],
+                                 dict(causal=causal, bq=256, bkv=256), chip="v6e")
+        assert res.ok, res.message

@@ -27,6 +27,42 @@ def test_matches_reference(dtype, sizes):
                                atol=tol * 16, rtol=tol)
 
 
+@pytest.mark.parametrize("m,k,n,sizes,tiles", [
+    (1000, 512, 256, [100, 0, 300, 600], (128, 128, 128)),  # Issue 12: m=1000 raised.
+    (250, 300, 130, [7, 0, 243], (128, 256, 128)),           # Groups start mid-tile.
+    (257, 129, 383, [0, 0, 257], (256, 128, 256)),
+    (1, 5, 7, [0, 1, 0], (128, 128, 128)),
+])
+def test_ragged_shapes_match_reference(m, k, n, sizes, tiles):
+    k1, k2 = jax.random.split(jax.random.key(2))
+    lhs = jax.random.normal(k1, (m, k), jnp.float32)
+    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
+    gs = jnp.array(sizes, jnp.int32)
+    tm, tk, tn = tiles
+    out = grouped_matmul(lhs, rhs, gs, tm=tm, tk=tk, tn=tn)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out, grouped_matmul_reference(lhs, rhs, gs), rtol=1e-4,
+                               atol=1e-3)
+
+
+def test_bad_group_sizes_are_a_clear_error():
+    lhs, rhs, gs = _inputs(256, 128, 128, [128, 128], jnp.float32)
+    with pytest.raises(ValueError, match="integers"):
+        grouped_matmul(lhs, rhs, gs.astype(jnp.float32), tm=128, tk=128, tn=128)
+
+
+@pytest.mark.libtpu
+def test_ragged_shape_compiles_for_tpu():
+    from pallas_tune.feasibility.compile import compile_deviceless
+
+    lhs = jax.ShapeDtypeStruct((1000, 1000), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 1000, 1000), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((4,), jnp.int32)
+    res = compile_deviceless(grouped_matmul.fn, [lhs, rhs, gs], dict(tm=128, tk=256, tn=256),
+                             chip="v6e")
+    assert res.ok, res.message
+
+
 def test_metadata_visits_every_group_tile_pair():
     starts, ends, group, tile = make_group_metadata(jnp.array([100, 0, 300, 112]), 512, 128)
     pairs = sorted(set(zip(np.asarray(group).tolist(), np.asarray(tile).tolist())))

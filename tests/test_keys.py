@@ -38,3 +38,18 @@ def test_distance():
     assert keys.key_distance(a, "x=2048x1024:bfloat16,y=1024x1024:bfloat16") == 1
     assert math.isinf(keys.key_distance(a, "x=1024x1024:float32,y=1024x1024:float32"))
     assert math.isinf(keys.key_distance("x=8:int32,c=true", "x=8:int32,c=false"))
+
+
+def test_shape_signature_groups_keys_at_finite_distance():
+    sig, dims = keys.shape_signature("x=8x128:float32,y=(4:int32;2x2:bfloat16),c=true,n=3")
+    assert sig == "x=#x#:float32,y=(#:int32;#x#:bfloat16),c=true,n=3"
+    assert dims == (8, 128, 4, 2, 2)
+    a, b = "x=1024x384:bfloat16,f=2.0", "x=2048x96:bfloat16,f=2.0"
+    assert keys.shape_signature(a)[0] == keys.shape_signature(b)[0]
+    assert keys.key_distance(a, b) == 3.0
+    assert keys.shape_signature("x=scalar:float32") == ("x=scalar:float32", ())
+    # Different statics, dtypes or ranks: different signatures (and infinite distance).
+    for other in ("x=1024x384:bfloat16,f=3.0", "x=1024x384:float32,f=2.0",
+                  "x=1024x384x1:bfloat16,f=2.0"):
+        assert keys.shape_signature(other)[0] != keys.shape_signature(a)[0]
+        assert math.isinf(keys.key_distance(a, other))

@@ -13,20 +13,32 @@ from pallas_tune.kernels.matmul import matmul, matmul_reference
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,k,n", [(256, 512, 384), (512, 256, 512)])
+@pytest.mark.parametrize("m,k,n", [(256, 512, 384), (512, 256, 512), (384, 640, 256),
+                                   (1000, 1000, 1000), (100, 300, 200), (256, 640, 384),
+                                   (1, 129, 7)])
 @pytest.mark.parametrize("bm,bn,bk,buffering", [(128, 128, 128, 2), (256, 128, 256, 1)])
 def test_matches_reference(dtype, m, k, n, bm, bn, bk, buffering):
     kx, ky = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
     y = jax.random.normal(ky, (k, n), jnp.float32).astype(dtype)
-    if n % bn:
-        pytest.skip("tile does not divide N")
     out = matmul(x, y, bm=bm, bn=bn, bk=bk, buffering=buffering,
                  semantics=("parallel", "parallel", "arbitrary"))
     ref = matmul_reference(x, y)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                rtol=tol, atol=tol * np.sqrt(k))
+
+
+@pytest.mark.parametrize("x,y,match", [
+    (jnp.zeros((4, 8)), jnp.zeros((7, 4)), "needs x"),
+    (jnp.zeros((4, 8), jnp.float16), jnp.zeros((8, 4), jnp.float16), "float32 or bfloat16"),
+    (jnp.zeros((4, 8)), jnp.zeros((8, 4), jnp.bfloat16), "one dtype"),
+])
+def test_bad_input_is_a_clear_error(x, y, match):
+    with pytest.raises(ValueError, match=match):
+        matmul(x, y, bm=128, bn=128, bk=128, buffering=2,
+               semantics=("parallel", "parallel", "arbitrary"))
 
 
 def test_every_rule_abiding_config_lowers_for_tpu():
@@ -41,6 +53,27 @@ def test_every_rule_abiding_config_lowers_for_tpu():
             assert "tpu_custom_call" in text
             lowered += 1
     assert lowered >= 20
+
+
+def test_every_config_lowers_for_tpu_at_a_ragged_shape():
+    x = jax.ShapeDtypeStruct((1000, 1000), jnp.bfloat16)
+    with pt.target("v6e"):
+        for config in itertools.islice(matmul.space, 0, None, 5):
+            text = jax.jit(lambda a, b: matmul(a, b, **config)).trace(x, x).lower(
+                lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text
+
+
+@pytest.mark.libtpu
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_ragged_shape_compiles_for_tpu(chip):
+    from pallas_tune.feasibility.compile import compile_deviceless
+
+    x = jax.ShapeDtypeStruct((1000, 1000), jnp.bfloat16)
+    res = compile_deviceless(matmul.fn, [x, x], dict(bm=256, bn=256, bk=256, buffering=2,
+                                                      semantics=("parallel", "parallel",
+                                                                 "arbitrary")), chip=chip)
+    assert res.ok, res.message
 
 
 def test_inspect_reads_blocks_buffering_and_semantics():

@@ -36,6 +36,8 @@ def _synthetic(tmp_path, gz=True):
 def test_deterministic_and_no_duplicates(tmp_path, strategy):
     if strategy == "optuna-gp":
         pytest.importorskip("torch", reason="Optuna's GPSampler needs PyTorch")
+    if strategy == "cmaes":
+        pytest.importorskip("cmaes", reason="Optuna's CmaEsSampler needs cmaes (the bench extra)")
     path = _synthetic(tmp_path)
     a = replay.run(path, strategy=strategy, budget=12, seed=3)
     b = replay.run(path, strategy=strategy, budget=12, seed=3)
@@ -70,3 +72,61 @@ def test_warm_starts_are_measured_first_and_learned_from(tmp_path, strategy):
     # a config not in the file is skipped; the strategy then spends the rest of the budget.
     assert seq[0] in (1.0, 1.01, 0.99) and math.isinf(seq[1]) and len(seq) == 8
 
+
+
+def test_trace_keeps_configs_and_scores_the_mean_of_the_best_measured(tmp_path):
+    land = replay.load(_synthetic(tmp_path))
+    tr = replay.trace(land, "default", budget=10, seed=1)
+    assert len(tr.configs) == len(tr.values) == 10 and len(set(tr.configs)) == 10
+    assert tr.seconds >= 0
+    assert tr.values == replay.run(land, "default", budget=10, seed=1)
+    for c, v in zip(tr.configs, tr.values):  # Each value is one of the config's repeats.
+        assert (math.isinf(v) and land.times[c] is None) or v in land.times[c]
+    assert land.means[(4, 64)] == pytest.approx(1.0) and math.isinf(land.means[(16, 32)])
+
+
+def test_a_callable_strategy_and_default_settings(tmp_path):
+    land = replay.load(_synthetic(tmp_path))
+
+    def first_three(land, budget, seed, evaluate, measured):
+        for c in land.configs[:3]:
+            evaluate(c)
+
+    assert replay.trace(land, first_three, budget=5).configs == land.configs[:3]
+    seq = replay.run(land, replay.default_with(cycle="glt", init="maximin"), budget=12, seed=0)
+    assert len(seq) == 12
+    with pytest.raises(ValueError, match="must be one of"):
+        replay.run(land, "no-such-strategy")
+
+    def outside(land, budget, seed, evaluate, measured):
+        evaluate((3, 3))
+
+    with pytest.raises(ValueError, match="not in the landscape"):
+        replay.run(land, outside)
+
+
+def test_find_landscapes_by_argument_and_environment(tmp_path, monkeypatch):
+    (tmp_path / "k").mkdir()
+    path = _synthetic(tmp_path / "k")
+    assert replay.find_landscapes(str(tmp_path)) == [os.path.normpath(path)]
+    monkeypatch.setenv(replay.LANDSCAPES_ENV, str(tmp_path))
+    assert replay.find_landscapes() == [os.path.normpath(path)]
+    monkeypatch.setenv(replay.LANDSCAPES_ENV, str(tmp_path / "absent"))
+    assert replay.find_landscapes() == []
+
+
+def test_a_hostile_file_is_rejected_or_its_bad_records_skipped(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"cache": {}}))
+    with pytest.raises(ValueError, match="not a Kernel Tuner cache file"):
+        replay.load(str(bad))
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"tune_params_keys": ["a"], "cache": {"x": {"b": 1}}}))
+    with pytest.raises(ValueError, match="holds no configs"):
+        replay.load(str(empty))
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text(json.dumps({"tune_params_keys": ["a"], "cache": {
+        "1": {"a": 1, "time": 2.0, "times": [2.0, "x", -1, 2.2]}, "2": {"a": 2, "time": "nan"},
+        "3": "garbage", "4": {"a": 4, "time": float("nan")}}}))
+    land = replay.load(str(mixed))
+    assert land.times == {(1,): [2.0, 2.2], (2,): None, (4,): None}

@@ -121,7 +121,7 @@ def test_rejects_an_empty_candidate_list():
 
 
 def test_a_singular_fit_falls_back_to_a_random_free_candidate(monkeypatch):
-    from pallas_tune.search import gp as search
+    from pallas_tune.search import model as search
 
     bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=0, n_startup=2)
     measured = {c: _bowl(c) for c in CANDIDATES[:10]}
@@ -129,7 +129,7 @@ def test_a_singular_fit_falls_back_to_a_random_free_candidate(monkeypatch):
     def singular(self, x, y, *, optimize):
         raise np.linalg.LinAlgError("not positive definite")
 
-    monkeypatch.setattr(search._GP, "fit", singular)
+    monkeypatch.setattr(search.GP, "fit", singular)
     c = bo.propose(measured)
     assert c in CANDIDATES and c not in measured
 
@@ -144,3 +144,77 @@ def test_a_running_enqueued_warm_start_counts_as_pending():
     other = study.ask()
     assert _suggest(other, names, choices) != (256, 64, 2)
     assert _suggest(warm, names, choices) == (256, 64, 2)
+
+
+def test_optuna_sampler_over_real_value_choices():
+    """The study's CategoricalDistributions may hold the real values (ints, floats, strings,
+    bools, None), not indices; the features come from those values."""
+    dists = {"bm": optuna.distributions.CategoricalDistribution([16, 32, 64, 128]),
+             "mode": optuna.distributions.CategoricalDistribution(["a", "b"]),
+             "flag": optuna.distributions.CategoricalDistribution([False, True]),
+             "scale": optuna.distributions.CategoricalDistribution([None, 0.5, 2.0])}
+    cands = [dict(zip(dists, c)) for c in itertools.product(
+        *(d.choices for d in dists.values())) if not (c[0] == 128 and c[2])]  # Constrained.
+
+    def cost(p):
+        return (1.0 + abs(math.log2(p["bm"]) - 5) + (p["mode"] == "b") + 0.5 * p["flag"]
+                + (0.3 if p["scale"] is None else p["scale"]))
+
+    sampler = CandidateSampler(cands, dists, seed=0)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=sampler)
+    seen = []
+    for _ in range(20):
+        t = study.ask()
+        p = {n: t.suggest_categorical(n, d.choices) for n, d in dists.items()}
+        assert p in cands and p not in seen  # Only valid configs, never twice.
+        seen.append(p)
+        study.tell(t, cost(p))
+    assert min(cost(p) for p in seen) == min(cost(c) for c in cands)
+
+
+@pytest.mark.parametrize("settings", [{"cycle": "glt"}, {"cycle": "t"}, {"cycle": "l"},
+                                      {"cycle": "gm"}, {"init": "maximin"}])
+def test_every_proposal_mode_finds_the_bowl_and_never_repeats(settings):
+    bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=2, **settings)
+    measured = {}
+    for _ in range(40):
+        c = bo.propose(measured)
+        assert c in CANDIDATES and c not in measured
+        measured[c] = _bowl(c) if c[2] != 3 else math.inf
+    assert min(measured.values()) <= 1.5
+
+
+def test_rejects_unknown_settings():
+    with pytest.raises(ValueError, match="cycle="):
+        CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], cycle="gx")
+    with pytest.raises(ValueError, match="init="):
+        CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], init="sobol")
+
+
+def test_maximin_initial_design_spreads_out():
+    bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=0, init="maximin",
+                     n_startup=4)
+    measured = {}
+    for _ in range(4):
+        c = bo.propose(measured)
+        measured[c] = 1.0
+    # The 2nd to 4th picks are far from what was picked before: corners of the (log) box.
+    first, *rest = measured
+    assert all(max(abs(math.log2(a[0]) - math.log2(b[0])) for b in measured if b != a) >= 3
+               for a in rest)
+
+
+def test_parzen_ratio_prefers_the_values_of_good_configs():
+    from pallas_tune.search.model import parzen_log_ratio
+
+    ranks = np.array(list(itertools.product(range(5), range(3))))
+    ordinal = np.array([True, False])
+    good = np.flatnonzero((ranks[:, 0] == 1) & (ranks[:, 1] == 2))
+    bad = np.flatnonzero(ranks[:, 0] >= 3)
+    score = parzen_log_ratio(ranks, ordinal, good, bad, np.arange(len(ranks)))
+    best = ranks[np.argmax(score)]
+    assert best[1] == 2 and best[0] <= 1  # The good label; the good rank or away from the bad.
+    # Ordinal smoothing: rank 0 and 2 (next to the good rank 1) beat rank 4.
+    s = {tuple(r): v for r, v in zip(ranks, score)}
+    assert s[(0, 2)] > s[(4, 2)] and s[(2, 2)] > s[(4, 2)]

@@ -48,7 +48,7 @@ def test_standin_within_5_percent_of_full_compile():
 @pytest.mark.libtpu
 def test_sweep_with_tpu_estimate_on_a_cpu_host_writes_estimates(cache_dir):
     env = subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir)
-    r = subprocess.run([sys.executable, "-m", "pallas_tune.cli", "sweep", "toy_kernels:scale",
+    r = subprocess.run([sys.executable, "-m", "pallas_tune", "sweep", "toy_kernels:scale",
                         "--shapes", "x=256x512:float32", "--chip", "v6e", "--timer",
                         "tpu-estimate", "--trials", "4"], capture_output=True, text=True,
                        env=env, timeout=600)
@@ -59,8 +59,12 @@ def test_sweep_with_tpu_estimate_on_a_cpu_host_writes_estimates(cache_dir):
     (entry,) = data["entries"].values()
     assert entry["provenance"]["kind"] == "estimate"
     assert entry["provenance"]["timer"] == "tpu-estimate"
-    assert all("estimated_cycles" in t for t in entry["trials"] if t["outcome"] == "ok")
-    show = subprocess.run([sys.executable, "-m", "pallas_tune.cli", "show"], capture_output=True,
+    from pallas_tune.cache import TuningCache  # The trials live in the ledger (issue 14).
+
+    trials = TuningCache(str(cache_dir), use_shipped=False).trials(
+        "tpu_v6e", "toy_kernels.scale", "x=256x512:float32,factor=2.0", kind="estimate")
+    assert trials and all("estimated_cycles" in t for t in trials if t["outcome"] == "ok")
+    show = subprocess.run([sys.executable, "-m", "pallas_tune", "show"], capture_output=True,
                           text=True, env=env, timeout=300)
     assert "ESTIMATE" in show.stdout and "tpu_v6e" in show.stdout
     # A measured entry for the same chip and key wins over the estimate.
@@ -121,18 +125,16 @@ def test_a_dying_compile_worker_costs_only_its_candidate():
 def test_a_full_compile_that_dies_leaves_the_standin_in_use_and_labelled():
     """A full problem too big for a worker (seen: an 18 GB LLO profile) must not push every
     candidate onto full compiles that would die the same way."""
-    from pallas_tune.measure.estimate import EstimateResult
-    from pallas_tune.tuning.loop import _check_standin
+    from pallas_tune.measure.estimate import EstimateResult, standin_verdict
 
-    class Dies:
-        def map(self, kernel, args, kwargs, configs, chip, standin=True):
-            if standin:
-                return [EstimateResult(ok=True, kind="ok", cycles=1000, scale=4.0)]
-            return [EstimateResult(ok=False, kind="worker_crashed",
-                                   message="the compile worker died")]
-
-    x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
-    y = jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16)
+    cfg = dict(bm=256, bn=256, bk=256, buffering=2, semantics=SEM)
+    scaled = EstimateResult(ok=True, kind="ok", cycles=1000, scale=4.0)
+    died = EstimateResult(ok=False, kind="worker_crashed", message="the compile worker died")
     with pytest.warns(pt.PallasTuneWarning, match="UNVERIFIED"):
-        use, check = _check_standin(matmul, Dies(), (x, y), {}, "v6e", "off")
+        use, check = standin_verdict(cfg, 4.0, scaled, died)
     assert use and check["unverified"] and not check["trusted"]
+    near = EstimateResult(ok=True, kind="ok", cycles=1030)
+    assert standin_verdict(cfg, 4.0, scaled, near) == (True, {
+        "config": cfg, "scale": 4.0, "relative_error": 0.0291, "trusted": True})
+    far = EstimateResult(ok=True, kind="ok", cycles=1200)
+    assert standin_verdict(cfg, 4.0, scaled, far)[0] is False

@@ -1,4 +1,8 @@
-"""The tuning loop: outcomes, no duplicate or infeasible measurement, strategies, storage."""
+"""The tuning loop: outcomes, each program measured once, strategies, storage, the winner's
+number, real values in Optuna, options."""
+
+import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +10,8 @@ import numpy as np
 import pytest
 
 import pallas_tune as pt
+from pallas_tune.measure.evaluate import Evaluator
+from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.timing import compare
 
 
@@ -13,24 +19,28 @@ def test_tune_writes_cache_and_returns_result(cache_dir, fresh):
     x = fresh.ones()
     res = fresh.scale.tune(x, trials=6, seed=0, repeats=2)
     df = res.trials
-    assert {"br", "bc", "buffering", "outcome", "median_ms", "error"} <= set(df.columns)
-    ok = df[df.outcome == "ok"]
-    assert len(ok) == 6  # Search path: space of 16 > 6 trials, 6 measured.
+    assert {"br", "bc", "buffering", "outcome", "median_ms", "error", "duplicate_of"} <= set(
+        df.columns)
+    assert res.counts["timed"] == 6  # Search path: space of 16 > 6 trials; 6 programs timed.
     assert res.provenance["strategy"] == "gp"
-    # The winner is the best of the 3 fastest after interleaved re-timing.
-    assert res.best_ms in sorted(ok.median_ms)[:3]
+    # The winner is the first of the interleaved re-ranking of the 3 fastest, and best_ms is
+    # its median there; the search-phase median stays in its row.
     table = res.provenance["retimed_interleaved"]
-    assert len(table) == 3 and res.best == min(table, key=lambda r: r["interleaved_median_ms"])[
-        "config"]
+    assert len(table) == 3 and res.best == table[0]["config"]
+    assert res.best_ms == table[0]["median_ms"] == min(r["median_ms"] for r in table)
+    assert res.best_record.median_ms == table[0]["search_median_ms"]
     assert res.best in fresh.scale.space
     fresh.scale._memo.clear()
     cfg = fresh.scale.config_for(x)
     assert cfg.source == "cache" and cfg == res.best
     entry = fresh.scale.cache.lookup("cpu", fresh.scale.name, fresh.scale.cache_key(x))[0]
+    assert entry["median_ms"] == res.best_ms and entry["search_median_ms"] != entry["median_ms"]
     prov = entry["provenance"]
     assert prov["device_kind"] and prov["timer"] == "wallclock" and prov["interpret"] is True
+    assert prov["ranked_by"] == "interleaved re-ranking" and prov["evaluator"] == "in-process"
     assert "jax" in prov["versions"] and "jaxlib" in prov["versions"] and prov["date"]
-    assert len(entry["trials"]) == len(df)
+    assert len(fresh.scale.cache.trials("cpu", fresh.scale.name, fresh.scale.cache_key(x))) \
+        == len(df)  # The history lives in the ledger beside the winners (issue 14).
 
 
 def test_block_rule_violations_never_measured_and_mismatch_rejected(cache_dir, fresh):
@@ -41,29 +51,82 @@ def test_block_rule_violations_never_measured_and_mismatch_rejected(cache_dir, f
     assert len(df) == fresh.scale_checked.space.size == 12
     bad_tiles = df[(df.br == 12) | (df.bc == 100)]
     assert (bad_tiles.outcome == "infeasible").all() and bad_tiles.median_ms.isna().sum() == 0
-    assert np.isinf(bad_tiles.median_ms).all()
+    assert np.isinf(bad_tiles.median_ms).all() and (bad_tiles.runs == 0).all()
     assert bad_tiles.error.str.contains("multiple of 8|multiple of 128|does not divide").all()
     good_tiles = df[(df.br != 12) & (df.bc != 100)]
     assert (good_tiles[good_tiles.wrong].outcome == "mismatch").all()
-    assert (good_tiles[~good_tiles.wrong].outcome == "ok").all()
+    assert good_tiles[~good_tiles.wrong].outcome.isin(["ok", "slow"]).all()
     assert res.best["wrong"] is False
 
 
+def test_feasibility_off_means_off(cache_dir, fresh):
+    res = fresh.scale_checked.tune(fresh.ones((64, 256)), trials=32, repeats=1, write=False,
+                                   feasibility="off", retime_top=0)
+    assert "infeasible" not in set(res.trials.outcome)  # No block rules: only the trace.
+    assert "infeasible" in set(fresh.scale_checked.tune(
+        fresh.ones((64, 256)), trials=32, repeats=1, write=False, retime_top=0).trials.outcome)
+
+
+def test_each_program_is_measured_once(cache_dir, fresh):
+    """Clamped tiles and (in interpret mode) the buffer depth make 10 configs 2 programs."""
+    x = fresh.ones((16, 128))
+    res = fresh.clamped.tune(x, trials=32, seed=0, repeats=2, write=False)
+    df = res.trials
+    assert len(df) == 10 and res.counts["programs"] == 2 and res.counts["timed"] == 2
+    originals = df[df.duplicate_of.isna()]
+    assert len(originals) == 2 and originals.fingerprint.nunique() == 2
+    dups = df[df.duplicate_of.notna()]
+    assert len(dups) == 8 and (dups.runs > 0).all()  # The original's runs, not new ones.
+    for _, row in dups.iterrows():
+        original = df.loc[int(row.duplicate_of)]
+        assert row.fingerprint == original.fingerprint and row.median_ms == original.median_ms
+        assert min(row.b, 16) == min(original.b, 16) and row.outcome == original.outcome
+    # The study was told every trial, duplicates at their original's value.
+    values = [t.value for t in res.study.trials]
+    assert len(values) == 10 and all(math.isfinite(v) for v in values)
+
+
 @pytest.mark.parametrize("sampler", ["gp", "tpe"])
-def test_no_config_is_measured_twice(cache_dir, fresh, sampler):
-    res = fresh.scale.tune(fresh.ones(), trials=12, seed=3, repeats=1, sampler=sampler)
+def test_no_config_or_program_is_measured_twice(cache_dir, fresh, sampler):
+    res = fresh.scale.tune(fresh.ones(), trials=12, seed=3, repeats=1, sampler=sampler,
+                           write=False)
     configs = [tuple(sorted(r.config.items())) for r in res.records]
     assert len(configs) == len(set(configs))
+    timed = [r.fingerprint for r in res.records if r.spent_device_time]
+    # In interpret mode the buffer depth changes nothing: 8 programs among the 16 configs, so
+    # the 12-program budget cannot be spent, and every config is seen.
+    assert len(timed) == len(set(timed)) == res.counts["programs"] == 8
+    assert len(res.records) == 16
     assert res.provenance["strategy"] == sampler
 
 
-def test_unknown_sampler_is_rejected(cache_dir, fresh):
+def test_unknown_sampler_and_bad_options_are_rejected(cache_dir, fresh):
     with pytest.raises(ValueError, match="sampler='cma' must be one of"):
         fresh.scale.tune(fresh.ones(), trials=4, sampler="cma")
+    bad = {"patience": -1, "trials": 1.5, "retime_top": -5, "repeats": 0, "max_time_s": 0,
+           "timeout_s": {"bogus": 1}, "slow_factor": 1.0, "workers": True}
+    for name, value in bad.items():
+        with pytest.raises(pt.TuneOptionError, match=name if name != "timeout_s" else "bogus"):
+            pt.TuneOptions(**{name: value})
+    with pytest.raises(pt.TuneOptionError, match="max_time_s=0.5 is below min_time_s=1"):
+        pt.TuneOptions(min_time_s=1, max_time_s=0.5)
+    with pytest.raises(pt.TuneOptionError, match="did you mean 'trials'"):
+        fresh.scale.tune(fresh.ones(), trails=4)
+
+
+def test_options_object_and_the_three_entry_points_agree(cache_dir, fresh):
+    opts = pt.TuneOptions(trials=2, seed=0, repeats=1, write=False, retime_top=0)
+    a = pt.tune(fresh.scale, fresh.ones(), options=opts)
+    b = fresh.scale.tune(fresh.ones(), options=opts)
+    assert a.options == b.options == opts
+    assert a.provenance["ranked_by"] == "search median" and a.best_ms == a.best_record.median_ms
+    # With options=, keywords are the kernel's: factor reaches the kernel, and the key.
+    c = pt.tune(fresh.scale, fresh.ones(), factor=3.0, options=opts)
+    assert c.key.endswith("factor=3.0")
 
 
 def test_all_failing_raises_with_summary(cache_dir):
-    @pt.tunable(b=[3, 5])
+    @pt.tunable(b=[3, 5], name="tests.bad")  # Local kernels need a name (issue 14).
     def bad(x, *, b):
         raise RuntimeError(f"boom {b}")
 
@@ -75,13 +138,65 @@ def test_storage_makes_studies_resumable(cache_dir, fresh, tmp_path):
     url = f"sqlite:///{tmp_path / 'study.db'}"
     x = fresh.ones()
     first = fresh.scale.tune(x, trials=4, seed=0, repeats=1, storage=url)
-    assert sum(r.measurement is not None for r in first.records) == 4
+    assert first.counts["timed"] == 4
     second = fresh.scale.tune(x, trials=6, seed=0, repeats=1, storage=url)
-    fresh_measured = [r for r in second.records
-                      if r.measurement is not None and "stored study" not in r.error]
-    assert len(fresh_measured) == 2  # Only the missing two were measured.
+    assert second.counts["from_storage"] == len(first.records)
+    assert second.counts["timed"] == 2  # Only the missing two were measured.
+    fresh_measured = [r for r in second.records if r.spent_device_time
+                      and "stored study" not in r.error]
     first_configs = {tuple(sorted(r.config.items())) for r in first.records}
     assert not first_configs & {tuple(sorted(r.config.items())) for r in fresh_measured}
+    # Stored with real values: the resumed study's parameters are block sizes.
+    assert set(second.study.best_params) == {"br", "bc", "buffering"}
+    assert second.study.best_params["br"] in (8, 16, 32, 64)
+
+
+def test_optuna_sees_real_values_and_keeps_its_logging(cache_dir, fresh):
+    import optuna
+
+    from pallas_tune.tuning.study import ParamCodec
+
+    root = logging.getLogger("optuna")
+    handlers, verbosity = list(root.handlers), optuna.logging.get_verbosity()
+    x = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    from pallas_tune.kernels.matmul import matmul
+
+    codec = ParamCodec(matmul.space)
+    sem = ("parallel", "parallel", "arbitrary")
+    cfg = dict(bm=512, bn=256, bk=128, buffering=1, semantics=sem)
+    assert codec.encode(cfg) == {"bm": 512, "bn": 256, "bk": 128, "buffering": 1}
+    assert codec.decode(codec.encode(cfg)) == cfg  # semantics: a single choice, not a param.
+    two = pt.SearchSpace.from_choices({"sem": [sem, ("arbitrary",) * 3], "n": [None, 1]})
+    enc = ParamCodec(two)
+    assert enc.distributions["sem"].choices == ("(parallel, parallel, arbitrary)",
+                                               "(arbitrary, arbitrary, arbitrary)")
+    for c in two:
+        assert enc.decode(enc.encode(c)) == c
+    res = fresh.scale.tune(fresh.ones(), trials=3, seed=0, repeats=1, write=False)
+    assert set(res.study.best_params.values()) <= {8, 16, 32, 64, 128, 256, 1, 2}
+    df = res.study.trials_dataframe()
+    assert set(df.params_br) <= {8, 16, 32, 64} and "user_attrs_fingerprint" in df
+    assert list(root.handlers) == handlers and optuna.logging.get_verbosity() == verbosity
+    del x
+
+
+def test_optuna_plots_show_block_sizes(cache_dir, fresh):
+    pytest.importorskip("plotly", reason="Optuna's plots need plotly")
+    import optuna
+
+    res = fresh.scale.tune(fresh.ones(), trials=4, seed=0, repeats=1, write=False)
+    fig = optuna.visualization.plot_slice(res.study, params=["br"])
+    assert set(fig.data[0].x) <= {8, 16, 32, 64}
+
+
+def test_callbacks_see_every_trial_with_progress(cache_dir, fresh):
+    seen = []
+    res = fresh.clamped.tune(fresh.ones((16, 128)), trials=32, repeats=1, write=False,
+                             callbacks=[lambda rec, prog: seen.append((rec.number, prog))])
+    assert [n for n, _ in seen] == [r.number for r in res.records]
+    last = seen[-1][1]
+    assert last.evaluated == 10 and last.timed == 2 and last.duplicates == 8
+    assert last.budget == 32 and last.best in fresh.clamped.space and math.isfinite(last.best_ms)
 
 
 def test_tune_accepts_shape_dtype_structs(cache_dir, fresh):
@@ -103,26 +218,56 @@ def test_compare_is_dtype_aware_and_catches_nan():
 
 
 def test_parallel_compile_serial_measure(cache_dir, fresh):
-    res = fresh.scale.tune(fresh.ones(), trials=8, seed=1, repeats=2, compile_workers=2)
+    res = fresh.scale.tune(fresh.ones(), trials=8, seed=1, repeats=2, compile_workers=2,
+                           write=False)
     df = res.trials
-    assert (df.outcome == "ok").sum() == 8 and df.compile_ms.notna().all()
+    assert res.counts["timed"] == 8 and df[df.runs > 0].compile_ms.notna().all()
     configs = [tuple(sorted(r.config.items())) for r in res.records]
     assert len(configs) == len(set(configs))
 
 
 def test_profiler_timer_falls_back_and_says_so_on_cpu(cache_dir, fresh):
-    res = fresh.scale.tune(fresh.ones(), trials=3, seed=0, repeats=2, timer="profiler")
-    ok = [r for r in res.records if r.measurement is not None]
+    res = fresh.scale.tune(fresh.ones(), trials=3, seed=0, repeats=2, timer="profiler",
+                           write=False)
+    ok = [r for r in res.records if r.spent_device_time]
     assert ok and all(r.measurement.timer.startswith("wallclock (profiler saw no device")
                       for r in ok)
     assert res.provenance["timer"] == "profiler"
 
 
+class Landscape(Evaluator):
+    """A fake evaluator: a synthetic cost per config, no device (the loop's seam for tests)."""
+
+    kind = "fake"
+
+    def __init__(self, cost):
+        super().__init__()
+        self.cost = cost
+        self.evaluated = []
+
+    def start(self):
+        self.device = {"chip": "cpu", "platform": "cpu", "device_kind": "fake"}
+        return self.device
+
+    def _evaluate(self, candidates):
+        out = []
+        for number, config in candidates:
+            self.evaluated.append(config)
+            ms = self.cost(config)
+            rec = TrialRecord(number=number, config=dict(config), outcome=Outcome.OK,
+                              measurement=Measurement(times_ms=(ms,), compile_ms=0.0),
+                              fingerprint=str(sorted(config.items())))
+            self._note(rec)
+            out.append(rec)
+        return out
+
+    def roofline(self, configs, chip):
+        return [0.0 for _ in configs]
+
+
 def test_warm_start_from_a_neighbour_shape_beats_a_cold_start(cache_dir):
     """A synthetic landscape whose optimum moves little between neighbouring shapes."""
-    import jax.numpy as jnp
-
-    import pallas_tune as pt
+    from pallas_tune.tuning import TuneOptions, run
     from pallas_tune.tuning.loop import warm_start_configs
 
     # Cost depends on the config only: the optimum (a=6, b=6, c=6) is hard to hit by chance.
@@ -130,42 +275,33 @@ def test_warm_start_from_a_neighbour_shape_beats_a_cold_start(cache_dir):
     def synthetic(x, *, a, b, c):
         return x
 
-    fake = {}
+    def cost(cfg):
+        return 1.0 + abs(cfg["a"] - 6) + abs(cfg["b"] - 6) + abs(cfg["c"] - 6)
 
-    def fake_measure(fn, args, kwargs, **_):
-        from pallas_tune.measure.timing import Measurement, Outcome
+    neighbour = jnp.ones((256, 128))  # Tuned before: its winner is in the cache.
+    synthetic.cache.write("cpu", synthetic.name, synthetic.cache_key(neighbour),
+                          {"config": {"a": 6, "b": 6, "c": 6}, "median_ms": 1.0})
+    here = jnp.ones((512, 128))
+    assert warm_start_configs(synthetic, (here,), {}, "cpu", synthetic.cache_key(here))[1] \
+        == {"a": 6, "b": 6, "c": 6}
+    cold_first, warm_first = [], []
+    for seed in range(3):
+        opts = TuneOptions(trials=12, seed=seed, write=False, retime_top=0)
+        cold = run(synthetic, (here,), {}, TuneOptions(**{**_fields(opts), "warm_start": 0}),
+                   evaluator=Landscape(cost))
+        warm = run(synthetic, (here,), {}, opts, evaluator=Landscape(cost))
+        cold_first.append(cold.best_ms)
+        warm_first.append(warm.best_ms)
+    assert max(warm_first) == 1.0 and min(cold_first) > 1.0
 
-        cost = 1.0 + abs(kwargs["a"] - 6) + abs(kwargs["b"] - 6) + abs(kwargs["c"] - 6)
-        fake[len(fake)] = cost
-        return Outcome.OK, Measurement(times_ms=(cost,), compile_ms=0.0), args[0], "", 0.0
 
-    import pallas_tune.tuning.loop as tuner_mod
+def _fields(opts):
+    import dataclasses
 
-    orig = tuner_mod.measure
-    tuner_mod.measure = fake_measure
-    try:
-        neighbour = jnp.ones((256, 128))
-        synthetic.tune(neighbour, trials=300, seed=0, retime_top=0)  # Exhaustive-ish: finds it.
-        here = jnp.ones((512, 128))
-        assert warm_start_configs(synthetic, (here,), {}, "cpu", synthetic.cache_key(here))[1] \
-            == {"a": 6, "b": 6, "c": 6}
-        cold_first = []
-        warm_first = []
-        for seed in range(3):
-            cold = synthetic.tune(here, trials=12, seed=seed, warm_start=0, write=False,
-                                  retime_top=0)
-            warm = synthetic.tune(here, trials=12, seed=seed, write=False, retime_top=0)
-            cold_first.append(cold.best_ms)
-            warm_first.append(warm.best_ms)
-        assert max(warm_first) == 1.0 and min(cold_first) > 1.0
-    finally:
-        tuner_mod.measure = orig
+    return {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
 
 
 def test_warm_start_uses_roofline_picks_for_tpu_chips(cache_dir):
-    import jax
-    import jax.numpy as jnp
-
     from pallas_tune.kernels.matmul import matmul
     from pallas_tune.tuning.loop import warm_start_configs
 
@@ -175,3 +311,23 @@ def test_warm_start_uses_roofline_picks_for_tpu_chips(cache_dir):
     assert len(picks) == 4 and all(p in matmul.space for p in picks)
     # The roofline prefers big tiles over the 256^3 default.
     assert all(p["bm"] * p["bn"] >= 512 * 512 for p in picks[1:])
+
+
+def test_the_tuner_never_measures_what_the_declared_constraints_refuse(cache_dir):
+    """The kernel's one validity check reaches the tuner: a declared constraint refuses a config
+    before it is traced or timed, and the trial says which constraint."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_tune.kernels.matmul import matmul
+
+    constrained = pt.tunable(matmul.fn, space=matmul.space, name="tests.constrained_matmul",
+                             constraints={"square_tiles": "bm == bn"})
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+    result = constrained.tune(x, x, trials=4, repeats=1, retime_top=0, write=False)
+    refused = [r for r in result.records if r.detail == "constraint"]
+    assert refused, "the search should have asked for some non-square tiles"
+    assert all(r.config["bm"] != r.config["bn"] for r in refused)
+    assert all("square_tiles" in r.error for r in refused)
+    assert all(r.config["bm"] == r.config["bn"] for r in result.records if r.outcome.timed)
+    assert result.best["bm"] == result.best["bn"]

@@ -30,7 +30,7 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for required in ("pallas_tune/__init__.py", "pallas_tune/cli.py",
+    for required in ("pallas_tune/__init__.py", "pallas_tune/cli/__init__.py",
                      "pallas_tune/kernels/matmul.py", "pallas_tune/search_spaces/matmul.toml",
                      "pallas_tune/caches/__init__.py"):
         assert required in names, required
@@ -75,8 +75,16 @@ def test_fresh_venv_tune_then_resolve_without_optuna(wheel, tmp_path):
         "assert 'optuna' not in sys.modules and 'pallas_tune.tuning' not in sys.modules\n"
         "import importlib.resources as r\n"
         "assert (r.files('pallas_tune.search_spaces') / 'matmul.toml').is_file()\n"
+        "assert (r.files('pallas_tune') / 'py.typed').is_file()\n"
+        "assert (r.files('pallas_tune.caches') / 'nvidia_h100' / 'jax.ops.gpu.softmax.json')"
+        ".is_file()\n"
+        "import importlib.metadata as m\n"
+        "assert any('LICENSE' in str(f) for f in m.files('pallas-tune'))\n"
         "print('RESOLVED', dict(cfg))\n"
     )
     r2 = subprocess.run([str(py), "-c", resolve], capture_output=True, text=True, env=env,
                         cwd=tmp_path, timeout=300)
     assert r2.returncode == 0 and "RESOLVED" in r2.stdout, r2.stderr[-3000:]
+    r3 = subprocess.run([str(py), "-m", "pallas_tune", "show"], capture_output=True, text=True,
+                        env=env, cwd=tmp_path, timeout=300)
+    assert r3.returncode == 0 and "matmul" in r3.stdout, r3.stdout + r3.stderr[-3000:]

@@ -96,12 +96,111 @@ def _raise(a):
     raise RuntimeError("this candidate fails at run time")
 
 
-@pt.tunable(mode=["good", "raise", "hang", "abort", "wrong"], br=[8, 16],
+def _hang_at_trace():
+    import time
+
+    while True:  # Python that never returns, while the kernel is being traced.
+        time.sleep(1)
+
+
+def _spec(br, mode):
+    if mode != "spec_hang":
+        return pl.BlockSpec((br, 128), lambda i, j: (i, j))
+
+    def index_map(i, j):  # A block-spec function that loops when traced.
+        _hang_at_trace()
+        return i, j
+
+    return pl.BlockSpec((br, 128), index_map)
+
+
+@pt.tunable(mode=["good", "raise", "hang", "abort", "wrong", "trace_raise", "trace_hang",
+                  "trace_abort", "spec_hang"], br=[8, 16],
             reference=scale_reference, default={"mode": "good", "br": 8})
 def misbehaving(x, *, factor=2.0, mode, br):
-    """`scale` plus four ways to fail at run time: raise, hang, kill the process, wrong values."""
-    out = scale.fn(x, factor=factor + (1.0 if mode == "wrong" else 0.0), br=br, bc=128,
-                   buffering=2)
+    """`scale` plus every way to fail: at trace time (raise, hang in the body or in a block-spec
+    function, kill the process) and at run time (raise, hang, kill the process, wrong values)."""
+    if mode == "trace_raise":
+        raise RuntimeError("this candidate fails while traced")
+    if mode == "trace_hang":
+        _hang_at_trace()
+    if mode == "trace_abort":
+        import os
+
+        os.abort()
+    f = factor + (1.0 if mode == "wrong" else 0.0)
+    r, c = x.shape
+    out = pl.pallas_call(
+        lambda x_ref, o_ref: _scale_kernel(x_ref, o_ref, factor=f),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(pl.cdiv(r, br), pl.cdiv(c, 128)),
+        in_specs=[_spec(br, mode)],
+        out_specs=pl.BlockSpec((br, 128), lambda i, j: (i, j)),
+        name=f"misbehaving_{mode}",
+    )(x)
     if mode in ("raise", "hang", "abort"):
         out = _host({"raise": _raise, "hang": _hang, "abort": _abort}[mode], out)
     return out
+
+
+@pt.tunable(b=[8, 16, 32, 64, 128], buffering=[1, 2])
+def clamped(x, *, b, buffering):
+    """Rows per block clamped to the array (as the shipped kernels clamp their tiles); the
+    name carries the unclamped size. At 16 rows b=16, 32, 64 and 128 are one program, and in
+    interpret mode the buffer depth changes nothing: 2 programs among 10 configs."""
+    rows = min(b, x.shape[0])
+    return pl.pallas_call(
+        lambda x_ref, o_ref: _scale_kernel(x_ref, o_ref, factor=2.0),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid=(pl.cdiv(x.shape[0], rows),),
+        in_specs=[pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0),
+                               pipeline_mode=pl.Buffered(buffering))],
+        out_specs=pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0)),
+        name=f"clamped_{b}",
+    )(x)
+
+
+class ToySession:
+    """A worker session for the pool's own tests (see test_evaluate.py)."""
+
+    def __init__(self, tag):
+        self.tag = tag
+        self.value = None
+
+    def info(self, channel=None):
+        import os
+
+        return {"tag": self.tag, "pid": os.getpid()}
+
+    def keep(self, value, channel=None):
+        self.value = value
+
+    def kept(self, channel=None):
+        return self.value
+
+    def work(self, phase, seconds, channel):
+        import time
+
+        channel.phase(phase)
+        time.sleep(seconds)
+        return phase
+
+    def span(self, seconds, channel):
+        import os
+        import time
+
+        start = time.time()
+        time.sleep(seconds)
+        return os.getpid(), start, time.time()
+
+    def die(self, channel):
+        import os
+
+        channel.phase("run")
+        os.abort()
+
+    def question(self, q, channel):
+        return channel.ask(q)
+
+    def fail(self, channel):
+        raise ValueError("a bug in the session")

@@ -15,6 +15,8 @@ from typing import Any, Final
 import jax
 import numpy as np
 
+from pallas_tune.feasibility.rules import block_rule_violations
+
 __all__ = ["BlockInfo", "PallasCallInfo", "block_rule_violations", "find_pallas_calls"]
 
 
@@ -23,7 +25,7 @@ class BlockInfo:
     """One operand window of a pallas_call."""
 
     origin: str  # e.g. "args[0]", "outputs"
-    block_shape: tuple[int | None, ...]  # None: squeezed or not a plain blocked dim.
+    block_shape: tuple[int | None, ...]  # Sizes; None: squeezed (size 1, dropped in the kernel).
     array_shape: tuple[int, ...]
     dtype: np.dtype
     buffer_count: int | None  # From pipeline_mode; None when not set (the default, 2).
@@ -31,6 +33,12 @@ class BlockInfo:
     trivial_window: bool = False  # Whole array, constant index: Mosaic single-buffers it.
     memory_space: str = ""  # "" (default, VMEM window), or e.g. "any", "smem".
     grid_axes: tuple[int, ...] | None = None  # Grid axes its block index depends on (if known).
+    # Per dim: "blocked", "squeezed", "element", "boundedslice", "indirect" (empty: unknown).
+    dim_kinds: tuple[str, ...] = ()
+    # Per dim, the largest first element any grid step's block starts at (None: unknown, e.g.
+    # index maps with scalar-prefetch refs, or element/slice dims); None when not evaluated.
+    max_start: tuple[int | None, ...] | None = None
+    split_buffering: bool = False  # pl.Buffered((n_in, n_out)): emit_pipeline only.
 
     @property
     def block_bytes(self) -> int:
@@ -52,17 +60,25 @@ class PallasCallInfo:
     dots: tuple[tuple[Any, ...], ...] = ()
     largest_value: tuple[tuple[int, ...], np.dtype] | None = None
     # Non-dot values that live in registers between ops (not stored straight to a ref): each may
-    # spill to VMEM when larger than the vector register file. Shapes and dtypes.
-    live_values: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
+    # spill to VMEM when larger than the vector register file. (shape, dtype, copies): copies is
+    # how many instances an unrolled loop around it keeps at once (1 outside such loops).
+    live_values: tuple[tuple[tuple[int, ...], np.dtype, int], ...] = ()
+    # Which Pallas backend lowers it: "mosaic_tpu", "triton" or "mosaic_gpu" (from the type of
+    # its compiler params; a call without any is lowered for TPU by Mosaic when run on a TPU).
+    backend: str = "mosaic_tpu"
 
 
-def _block_dim(d: Any) -> int | None:
-    if isinstance(d, int):
-        return d
+def _block_dim(d: Any) -> tuple[int | None, str]:
+    """(size, kind) of one block dim; size None for squeezed dims."""
+    if isinstance(d, int | np.integer):
+        return int(d), "blocked"
+    kind = type(d).__name__.lower()
+    if d is None or kind in ("squeezed", "mapped"):
+        return None, "squeezed"
     size = getattr(d, "block_size", None)
-    if type(d).__name__ == "Blocked" and isinstance(size, int):
-        return size
-    return None  # Squeezed, Element, BoundedSlice: not subject to the tiling rule.
+    if isinstance(size, int | np.integer):
+        return int(size), kind
+    return None, kind
 
 
 def _subjaxprs(params: dict[str, Any]) -> Iterator[Any]:
@@ -97,7 +113,7 @@ def _body_values(jaxpr: Any) -> tuple[list[Any], Any, list[Any]]:
     dots, largest, largest_bytes = [], None, -1
     live: list[Any] = []
 
-    def visit(j: Any) -> None:
+    def visit(j: Any, copies: int) -> None:
         nonlocal largest, largest_bytes
         consumers: dict[Any, list[str]] = {}
         for e in j.eqns:
@@ -130,42 +146,92 @@ def _body_values(jaxpr: Any) -> tuple[list[Any], Any, list[Any]]:
                     fused_acc = (e.primitive.name == "add" and all(u in _STORES for u in uses)
                                  and any(getattr(x, "aval", None) is not None for x in e.invars))
                     if not (stored_only or fused_acc):
-                        live.append((tuple(shape), np.dtype(dtype)))
+                        live.append((tuple(shape), np.dtype(dtype), copies))
                 if nbytes > largest_bytes:
                     largest, largest_bytes = (tuple(shape), np.dtype(dtype)), nbytes
+            inner = copies * _unrolled_copies(e)
             for sub in _subjaxprs(e.params):
-                visit(sub)
+                visit(sub, inner)
 
-    visit(jaxpr)
+    visit(jaxpr, 1)
     return dots, largest, live
 
 
-def _dependent_axes(bm: Any, rank: int) -> tuple[int, ...] | None:
-    """Which grid axes the block index depends on, by evaluating the index map (None: unknown,
-    e.g. with scalar-prefetch operands)."""
-    closed = getattr(bm, "index_map_jaxpr", None)
-    if closed is None or rank == 0:
-        return ()
-    try:
-        from jax import core as jax_core
+def _unrolled_copies(eqn: Any) -> int:
+    """How many iterations of a loop body the compiler sees at once: a scan's unroll factor
+    (``lax.fori_loop(..., unroll=True)`` unrolls it fully), else 1."""
+    if eqn.primitive.name != "scan":
+        return 1
+    length, unroll = int(eqn.params.get("length", 1)), eqn.params.get("unroll", 1)
+    if unroll is True:
+        return max(1, length)
+    return max(1, min(int(unroll or 1), length))
 
-        jaxpr = getattr(closed, "jaxpr", closed)
-        if len(jaxpr.invars) != rank:
-            return None
-        consts = getattr(closed, "consts", ())
-        eval_jaxpr = getattr(jax_core, "eval_jaxpr", None)
-        if eval_jaxpr is None:
-            from jax._src.core import eval_jaxpr
-        base = [int(x) for x in eval_jaxpr(jaxpr, consts, *([np.int32(0)] * rank))]
-        axes = []
-        for a in range(rank):
-            idx = [np.int32(0)] * rank
-            idx[a] = np.int32(1)
-            if [int(x) for x in eval_jaxpr(jaxpr, consts, *idx)] != base:
-                axes.append(a)
-        return tuple(axes)
-    except Exception:  # noqa: BLE001 - index maps we cannot evaluate: unknown.
+
+def _eval_index_map(bm: Any, rank: int) -> Callable[[Sequence[int]], list[int]] | None:
+    closed = getattr(bm, "index_map_jaxpr", None)
+    if closed is None:
         return None
+    from jax import core as jax_core
+
+    jaxpr = getattr(closed, "jaxpr", closed)
+    if len(jaxpr.invars) != rank:
+        return None  # Scalar-prefetch refs as extra arguments.
+    consts = getattr(closed, "consts", ())
+    eval_jaxpr = getattr(jax_core, "eval_jaxpr", None)
+    if eval_jaxpr is None:
+        from jax._src.core import eval_jaxpr
+
+    def f(idx: Sequence[int]) -> list[int]:
+        return [int(x) for x in eval_jaxpr(jaxpr, consts, *(np.int32(i) for i in idx))]
+
+    return f
+
+
+def _probe_index_map(bm: Any, grid: tuple[int, ...]
+                     ) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(grid axes the block index depends on, the largest block index per dim over the grid),
+    by evaluating the index map at the origin, the unit steps and, per dim, the grid corner its
+    slopes point to (exact for affine maps). None where unknown."""
+    rank = len(grid)
+    try:
+        f = _eval_index_map(bm, rank)
+        if f is None:
+            return (None, None) if getattr(bm, "index_map_jaxpr", None) is not None else ((), None)
+        zero = [0] * rank
+        base = f(zero)
+        slopes, axes = [], []
+        for a in range(rank):
+            step = f([1 if i == a else 0 for i in range(rank)])
+            slopes.append([v - b for v, b in zip(step, base, strict=True)])
+            if step != base:
+                axes.append(a)
+        if any(g <= 0 for g in grid):
+            return tuple(axes), None
+        best, seen = list(base), {}
+        for d in range(len(base)):
+            corner = tuple(g - 1 if slopes[a][d] > 0 else 0 for a, g in enumerate(grid))
+            if corner not in seen:
+                seen[corner] = f(corner)
+            best[d] = max(best[d], seen[corner][d])
+        return tuple(axes), tuple(best)
+    except Exception:  # noqa: BLE001 - index maps we cannot evaluate: unknown.
+        return None, None
+
+
+def _max_start(sizes: Sequence[int | None], kinds: Sequence[str],
+               max_index: tuple[int, ...] | None) -> tuple[int | None, ...] | None:
+    if max_index is None or len(max_index) != len(sizes):
+        return None
+    out: list[int | None] = []
+    for size, kind, idx in zip(sizes, kinds, max_index, strict=True):
+        if kind == "blocked" and size is not None:
+            out.append(idx * size)
+        elif kind == "squeezed":
+            out.append(idx)
+        else:
+            out.append(None)  # Element offsets (with padding) and slices: not checked.
+    return tuple(out)
 
 
 def _space_name(aval: Any) -> str:
@@ -179,24 +245,32 @@ def _space_name(aval: Any) -> str:
 def _info(eqn: Any) -> PallasCallInfo:
     gm = eqn.params["grid_mapping"]
     n_in = gm.num_inputs
+    grid = tuple(int(g) if isinstance(g, int | np.integer) else -1 for g in gm.grid)
     blocks = []
     for i, bm in enumerate(gm.block_mappings):
         aval = bm.array_aval
         mode = bm.pipeline_mode
         count = getattr(mode, "buffer_count", None) if mode is not None else None
-        if isinstance(count, tuple):
+        split = isinstance(count, tuple)
+        if split:
             count = max(count)
+        dims = [_block_dim(d) for d in bm.block_shape]
+        sizes, kinds = tuple(d[0] for d in dims), tuple(d[1] for d in dims)
+        axes, max_index = _probe_index_map(bm, grid)
         blocks.append(
             BlockInfo(
                 origin=str(bm.origin),
-                block_shape=tuple(_block_dim(d) for d in bm.block_shape),
+                block_shape=sizes,
                 array_shape=tuple(aval.shape),
                 dtype=np.dtype(aval.dtype),
                 buffer_count=count,
                 is_output=i >= n_in,
                 trivial_window=bool(getattr(bm, "has_trivial_window", lambda: False)()),
-                grid_axes=_dependent_axes(bm, len(gm.grid)),
+                grid_axes=axes,
                 memory_space=_space_name(getattr(bm, "transformed_block_aval", None)),
+                dim_kinds=kinds,
+                max_start=_max_start(sizes, kinds, max_index),
+                split_buffering=split,
             )
         )
     scratch = []
@@ -216,11 +290,11 @@ def _info(eqn: Any) -> PallasCallInfo:
     sem = getattr(cp, "dimension_semantics", None)
     if sem is not None:
         sem = tuple(str(getattr(s, "value", s)).lower() for s in sem)
-    grid = tuple(int(g) if isinstance(g, int | np.integer) else -1 for g in gm.grid)
     body = eqn.params.get("jaxpr")
     dots, largest, live = (_body_values(getattr(body, "jaxpr", body)) if body is not None
                            else ([], None, []))
     return PallasCallInfo(
+        backend=_backend(cp),
         dots=tuple(dots),
         live_values=tuple(live),
         largest_value=largest,
@@ -231,6 +305,15 @@ def _info(eqn: Any) -> PallasCallInfo:
         dimension_semantics=sem,
         vmem_limit_bytes=getattr(cp, "vmem_limit_bytes", None),
     )
+
+
+def _backend(compiler_params: Any) -> str:
+    module = type(compiler_params).__module__ if compiler_params is not None else ""
+    if ".triton" in module:
+        return "triton"
+    if ".mosaic_gpu" in module:
+        return "mosaic_gpu"
+    return "mosaic_tpu"
 
 
 def abstractify(args: Sequence[Any]) -> list[Any]:
@@ -271,49 +354,3 @@ def find_pallas_calls(
     flat_fn, arrays = array_function(fn, args, kwargs)
     closed = jax.make_jaxpr(flat_fn)(*arrays)
     return [_info(e) for e in _walk(closed.jaxpr)]
-
-
-def block_rule_violations(calls: Sequence[PallasCallInfo], *, sublanes: int = 8,
-                          lanes: int = 128) -> list[str]:
-    """Returns the TPU block-rule violations of the given pallas_calls (empty: all fine).
-
-    Rules (notes/pallas-on-cpu.md §5, checked by Mosaic at lowering or by XLA at compile time):
-    every blocked dim divides its array dim (or equals it), and the last two dims of a rank ≥ 2
-    block are multiples of (sublanes, lanes) or equal the full array dims.
-    """
-    problems = []
-    for call in calls:
-        for b in call.blocks:
-            where = f"{call.name or 'pallas_call'} {b.origin}"
-            for axis, (blk, full) in enumerate(zip(b.block_shape, b.array_shape, strict=True)):
-                if blk is None or blk == full:
-                    continue
-                if blk <= 0 or full % blk != 0:
-                    problems.append(
-                        f"{where}: block dim {axis} = {blk} does not divide array dim {full}"
-                    )
-            rank = len(b.block_shape)
-            if rank >= 2:
-                for axis, mult in ((rank - 2, sublanes), (rank - 1, lanes)):
-                    blk, full = b.block_shape[axis], b.array_shape[axis]
-                    if blk is None or blk == full or blk % mult == 0:
-                        continue
-                    problems.append(
-                        f"{where}: block dim {axis} = {blk} is neither a multiple of {mult} nor "
-                        f"the full array dim {full}"
-                    )
-            elif rank == 1:
-                blk, full = b.block_shape[0], b.array_shape[0]
-                min_pow2 = lanes * max(1, 32 // (8 * b.dtype.itemsize))
-                is_pow2 = blk is not None and blk > 0 and blk & (blk - 1) == 0
-                if (
-                    blk is not None
-                    and blk != full
-                    and blk % (sublanes * lanes) != 0
-                    and not (is_pow2 and blk >= min_pow2)
-                ):
-                    problems.append(
-                        f"{where}: rank-1 block {blk} is not the full dim {full}, a multiple of "
-                        f"{sublanes * lanes}, or a power of two >= {min_pow2}"
-                    )
-    return problems

@@ -4,13 +4,16 @@ With ``--xla_jf_dump_static_llo_profile_to=<dir>`` in ``LIBTPU_INIT_ARGS`` when 
 deviceless compile annotates each Pallas kernel's custom call with ``"estimated_cycles"``: the
 whole kernel, every grid step, DMA/compute overlap modelled (notes/libtpu-static-cost.md). The
 flag adds 1.4-4 ms of compile time per grid step and must be set before libtpu initialises, so
-estimates run in worker processes of their own (spawned, each with its own dump directory and
-``ALLOW_MULTIPLE_LIBTPU_LOAD=1``), in parallel, leaving the calling process's libtpu untouched.
+estimates run in worker processes of their own (:mod:`.pool`, each with its own dump directory
+and ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``), in parallel, leaving the calling process's libtpu
+untouched. Each worker's address space is capped (default: host memory / (workers + 1)), so a
+runaway compile (seen: a (2048, 2048) f32 attention tile at S=8192 grew past 24 GB) fails in its
+worker, which is replaced, instead of taking the host down.
 
 Cost control: a kernel may declare ``standin=`` on ``@tunable``: a function returning a smaller
 problem with the same tiles (fewer steps along parallel grid axes) and the factor to scale its
-estimate by. The shipped kernels do; benchmarks/tpu_estimate.py checks the scaled figures
-against full compiles.
+estimate by. The shipped kernels do; :func:`standin_verdict` decides whether to trust it, and
+benchmarks/tpu_estimate.py checks the scaled figures against full compiles.
 
 Figures are compiler estimates converted with the chip's clock, never measurements; cache entries
 written from them are of kind ``estimate`` and lose to any measured entry.
@@ -18,19 +21,25 @@ written from them are of kind ``estimate`` and lose to any measured entry.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import multiprocessing
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from pallas_tune._refs import kernel_ref, load
+from pallas_tune.measure import candidate as cand
+from pallas_tune.measure.evaluate import PoolEvaluator
+from pallas_tune.measure.pool import Pool
+from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 
-__all__ = ["EstimateResult", "Estimator", "data_dependent_loops", "estimate_flag_missing_message"]
+__all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator",
+           "data_dependent_loops", "estimate_flag_missing_message", "standin_verdict"]
 
 FLAG: Final = "--xla_jf_dump_static_llo_profile_to"
+_SESSION: Final = "pallas_tune.measure.estimate:EstimateSession"
+_ENV: Final = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,60 +56,22 @@ class EstimateResult:
     model_cycles: int | None = None  # XLA's cost model, summed over fusions (XLA programs).
 
 
-def _init_worker(memory_limit_bytes: int | None = None) -> None:
-    if memory_limit_bytes:
-        # A pathological compile (seen: a (2048, 2048) f32 attention tile at S=8192 grew past
-        # 24 GB) must fail in its worker, not take down the host through the OOM killer.
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
-    dump = tempfile.mkdtemp(prefix=f"pallas-tune-llo-{os.getpid()}-")
-    args = os.environ.get("LIBTPU_INIT_ARGS", "")
-    if FLAG not in args:
-        os.environ["LIBTPU_INIT_ARGS"] = f"{args} {FLAG}={dump}".strip()
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-def _to_specs(args: Any) -> Any:
-    import jax
-
-    def conv(a: Any) -> Any:
-        if hasattr(a, "shape") and hasattr(a, "dtype"):
-            return ("__array__", tuple(a.shape), str(a.dtype))
-        return a
-
-    return jax.tree_util.tree_map(conv, args)
-
-
-def _from_specs(args: Any) -> Any:
-    import jax
-
-    def conv(a: Any) -> Any:
-        if isinstance(a, tuple) and len(a) == 3 and a[0] == "__array__":
-            return jax.ShapeDtypeStruct(a[1], a[2])
-        return a
-
-    return jax.tree_util.tree_map(conv, args, is_leaf=lambda x: isinstance(x, tuple)
-                                  and len(x) == 3 and x[0] == "__array__")
-
-
-def _job(ref: str, args: Any, kwargs: dict[str, Any], config: dict[str, Any], chip: str,
-         use_standin: bool) -> EstimateResult:
+def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, Any],
+             config: Mapping[str, Any], chip: str, use_standin: bool) -> EstimateResult:
+    """Compiles one candidate deviceless (on its stand-in where allowed) for its estimate."""
     from pallas_tune.feasibility import compile as _compile
 
-    kernel = load(ref)
-    fn = getattr(kernel, "fn", kernel)
-    args, kwargs = _from_specs(args), _from_specs(kwargs)
     scale = 1.0
-    standin = getattr(kernel, "standin", None)
-    if use_standin and standin is not None:
-        args, kwargs, scale = standin(list(args), dict(kwargs), dict(config))
-    loops = data_dependent_loops(fn, args, {**kwargs, **config}, chip=chip)
+    if use_standin and parts.standin is not None:
+        args, kwargs, scale = parts.standin(list(args), dict(kwargs), dict(config))
+    try:
+        loops = data_dependent_loops(parts.fn, args, {**kwargs, **config}, chip=chip)
+    except Exception:  # noqa: BLE001 - the compile below reports the failure by its kind.
+        loops = 0
     if loops:
         return EstimateResult(ok=False, kind="no_estimate", scale=scale,
-                              message=dynamic_loop_message(ref, loops))
-    result = _compile.compile_deviceless(fn, args, {**kwargs, **config}, chip=chip)
+                              message=dynamic_loop_message(parts.name, loops))
+    result = _compile.compile_deviceless(parts.fn, args, {**kwargs, **config}, chip=chip)
     if not result.ok:
         return EstimateResult(ok=False, kind=result.kind, message=result.message,
                               compile_s=result.compile_s, scale=scale)
@@ -164,6 +135,262 @@ def dynamic_loop_message(ref: str, loops: int) -> str:
             "loops.")
 
 
+class EstimateSession:
+    """Estimates candidates in a worker process (never in the caller's: see the module doc).
+
+    With ``parts`` and ``setup`` it serves one tuning run (:meth:`evaluate`); without, any
+    kernel by reference (:meth:`estimate_for`, for :class:`Estimator`)."""
+
+    def __init__(self, parts: cand.PartRefs | None = None, setup: cand.Setup | None = None,
+                 dump_root: str | None = None, use_standin: bool = True,
+                 fallback: str | None = None):
+        dump = tempfile.mkdtemp(prefix=f"llo-{os.getpid()}-", dir=dump_root)
+        flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+        if FLAG not in flags:  # Before libtpu loads: nothing imported jax yet.
+            os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {FLAG}={dump}".strip()
+        from pallas_tune import chips
+
+        self.parts = parts.load() if parts is not None else None
+        self.setup = setup
+        self.use_standin = use_standin
+        self.fallback = fallback
+        self.chip = chips.normalize_chip(setup.chip) if setup and setup.chip else None
+        self.stage = (cand.resolve_stage(setup.feasibility, self.chip, estimating=True)
+                      if setup and self.chip else "off")
+        self.args = list(cand.from_wire(list(setup.args))) if setup else []
+        self.kwargs = dict(cand.from_wire(dict(setup.kwargs))) if setup else {}
+
+    def info(self, channel: Any = None) -> dict[str, Any]:
+        del channel  # Unused.
+        from importlib import metadata
+
+        try:
+            libtpu = metadata.version("libtpu")
+        except metadata.PackageNotFoundError:
+            libtpu = "not installed"
+        return {"chip": self.chip, "platform": "tpu", "device_kind": "", "interpret": False,
+                "stage": self.stage, "backend": "cpu (deviceless)", "libtpu": libtpu}
+
+    def set_standin(self, use: bool, channel: Any = None) -> None:
+        del channel  # Unused.
+        self.use_standin = use
+
+    def _context(self) -> Any:
+        from pallas_tune import chips
+
+        return chips.target(self.chip, abstract_mesh=True)
+
+    def evaluate(self, number: int, config: Mapping[str, Any], best_ms: float, channel: Any
+                 ) -> tuple[TrialRecord, None]:
+        del best_ms  # Unused: estimates are not timed.
+        assert self.parts is not None and self.chip is not None
+        prepared = cand.prepare(self.parts, self.args, self.kwargs, number, config,
+                                chip=self.chip, stage=self.stage,
+                                vreg_limit=self.setup.vreg_limit if self.setup else None,
+                                context=self._context, platforms=("tpu",), channel=channel)
+        if isinstance(prepared, TrialRecord):
+            return prepared, None
+        channel.phase("compile")
+        r = estimate(self.parts, self.args, self.kwargs, config, self.chip, self.use_standin)
+        return self._record(prepared, r, channel.phase_name), None
+
+    def _record(self, p: cand.Prepared, r: EstimateResult, phase: str) -> TrialRecord:
+        from pallas_tune.chips import chip_spec
+        from pallas_tune.feasibility.roofline import roofline_calls
+
+        common = dict(number=p.number, config=p.config, fingerprint=p.fingerprint, phase=phase,
+                      seconds=time.perf_counter() - p.started)
+        if r.ok:
+            ms = cycles_to_ms(r.cycles or 0, chip_spec(self.chip).clock_hz)
+            return TrialRecord(outcome=Outcome.OK, cycles=r.cycles, vmem_bytes=r.scoped_vmem_bytes,
+                               measurement=Measurement(times_ms=(ms,), compile_ms=r.compile_s * 1e3,
+                                                       timer="tpu-estimate"),
+                               detail=f"estimate x{r.scale:g}" if r.scale != 1 else "", **common)
+        if r.kind == "no_estimate" and self.fallback == "roofline":
+            rl = roofline_calls(p.calls, chip_spec(self.chip))
+            return TrialRecord(outcome=Outcome.OK, detail="roofline model (libtpu returned no "
+                               "estimate)", measurement=Measurement(
+                                   times_ms=(rl.time_ms,), compile_ms=r.compile_s * 1e3,
+                                   timer="roofline"), **common)
+        outcome = (Outcome.COMPILE_ERROR if r.kind == "no_estimate"
+                   else cand._failure_outcome(r.kind))
+        return TrialRecord(outcome=outcome, error=f"compiler: {r.message[:2000]}", detail=r.kind,
+                           **common)
+
+    def standin_scale(self, config: Mapping[str, Any], channel: Any) -> float | str | None:
+        """The stand-in's scale for a candidate that passes screening, None for one that does
+        not, ``"error"`` if the stand-in function raises."""
+        assert self.parts is not None and self.chip is not None
+        record = cand.prepare(self.parts, self.args, self.kwargs, -1, config, chip=self.chip,
+                              stage=self.stage, vreg_limit=None, context=self._context,
+                              platforms=("tpu",), channel=channel, lower=False)
+        if isinstance(record, TrialRecord):
+            return None
+        try:
+            return float(self.parts.standin(list(self.args), dict(self.kwargs), dict(config))[2])
+        except Exception:  # noqa: BLE001 - a stand-in that fails is not used.
+            return "error"
+
+    def estimate(self, config: Mapping[str, Any], standin: bool, channel: Any = None
+                 ) -> EstimateResult:
+        assert self.parts is not None and self.chip is not None
+        if channel is not None:
+            channel.phase("compile")
+        return estimate(self.parts, self.args, self.kwargs, config, self.chip, standin)
+
+    def estimate_for(self, refs: cand.PartRefs, args: Any, kwargs: Any,
+                     config: Mapping[str, Any], chip: str, standin: bool, channel: Any = None
+                     ) -> EstimateResult:
+        return estimate(refs.load(), cand.from_wire(args), cand.from_wire(kwargs), config, chip,
+                        standin)
+
+
+def _memory_limit(workers: int, limit: int | None) -> int | None:
+    if limit != -1:
+        return limit
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return max(4 << 30, total // (workers + 1))
+
+
+def _estimate_pool(args: tuple[Any, ...], *, workers: int, main_path: str | None,
+                   limits: Mapping[str, float | None] | None, memory_limit: int | None) -> Pool:
+    return Pool(_SESSION, args, size=workers, env=_ENV, main_path=main_path, limits=limits,
+                memory_limit=_memory_limit(workers, memory_limit))
+
+
+class EstimateEvaluator(PoolEvaluator):
+    """The compiler's estimate for each candidate, ``workers`` compiles in parallel."""
+
+    kind = "estimate"
+
+    def __init__(self, parts: cand.KernelParts, setup: cand.Setup, *, workers: int = 2,
+                 limits: Mapping[str, float | None] | None = None, fallback: str | None = None,
+                 standin: bool = True, memory_limit_bytes: int | None = -1):
+        self._dump = tempfile.mkdtemp(prefix="pallas-tune-llo-")
+        refs = parts.refs()
+        wire = dataclasses.replace(setup, args=cand.to_wire(list(setup.args)),
+                                   kwargs=cand.to_wire(dict(setup.kwargs)))
+        self.has_standin = standin and parts.standin is not None
+        super().__init__(_estimate_pool((refs, wire, self._dump, self.has_standin, fallback),
+                                        workers=workers, main_path=refs.main_path,
+                                        limits=limits, memory_limit=memory_limit_bytes),
+                         reference=False)
+        self.fallback = fallback
+
+    def _evaluate(self, candidates: Any) -> list[TrialRecord]:
+        records = super()._evaluate(candidates)
+        missing = next((r for r in records if r.detail == "no_estimate"), None)
+        if missing is not None and self.fallback != "roofline":
+            from pallas_tune.errors import MeasurementError
+
+            raise MeasurementError(missing.error.removeprefix("compiler: "))
+        return records
+
+    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int) -> None:
+        del configs, rounds  # Unused: estimates have no run-to-run noise to re-rank.
+        return None
+
+    def check_standin(self, configs: Sequence[Mapping[str, Any]]) -> tuple[bool, dict[str, Any]]:
+        """Estimates one candidate on the stand-in and in full; trusts the stand-in within 5%
+        (else every candidate is compiled in full). Picks, among ``configs``, the one that
+        passes screening with the smallest stand-in scale above 1 (the cheapest full compile
+        that still exercises the scaling)."""
+        if not self.has_standin:
+            return False, {}
+        replies = self.pool.map([("standin_scale", (dict(c),), "trace") for c in configs])
+        best = None
+        for config, reply in zip(configs, replies, strict=True):
+            scale = reply.value if reply.kind == "done" else None
+            if scale == "error":
+                return self._use(False, {"error": "stand-in raised"})
+            if scale is not None and scale > 1 and (best is None or scale < best[1]):
+                best = (dict(config), scale)
+        if best is None:
+            return self._use(True, {"note": "no candidate needed a stand-in"})
+        config, scale = best
+        scaled, full = (self._estimate(config, use) for use in (True, False))
+        return self._use(*standin_verdict(config, scale, scaled, full))
+
+    def _estimate(self, config: Mapping[str, Any], standin: bool) -> EstimateResult:
+        reply = self.pool.call("estimate", dict(config), standin, phase="compile")
+        if reply.kind == "done":
+            return reply.value
+        return EstimateResult(ok=False, kind="worker_crashed", message=reply.message[:500])
+
+    def _use(self, use: bool, check: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        self.pool.remember("set_standin", use)
+        return use, check
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self._dump, ignore_errors=True)
+
+
+def standin_verdict(config: Mapping[str, Any], scale: float, scaled: EstimateResult,
+                    full: EstimateResult) -> tuple[bool, dict[str, Any]]:
+    """Whether to use the stand-in, from one candidate estimated both ways; and the record."""
+    from pallas_tune import errors
+
+    if scaled.ok and not full.ok and full.kind == "worker_crashed":
+        # The full problem does not compile within a worker's memory (the LLO profile of a
+        # large grid: 18 GB for a 8192x4096x14336 matmul with 256 tiles), so full compiles
+        # cannot stand in for the stand-in either. Keep it, unverified, and say so.
+        msg = (f"the full-problem compile of {dict(config)} died in its worker "
+               f"({full.message}); the stand-in is used UNVERIFIED for this shape")
+        errors.warn(msg)
+        return True, {"config": dict(config), "scale": scale, "trusted": False,
+                      "unverified": True, "error": msg}
+    if not (scaled.ok and full.ok):
+        return False, {"config": dict(config), "error": "stand-in or full compile failed"}
+    err = abs((scaled.cycles or 0) - (full.cycles or 0)) / max(1, full.cycles or 0)
+    return err <= 0.05, {"config": dict(config), "scale": scale,
+                         "relative_error": round(err, 4), "trusted": err <= 0.05}
+
+
+class Estimator:
+    """Estimates of any kernel's configs in a pool of worker processes (benchmarks, tests).
+
+    A worker that dies (a compiler abort, its memory limit) costs only its candidate, recorded
+    with kind ``worker_crashed``."""
+
+    def __init__(self, workers: int = 2, *, memory_limit_bytes: int | None = -1,
+                 timeout_s: float | None = None):
+        self.workers = max(1, workers)
+        self._dump = tempfile.mkdtemp(prefix="pallas-tune-llo-")
+        self._options = dict(limits={"compile": timeout_s}, memory_limit=memory_limit_bytes)
+        self._pool: Pool | None = None
+
+    def map(self, kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
+            configs: Sequence[Mapping[str, Any]], chip: str, *, standin: bool = True
+            ) -> list[EstimateResult]:
+        refs = cand.KernelParts.of(kernel).refs()
+        if self._pool is None:  # Started on first use, importing the script if a part is there.
+            self._pool = _estimate_pool((None, None, self._dump, True, None),
+                                        workers=self.workers, main_path=refs.main_path,
+                                        **self._options)
+        a, k = cand.to_wire(list(args)), cand.to_wire(dict(kwargs))
+        replies = self._pool.map([("estimate_for", (refs, a, k, dict(c), chip, standin), "compile")
+                                  for c in configs])
+        return [r.value if r.kind == "done" else EstimateResult(
+            ok=False, kind="worker_crashed" if r.kind != "error" else "compile_error",
+            message=(f"the compile worker died or overran ({r.message[:300]}); candidate "
+                     "skipped") if r.kind != "error" else r.message) for r in replies]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        shutil.rmtree(self._dump, ignore_errors=True)
+
+    def __enter__(self) -> Estimator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def estimate_flag_missing_message() -> str:
     from importlib import metadata
 
@@ -174,83 +401,6 @@ def estimate_flag_missing_message() -> str:
     return (f"libtpu {version} compiled the kernel but reported no \"estimated_cycles\" with "
             f"{FLAG}; the flag is internal to libtpu and may have changed. Pin libtpu 0.0.42-0.0.50 "
             "(tested), or allow the roofline fallback (tune(..., estimate_fallback='roofline')).")
-
-
-def _default_memory_limit(workers: int) -> int | None:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    return max(4 << 30, total // (workers + 1))
-
-
-class Estimator:
-    """A pool of worker processes that compile candidates deviceless and return estimates.
-
-    A worker that dies (a compiler abort, a memory limit) costs only its candidate: the pool is
-    restarted, the other candidates are retried one at a time, and the culprit is recorded as a
-    ``compile_error`` with detail ``worker_crashed``. Each worker's address space is capped
-    (default: host memory / (workers + 1)) so one runaway compile cannot exhaust the host.
-    """
-
-    def __init__(self, workers: int = 2, *, memory_limit_bytes: int | None = -1):
-        self.workers = max(1, workers)
-        self._limit = (_default_memory_limit(self.workers) if memory_limit_bytes == -1
-                       else memory_limit_bytes)
-        self._pool = self._new_pool()
-
-    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
-        return concurrent.futures.ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker, initargs=(self._limit,))
-
-    def _restart(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = self._new_pool()
-
-    def map(self, kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
-            configs: Sequence[Mapping[str, Any]], chip: str, *, standin: bool = True
-            ) -> list[EstimateResult]:
-        ref = kernel_ref(kernel)
-        a, k = _to_specs(list(args)), _to_specs(dict(kwargs))
-        job = (ref, a, k)
-        futures = [self._pool.submit(_job, *job, dict(c), chip, standin) for c in configs]
-        out: list[EstimateResult | None] = []
-        broken = False
-        for f in futures:
-            try:
-                out.append(f.result())
-            except concurrent.futures.process.BrokenProcessPool:
-                out.append(None)
-                broken = True
-            except Exception as e:  # noqa: BLE001 - a failed job is a failed candidate.
-                out.append(EstimateResult(ok=False, kind="compile_error",
-                                          message=f"{type(e).__name__}: {e}"))
-        if broken:
-            # Retry each lost candidate alone in a fresh pool, to find the one that kills it.
-            for i, c in enumerate(configs):
-                if out[i] is not None:
-                    continue
-                self._restart()
-                try:
-                    out[i] = self._pool.submit(_job, *job, dict(c), chip, standin).result()
-                except concurrent.futures.process.BrokenProcessPool:
-                    out[i] = EstimateResult(
-                        ok=False, kind="worker_crashed",
-                        message="the compile worker died (compiler abort or the worker memory "
-                                f"limit of {(self._limit or 0) >> 20} MiB); candidate skipped")
-                    self._restart()
-        assert all(r is not None for r in out)
-        return out  # type: ignore[return-value]
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> Estimator:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def cycles_to_ms(cycles: int, clock_hz: float) -> float:

@@ -1,95 +1,73 @@
-"""Measuring one candidate: compile, run, check against a reference, time.
+"""Running one compiled candidate: the correctness check against a reference, and timing.
 
-Every trial ends in one :class:`Outcome`. Timings here are wall clock around
-``block_until_ready`` after a warm-up; on the CPU (interpret mode) they track grid steps and
-interpreter overhead, not TPU behaviour, and are labelled so in every record.
+Timings here are wall clock around ``block_until_ready`` after a warm-up (or, with the
+``profiler`` timer, device time from a ``jax.profiler`` trace). On a CPU host (interpret mode)
+they track grid steps and interpreter overhead, not TPU behaviour, and are labelled so in every
+record. Timing stops early by the rules of :class:`TimingPolicy`: a time budget per candidate,
+and a cut-off for candidates clearly slower than the best so far.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Measurement", "Outcome", "TrialRecord", "compare", "make_inputs", "measure"]
+from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 
+__all__ = ["Measurement", "Outcome", "TimingPolicy", "TrialRecord", "compare", "make_inputs",
+           "resolve_timer", "retime_interleaved", "run_and_time"]
 
-class Outcome(str, enum.Enum):
-    OK = "ok"
-    INFEASIBLE = "infeasible"
-    COMPILE_ERROR = "compile_error"
-    RUNTIME_ERROR = "runtime_error"
-    TIMEOUT = "timeout"
-    MISMATCH = "mismatch"
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Measurement:
-    times_ms: tuple[float, ...]
-    compile_ms: float
-    timer: str = "wallclock"  # What produced times_ms (a profiler timer may fall back).
-
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.times_ms) if self.times_ms else math.inf
-
-    @property
-    def spread_ms(self) -> float:
-        """Interquartile range of the timed runs (0 with fewer than 4 runs)."""
-        if len(self.times_ms) < 4:
-            return 0.0
-        q = statistics.quantiles(self.times_ms, n=4)
-        return q[2] - q[0]
+TIMERS: Final = ("auto", "wallclock", "profiler", "tpu-estimate")
+# Never time one candidate more often than this, whatever min_time_s says.
+MAX_RUNS: Final = 1000
+# A first call may carry one-time costs (allocation, program load: milliseconds), so it proves
+# a candidate slow only when it exceeds the cut-off by more than this much; then no further run
+# is made. At 2048^2 in interpret mode a 128^3 matmul tile takes 131 s a call against 1.4 s for
+# the best: its first call alone is enough.
+FIRST_CALL_SLACK_MS: Final = 1000.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class TrialRecord:
-    number: int
-    config: dict[str, Any]
-    outcome: Outcome
-    measurement: Measurement | None = None
-    error: str = ""
-    max_abs_err: float | None = None
-    detail: str = ""  # Failure kind, e.g. vmem_scoped_oom, block_rule, smem_oom.
-    vmem_bytes: int | None = None  # Model (or compiler) VMEM figure, where known.
-    cycles: int | None = None  # Compiler cycle estimate (tpu-estimate timer).
+class TimingPolicy:
+    """How a candidate is timed (validated by :class:`pallas_tune.tuning.TuneOptions`).
 
-    @property
-    def median_ms(self) -> float:
-        return self.measurement.median_ms if self.measurement else math.inf
+    The first call is the correctness check and counts as the first of ``warmup`` untimed
+    calls. Then timed runs follow until ``repeats`` are done and ``min_time_s`` has passed, or
+    ``max_time_s`` of timed runs have passed (at least one run), or, as soon as the fastest of
+    at least two runs is more than ``slow_factor`` times the best median so far, the candidate
+    is recorded as ``slow`` with the runs seen (``None``: never cut)."""
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "number": self.number,
-            "config": self.config,
-            "outcome": self.outcome.value,
-        }
-        if self.measurement is not None:
-            out["median_ms"] = self.measurement.median_ms
-            out["spread_ms"] = self.measurement.spread_ms
-            out["times_ms"] = list(self.measurement.times_ms)
-            out["compile_ms"] = self.measurement.compile_ms
-            out["timer"] = self.measurement.timer
-        if self.max_abs_err is not None:
-            out["max_abs_err"] = self.max_abs_err
-        if self.error:
-            out["error"] = self.error
-        if self.detail:
-            out["detail"] = self.detail
-        if self.vmem_bytes is not None:
-            out["vmem_bytes"] = self.vmem_bytes
-        if self.cycles is not None:
-            out["estimated_cycles"] = self.cycles
-        return out
+    timer: str = "auto"
+    warmup: int = 1
+    repeats: int = 5
+    min_time_s: float = 0.0
+    max_time_s: float = 1.0
+    slow_factor: float | None = 2.0
+
+    def cutoff_ms(self, best_ms: float) -> float:
+        if self.slow_factor is None or not math.isfinite(best_ms):
+            return math.inf
+        return self.slow_factor * best_ms
+
+
+def resolve_timer(timer: str, platform: str | None = None) -> str:
+    """``"auto"`` → ``"profiler"`` where a device measures (GPU, TPU), else ``"wallclock"``.
+
+    On a GPU a kernel call's wall clock is dominated by dispatch for short kernels (softmax
+    8192x4096 bf16 on an H100: 0.157 ms wall clock, 0.046 ms device time; see
+    benchmarks/results/gpu_probe.txt), so device time is the figure to rank by there."""
+    if timer != "auto":
+        return timer
+    return "profiler" if (platform or jax.default_backend()) in ("gpu", "tpu") else "wallclock"
 
 
 # Relative tolerance (times max(1, max|reference|)) for the correctness gate, per output dtype.
@@ -151,78 +129,84 @@ def make_inputs(args: Sequence[Any], seed: int = 0) -> list[Any]:
     return out
 
 
-def _short_error(e: BaseException) -> str:
+def short_error(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}"
     if len(text) > 4000:
         text = text[:2000] + "\n...\n" + text[-2000:]
     return text
 
 
-def measure(
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    *,
-    interpret: bool,
-    reference_out: Any | None,
-    warmup: int = 1,
-    repeats: int = 5,
-    min_time_s: float = 0.0,
-    precompiled: tuple[Any, float] | None = None,
-    timer: str = "wallclock",
-    event_regex: str | None = None,
-) -> tuple[Outcome, Measurement | None, Any, str, float | None]:
-    """Compiles (unless ``precompiled`` = (executable or exception, compile ms)) and times
-    ``fn(*args, **kwargs)``.
+def _check(out: Any, reference: Any | None) -> tuple[bool, float | None, str]:
+    if reference is not None:
+        ok, err, why = compare(out, reference)
+        return ok, err, why
+    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
+    if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)) for x in leaves):
+        return False, None, "output holds NaN/Inf"
+    return True, None, ""
 
-    Returns (outcome, measurement, output, error text, max_abs_err).
-    """
-    compiled, compile_ms = precompiled if precompiled is not None else compile_candidate(
-        fn, args, kwargs, interpret=interpret)
-    if isinstance(compiled, BaseException):
-        text = _short_error(compiled)
-        from pallas_tune.feasibility.compile import OOM_KINDS, classify_error
 
-        kind = classify_error(text)
-        outcome = Outcome.INFEASIBLE if kind in OOM_KINDS else Outcome.COMPILE_ERROR
-        return outcome, None, None, f"[{kind}] {text}", None
+def run_and_time(compiled: Callable[..., Any], args: Sequence[Any], *, reference: Any | None,
+                 policy: TimingPolicy, best_ms: float = math.inf, compile_ms: float = math.nan,
+                 event_regex: str | None = None
+                 ) -> tuple[Outcome, Measurement | None, Any, str, float | None]:
+    """Runs a compiled candidate once, checks its output, times it by ``policy``.
+
+    Returns (outcome, measurement, output, error text, max_abs_err). ``best_ms`` is the best
+    median so far (for the slow cut-off)."""
     try:
+        t0 = time.perf_counter()
         out = jax.block_until_ready(compiled(*args))
-        for _ in range(max(0, warmup - 1)):
-            jax.block_until_ready(compiled(*args))
-    except Exception as e:  # noqa: BLE001
-        return Outcome.RUNTIME_ERROR, None, None, _short_error(e), None
-    err = None
-    if reference_out is not None:
-        ok, err, why = compare(out, reference_out)
-        if not ok:
-            return Outcome.MISMATCH, None, out, why, err
-    else:
-        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(out)]
-        if any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)) for x in leaves):
-            return Outcome.MISMATCH, None, out, "output holds NaN/Inf", None
-    if timer == "profiler":
-        try:
-            device_times = profile_device_times(compiled, args, repeats, event_regex)
-        except Exception as e:  # noqa: BLE001
-            return Outcome.RUNTIME_ERROR, None, None, _short_error(e), None
-        if device_times:
-            return (Outcome.OK, Measurement(times_ms=tuple(device_times), compile_ms=compile_ms,
-                                            timer="profiler"), out, "", err)
-        timer = "wallclock (profiler saw no device events)"
-    times = []
-    start = time.perf_counter()
+        first_ms = (time.perf_counter() - t0) * 1e3
+    except Exception as e:  # noqa: BLE001 - a candidate that fails to run is data.
+        return Outcome.RUNTIME_ERROR, None, None, short_error(e), None
+    ok, err, why = _check(out, reference)
+    if not ok:
+        return Outcome.MISMATCH, None, out, why, err
+    cutoff = policy.cutoff_ms(best_ms)
+    if first_ms > cutoff + FIRST_CALL_SLACK_MS:
+        m = Measurement(times_ms=(first_ms,), compile_ms=compile_ms,
+                        timer=f"{resolve_timer(policy.timer)} (first call only)")
+        return (Outcome.SLOW, m, out, f"stopped after its first call, {first_ms:.4g} ms: over "
+                f"{policy.slow_factor:g}x the best so far ({best_ms:.4g} ms)", err)
     try:
-        while len(times) < repeats or (time.perf_counter() - start) < min_time_s:
-            t = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times.append((time.perf_counter() - t) * 1e3)
-            if len(times) >= 1000:
-                break
+        if first_ms <= cutoff:  # Already slower than the cut-off: timed runs decide.
+            for _ in range(max(0, policy.warmup - 1)):
+                jax.block_until_ready(compiled(*args))
+        times, timer = None, resolve_timer(policy.timer)
+        if timer == "profiler":
+            n = max(1, min(policy.repeats, int(policy.max_time_s * 1e3 / max(first_ms, 1e-3))))
+            times = profile_device_times(compiled, args, n, event_regex)
+            timer = "profiler" if times else "wallclock (profiler saw no device events)"
+        if not times:
+            times = time_calls(lambda: jax.block_until_ready(compiled(*args)), policy, cutoff)
     except Exception as e:  # noqa: BLE001
-        return Outcome.RUNTIME_ERROR, None, None, _short_error(e), None
-    return (Outcome.OK, Measurement(times_ms=tuple(times), compile_ms=compile_ms, timer=timer),
-            out, "", err)
+        return Outcome.RUNTIME_ERROR, None, None, short_error(e), None
+    m = Measurement(times_ms=tuple(times), compile_ms=compile_ms, timer=timer)
+    if min(times) > cutoff:
+        return (Outcome.SLOW, m, out, f"stopped after {len(times)} run(s): the fastest, "
+                f"{min(times):.4g} ms, is over {policy.slow_factor:g}x the best so far "
+                f"({best_ms:.4g} ms)", err)
+    return Outcome.OK, m, out, "", err
+
+
+def time_calls(call: Callable[[], Any], policy: TimingPolicy, cutoff_ms: float = math.inf
+               ) -> list[float]:
+    """Timed runs of ``call`` (which must block until done), in ms, by the policy's rules."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        call()
+        now = time.perf_counter()
+        times.append((now - t) * 1e3)
+        elapsed = now - start
+        if len(times) >= MAX_RUNS or elapsed >= policy.max_time_s:
+            return times
+        if min(times) > cutoff_ms and len(times) >= min(2, policy.repeats):
+            return times  # Clearly slow: two runs (one noisy run proves nothing).
+        if len(times) >= policy.repeats and elapsed >= policy.min_time_s:
+            return times
 
 
 def profile_device_times(compiled: Any, args: Sequence[Any], n: int,
@@ -272,10 +256,32 @@ def profile_device_times(compiled: Any, args: Sequence[Any], n: int,
     return [sum(d for _, d in events[i * per_call:(i + 1) * per_call]) / 1e6 for i in range(n)]
 
 
+def interleave(executables: Sequence[Callable[..., Any]], args: Sequence[Any], rounds: int,
+               *, timer: str = "auto") -> list[list[float]]:
+    """Times executables interleaved (A B C A B C ...), ``rounds`` runs each after one warm-up,
+    so that drift in clocks, thermals or host load hits every candidate alike. Returns ms.
+
+    With the profiler timer (``"auto"`` on a GPU or TPU) each run is the median device time of
+    3 calls under one trace, as in the search, so the winner is crowned by the same clock."""
+    for c in executables:
+        jax.block_until_ready(c(*args))
+    profiled = resolve_timer(timer) == "profiler"
+    times: list[list[float]] = [[] for _ in executables]
+    for _ in range(rounds):
+        for i, c in enumerate(executables):
+            device = profile_device_times(c, args, 3, None) if profiled else None
+            if device:
+                times[i].append(statistics.median(device))
+                continue
+            t = time.perf_counter()
+            jax.block_until_ready(c(*args))
+            times[i].append((time.perf_counter() - t) * 1e3)
+    return times
+
+
 def compile_candidate(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                       *, interpret: bool) -> tuple[Any, float]:
-    """(compiled executable, or the exception that compiling raised; compile time in ms).
-    Thread-safe: XLA compiles release the GIL, so a batch can compile concurrently."""
+    """(compiled executable, or the exception that compiling raised; compile time in ms)."""
     from pallas_tune.chips import interpret_mode
 
     jitted = jax.jit(lambda *a: fn(*a, **kwargs))
@@ -291,25 +297,14 @@ def compile_candidate(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     return compiled, (time.perf_counter() - t0) * 1e3
 
 
-
-
 def retime_interleaved(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                        configs: Sequence[Mapping[str, Any]], *, interpret: bool,
-                       rounds: int = 5) -> list[list[float]]:
-    """Times the given configs interleaved (A B C A B C ...), ``rounds`` runs each, so that
-    drift in clocks, thermals or host load hits every candidate alike. Returns ms per config."""
+                       rounds: int = 5, timer: str = "auto") -> list[list[float]]:
+    """Compiles ``fn`` for each config and times them interleaved (see :func:`interleave`)."""
     compiled = []
     for config in configs:
         executable, _ = compile_candidate(fn, args, {**kwargs, **config}, interpret=interpret)
         if isinstance(executable, BaseException):
             raise executable
         compiled.append(executable)
-    for c in compiled:  # Warm up each once more.
-        jax.block_until_ready(c(*args))
-    times: list[list[float]] = [[] for _ in compiled]
-    for _ in range(rounds):
-        for i, c in enumerate(compiled):
-            t = time.perf_counter()
-            jax.block_until_ready(c(*args))
-            times[i].append((time.perf_counter() - t) * 1e3)
-    return times
+    return interleave(compiled, args, rounds, timer=timer)

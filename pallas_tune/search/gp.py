@@ -1,16 +1,17 @@
-"""Bayesian optimization over an enumerated candidate set: a Gaussian process on the tile
-parameters, expected improvement scored on every candidate not yet measured.
+"""The default search over an enumerated candidate set: Bayesian optimization with a Gaussian
+process on the tile parameters, its expected improvement scored on every candidate not yet
+measured, alternated with the same score restricted to a trust region around the incumbent.
 
 Why not only Optuna's TPE: a tile space is a finite set of valid configs, so the acquisition can
 be scored on *every* candidate (TPE samples from per-parameter densities and wastes proposals on
 configs that are invalid or already measured), and a GP with one length scale per parameter
 learns the smooth, multiplicative structure of kernel run times (log time is close to additive
-in log2 tile sizes) from a handful of points. Replayed on the measured landscapes
-(benchmarks/search_efficiency.py) it needs a fraction of TPE's evaluations.
+in log2 tile sizes) from a handful of points.
 
-The proposer, :class:`CandidateBO`, is plain numpy/scipy (scipy comes with jax);
+The proposer, :class:`CandidateBO`, is plain numpy/scipy (:mod:`.model`);
 :class:`CandidateSampler` wraps it as an Optuna sampler so the tuner keeps Optuna's ask/tell,
-storages (resume, many hosts) and plots.
+storages (resume, many hosts) and plots. How the settings below were chosen, and on which
+landscapes: benchmarks/search_settings.py and benchmarks/results/search_settings.txt.
 """
 
 from __future__ import annotations
@@ -23,162 +24,43 @@ import numpy as np
 import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
-from scipy.linalg import cho_solve, solve_triangular
 
-__all__ = ["DEFAULT_STARTUP", "CandidateBO", "CandidateSampler", "encode_features"]
+from pallas_tune.search.model import (GP, encode_features, expected_improvement,
+                                      joint_parzen_log_ratio, parzen_log_ratio)
 
-# Hyperparameters are fitted on at most this many measurements (the best half, a random half).
-FIT_POINTS = 160
+__all__ = ["DEFAULT_STARTUP", "TUNING_SET", "CandidateBO", "CandidateSampler",
+           "encode_features"]
 
-# Random proposals before the GP takes over (after any warm starts). Chosen by replay on the
-# measured landscapes (pnpoly, 20 seeds: 3 → 12.5, 5 → 13.5, 10 → 22.5 evaluations to 5%);
-# 5 is nearly as fast and safer on spaces with more parameters.
+# Proposals before the GP takes over (after any warm starts).
 DEFAULT_STARTUP = 5
-
-# From 20 measurements on, log times above this quantile are capped at it, and expected
-# improvement is taken over the best minus XI (in standard deviations of the capped log times).
-# Replayed on the convolution landscape (one config within 5% of the optimum among 4362; 8 seeds,
-# 300 evaluations): neither → 0 of 8 seeds found it, cap 0.5 → 2, cap 0.5 and XI 0.3 → 6; over 20
-# seeds that setting found it in a median of 196.5 evaluations (random search: 2629.5) and kept
-# pnpoly, dedispersion and the v6e estimate landscapes as good as without.
+# From 20 measurements on, log times above this quantile are capped at it (what is slower than
+# the median only tells "bad"), and expected improvement is taken over the best minus XI (in
+# standard deviations of the capped log times).
 CAP_QUANTILE = 0.5
-XI = 0.3
+XI = 0.1
+# The proposals after the initial design cycle through: "g" the best expected improvement over
+# every free candidate, "l" the same within LOCAL_RADIUS rank steps of the incumbent (a trust
+# region), "t" the best TPE score (independent Parzen densities of good and bad configs), "m"
+# the best multivariate TPE score (joint densities over categorical parameters).
+CYCLE = "gl"
+LOCAL_RADIUS = 2
+# Initial design: "random" or "maximin" (greedy farthest points in feature space).
+INIT = "random"
 
-# Largest number of candidates scored per proposal; bigger spaces score a random subsample.
-MAX_SCORED = 20_000
+# Landscapes (kernel/device in ../shared/landscapes) whose replays chose the settings above:
+# CYCLE, XI and INIT were chosen by benchmarks/search_settings.py on these six alone (the first
+# device of each kernel in name order, and pnpoly RTX 3090); CAP_QUANTILE, DEFAULT_STARTUP and
+# the one-hot selectors earlier on the convolution_milo and dedispersion_milo A100 and pnpoly
+# RTX 3090 spaces. The other nine were not used to choose anything; leave-one-kernel-out scores
+# are in benchmarks/results/search_settings.txt.
+TUNING_SET: frozenset[str] = frozenset({
+    "convolution/RTX_2080_Ti", "convolution_milo/A100", "dedispersion_milo/A100",
+    "gemm/RTX_2080_Ti", "pnpoly/RTX_2080_Ti", "pnpoly/RTX_3090"})
 
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _is_selector(values: Sequence[Any]) -> bool:
-    """0, 1, 2 or 0, 1, 2, 3: read as a choice among methods (one-hot), not as a size (sizes are
-    never 0). Replayed on pnpoly (two such parameters), one-hot took 13.5 evaluations to 5% of
-    the optimum against 18.5 as numbers. Longer 0-based ranges are counts, kept ordinal."""
-    return 3 <= len(values) <= 4 and sorted(values) == list(range(len(values)))
-
-
-def encode_features(choices: Sequence[Sequence[Any]]) -> list[np.ndarray]:
-    """Per parameter, a (len(choices), width) feature table in [0, 1].
-
-    Numbers are min-max scaled, on a log2 scale where all are positive and span at least a
-    factor 4 (tile sizes, buffer depths); anything else is one-hot. Constant parameters get
-    width 0."""
-    tables = []
-    for values in choices:
-        n = len(values)
-        if n <= 1:
-            tables.append(np.zeros((n, 0)))
-            continue
-        if all(_is_number(v) for v in values) and not _is_selector(values):
-            x = np.asarray(values, dtype=float)
-            if x.min() > 0 and x.max() / x.min() >= 4:
-                x = np.log2(x)
-            lo, hi = x.min(), x.max()
-            tables.append(((x - lo) / (hi - lo)).reshape(n, 1))
-        else:
-            tables.append(np.eye(n))
-    return tables
-
-
-class _GP:
-    """Zero-mean GP, Matern 5/2 with one length scale per feature, Gaussian noise; hyper-
-    parameters by maximum marginal likelihood (L-BFGS-B, a few restarts, log-normal prior)."""
-
-    def __init__(self, dim: int, rng: np.random.Generator):
-        self.dim = dim
-        self.rng = rng
-        # log length scales, log signal variance, log noise variance.
-        self.theta = np.concatenate([np.full(dim, math.log(0.5)), [0.0, math.log(1e-2)]])
-        self._fitted = False
-
-    @staticmethod
-    def _kernel(a: np.ndarray, b: np.ndarray, ls: np.ndarray, var: float) -> np.ndarray:
-        a, b = a / ls, b / ls
-        sq = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * (a @ b.T)
-        d = np.sqrt(5.0 * np.maximum(sq, 0.0))
-        return var * (1.0 + d + d * d / 3.0) * np.exp(-d)
-
-    def _nll(self, theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-        """Negative log marginal likelihood plus log-prior, and its gradient in ``theta``."""
-        dim = self.dim
-        ls, var, noise = np.exp(theta[:dim]), math.exp(theta[-2]), math.exp(theta[-1])
-        diff2 = ((x[:, None, :] - x[None, :, :]) / ls) ** 2  # (n, n, dim)
-        d = np.sqrt(5.0 * diff2.sum(-1))
-        e = np.exp(-d)
-        ks = var * (1.0 + d + d * d / 3.0) * e
-        k = ks + (noise + 1e-8) * np.eye(len(x))
-        try:
-            chol = np.linalg.cholesky(k)
-        except np.linalg.LinAlgError:
-            return 1e10, np.zeros_like(theta)
-        alpha = cho_solve((chol, True), y)
-        nll = 0.5 * y @ alpha + np.log(np.diag(chol)).sum()
-        # dNLL/dθ = ½ tr((K⁻¹ − ααᵀ) dK/dθ);
-        # Matern 5/2: dK/dlog ℓ_k = σ² e^{-d} (1 + d) · 5/3 · (Δ_k/ℓ_k)².
-        w = cho_solve((chol, True), np.eye(len(x))) - np.outer(alpha, alpha)
-        common = var * e * (1.0 + d) * (5.0 / 3.0)
-        grad = np.empty_like(theta)
-        grad[:dim] = 0.5 * np.einsum("ij,ij,ijk->k", w, common, diff2)
-        grad[-2] = 0.5 * (w * ks).sum()
-        grad[-1] = 0.5 * noise * np.trace(w)
-        # Weak priors keep the fit sane with few points: length scales around 0.5, noise small.
-        z_ls = (theta[:dim] - math.log(0.5)) / 1.5
-        z_noise = (theta[-1] - math.log(1e-2)) / 2.0
-        z_var = theta[-2] / 2.0
-        nll += 0.5 * (z_ls ** 2).sum() + 0.5 * z_noise ** 2 + 0.5 * z_var ** 2
-        grad[:dim] += z_ls / 1.5
-        grad[-1] += z_noise / 2.0
-        grad[-2] += z_var / 2.0
-        return float(nll), grad
-
-    def fit(self, x: np.ndarray, y: np.ndarray, *, optimize: bool) -> None:
-        if optimize:
-            from scipy.optimize import minimize
-
-            xf, yf = x, y
-            if len(x) > FIT_POINTS:  # Hyperparameters from the best half and a random half.
-                order = np.argsort(y)
-                rest = self.rng.choice(order[FIT_POINTS // 2:], FIT_POINTS - FIT_POINTS // 2,
-                                       replace=False)
-                keep = np.concatenate([order[:FIT_POINTS // 2], rest])
-                xf, yf = x[keep], y[keep]
-            bounds = [(math.log(0.03), math.log(20.0))] * self.dim + [
-                (math.log(0.05), math.log(20.0)), (math.log(1e-6), math.log(1.0))]
-            starts = [self.theta]
-            if not self._fitted:
-                starts.append(np.concatenate([
-                    self.rng.uniform(math.log(0.1), math.log(3.0), self.dim),
-                    [0.0, math.log(1e-2)]]))
-            best = None
-            for t0 in starts:
-                r = minimize(self._nll, t0, args=(xf, yf), jac=True, method="L-BFGS-B",
-                             bounds=bounds, options={"maxiter": 100})
-                if best is None or r.fun < best.fun:
-                    best = r
-            self.theta = best.x
-            self._fitted = True
-        ls, var, noise = np.exp(self.theta[:self.dim]), math.exp(self.theta[-2]), \
-            math.exp(self.theta[-1])
-        self._x, self._ls, self._var = x, ls, var
-        k = self._kernel(x, x, ls, var) + (noise + 1e-8) * np.eye(len(x))
-        self._chol = np.linalg.cholesky(k)
-        self._alpha = cho_solve((self._chol, True), y)
-
-    def predict(self, xs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        ks = self._kernel(xs, self._x, self._ls, self._var)
-        mu = ks @ self._alpha
-        v = solve_triangular(self._chol, ks.T, lower=True)
-        sd = np.sqrt(np.maximum(self._var - (v * v).sum(0), 1e-12))
-        return mu, sd
-
-
-def _expected_improvement(mu: np.ndarray, sd: np.ndarray, best: float) -> np.ndarray:
-    from scipy.stats import norm
-
-    z = (best - mu) / sd
-    return sd * (z * norm.cdf(z) + norm.pdf(z))
+# Largest number of candidates scored per global proposal: bigger spaces score a random
+# subsample of this size plus the free neighbours (one rank step) of the best measured configs,
+# so a proposal stays cheap on spaces of 10^4 to 10^5 configs (times in search_efficiency.txt).
+MAX_SCORED = 4096
 
 
 class CandidateBO:
@@ -189,36 +71,54 @@ class CandidateBO:
     (the features are built from them). Values are run times (lower is better);
     ``inf`` marks a failed config. Proposals never repeat a measured or pending config.
 
-    The first ``n_startup`` proposals (after any warm starts the caller measured) are random,
-    then each is the candidate of highest expected improvement in log time under a GP fitted to
-    the finite measurements, with failed configs counted as the worst time seen (so the search
-    moves away from them without a separate classifier) and times slower than the
-    ``cap_quantile`` capped there; ``xi`` asks for that much improvement (exploration).
-    Pending configs are filled in with the GP's mean (kriging believer), so a batch of
-    proposals spreads out.
+    The first ``n_startup`` proposals (after any warm starts the caller measured) are an initial
+    design (``init``), then each is the candidate of highest expected improvement in log time
+    under a GP fitted to the finite measurements, with failed configs counted as the worst time
+    seen (so the search moves away from them without a separate classifier) and times slower
+    than the ``cap_quantile`` capped there; ``xi`` asks for that much improvement
+    (exploration). ``cycle`` interleaves these global steps ("g") with local ones ("l": only
+    within ``local_radius`` rank steps, a categorical change being one step, of the incumbent,
+    the measured config the GP thinks fastest) and TPE steps ("t": the best ratio of Parzen
+    densities of the good and the bad configs, per parameter; "m": the same with joint
+    densities, as multivariate TPE). Pending configs are filled in with the GP's mean (kriging
+    believer), so a batch of proposals spreads out.
     """
 
     def __init__(self, candidates: Sequence[tuple[Hashable, ...]],
                  choices: Sequence[Sequence[Hashable]], *, seed: int | None = 0,
                  n_startup: int = DEFAULT_STARTUP, refit_every: int = 5,
                  values: Sequence[Sequence[Any]] | None = None,
-                 cap_quantile: float = CAP_QUANTILE, xi: float = XI):
+                 cap_quantile: float = CAP_QUANTILE, xi: float = XI,
+                 cycle: str = CYCLE, local_radius: int = LOCAL_RADIUS, init: str = INIT):
         if not candidates:
             raise ValueError("CandidateBO needs at least one candidate")
+        if init not in ("random", "maximin"):
+            raise ValueError(f"init={init!r} must be 'random' or 'maximin'")
+        if not cycle or set(cycle) - set("gltm"):
+            raise ValueError(f"cycle={cycle!r} must be a non-empty string of 'g', 'l', 't' "
+                             "and 'm'")
         self.candidates = list(candidates)
         self.index = {c: i for i, c in enumerate(self.candidates)}
         tables = encode_features(values if values is not None else choices)
         pos = [{v: j for j, v in enumerate(ch)} for ch in choices]
-        cols = [tables[p][[pos[p][c[p]] for c in self.candidates]]
-                for p in range(len(choices))]
+        ranks = np.array([[pos[p][c[p]] for p in range(len(choices))] for c in self.candidates],
+                         dtype=np.int32).reshape(len(self.candidates), len(choices))
+        cols = [tables[p][ranks[:, p]] for p in range(len(choices))]
         self.x = np.concatenate(cols, axis=1) if cols else np.zeros((len(candidates), 0))
+        # Trust-region distances: rank steps for numbers, one step for any categorical change.
+        self._ranks = ranks
+        self._ordinal = np.array([t.shape[1] == 1 for t in tables], dtype=bool)
         self.rng = np.random.default_rng(seed)
         self.n_startup = n_startup
         self.refit_every = max(1, refit_every)
         self.cap_quantile = cap_quantile
         self.xi = xi
-        self._gp = _GP(self.x.shape[1], self.rng)
+        self.cycle = cycle
+        self.local_radius = local_radius
+        self.init = init
+        self._gp = GP(self.x.shape[1], self.rng)
         self._fitted_at = -1
+        self._model_steps = 0
 
     def propose(self, measured: Mapping[tuple[Hashable, ...], float],
                 pending: Sequence[tuple[Hashable, ...]] = ()) -> tuple[Hashable, ...] | None:
@@ -234,43 +134,96 @@ class CandidateBO:
         known = [(self.index[c], v) for c, v in measured.items() if c in self.index]
         finite = [v for _, v in known if math.isfinite(v) and v > 0]
         if len(known) < self.n_startup or len(finite) < 2 or self.x.shape[1] == 0:
-            return self.candidates[int(self.rng.choice(free))]
+            return self.candidates[self._initial(taken, free)]
+        mode = self.cycle[self._model_steps % len(self.cycle)]
+        self._model_steps += 1
         try:
-            return self.candidates[self._ei_pick(known, finite, pending, free)]
+            if mode in "tm":
+                return self.candidates[self._tpe_pick(known, pending, free, mode == "m")]
+            return self.candidates[self._ei_pick(known, finite, pending, free, mode == "l")]
         except (np.linalg.LinAlgError, ValueError, FloatingPointError):
             # A numerically singular fit: measure a random candidate and refit next time.
             self._fitted_at = -1
             return self.candidates[int(self.rng.choice(free))]
 
-    def _ei_pick(self, known: list[tuple[int, float]], finite: list[float],
-                 pending: Sequence[tuple[Hashable, ...]], free: np.ndarray) -> int:
+    def _initial(self, taken: np.ndarray, free: np.ndarray) -> int:
+        """A random free candidate, or (maximin) the one farthest from those taken, among a
+        random subsample of at most 2000."""
+        if self.init == "random" or not taken.any() or self.x.shape[1] == 0:
+            return int(self.rng.choice(free))
+        pool = free if free.size <= 2000 else self.rng.choice(free, 2000, replace=False)
+        done = self.x[np.flatnonzero(taken)]
+        d2 = ((self.x[pool][:, None, :] - done[None, :, :]) ** 2).sum(-1).min(1)
+        top = np.flatnonzero(d2 >= d2.max() * (1 - 1e-9))
+        return int(pool[top[self.rng.integers(top.size)]])
+
+    def _targets(self, known: list[tuple[int, float]], finite: list[float]) -> np.ndarray:
+        """Standardized log times of the measured configs, failures at the worst, capped."""
         worst = max(math.log(v) for v in finite)
-        idx = np.array([i for i, _ in known])
         y = np.array([math.log(v) if math.isfinite(v) and v > 0 else worst for _, v in known])
         if self.cap_quantile < 1 and len(y) >= 20:
             # Output capping: what is slower than the median only tells "bad"; its exact size
             # would make the GP model the slow half, not the fast region that matters.
             y = np.minimum(y, np.quantile(y, self.cap_quantile))
-        mean, std = y.mean(), y.std() or 1.0
-        ys = (y - mean) / std
+        return (y - y.mean()) / (y.std() or 1.0)
+
+    def _tpe_pick(self, known: list[tuple[int, float]],
+                  pending: Sequence[tuple[Hashable, ...]], free: np.ndarray,
+                  joint: bool) -> int:
+        """The free candidate of best TPE score; the good group is the best 15% measured, the
+        bad one the rest with failures and pending configs."""
+        order = sorted(known, key=lambda iv: iv[1] if math.isfinite(iv[1]) else math.inf)
+        n_good = max(2, math.ceil(0.15 * len(order)))
+        good = np.array([i for i, _ in order[:n_good]])
+        bad = np.array([i for i, _ in order[n_good:]] +
+                       [self.index[c] for c in pending if c in self.index], dtype=int)
+        if bad.size == 0:
+            return int(self.rng.choice(free))
+        score = (joint_parzen_log_ratio(self._ranks, good, bad, free) if joint else
+                 parzen_log_ratio(self._ranks, self._ordinal, good, bad, free))
+        top = np.flatnonzero(score >= score.max() - 1e-9)
+        return int(free[top[self.rng.integers(top.size)]])
+
+    def _ei_pick(self, known: list[tuple[int, float]], finite: list[float],
+                 pending: Sequence[tuple[Hashable, ...]], free: np.ndarray, local: bool) -> int:
+        idx = np.array([i for i, _ in known])
+        ys = self._targets(known, finite)
         n = len(idx)
-        every = self.refit_every if n < 60 else 4 * self.refit_every
+        # Hyperparameters move less as data accumulates: refit every 5, then 10, then 20.
+        every = self.refit_every * (1 if n < 30 else 2 if n < 60 else 4)
         optimize = self._fitted_at < 0 or n - self._fitted_at >= every
         self._gp.fit(self.x[idx], ys, optimize=optimize)
         if optimize:
             self._fitted_at = n
+        ok = np.array([math.isfinite(v) and v > 0 for _, v in known])
+        best = ys[ok].min()
+        if local:
+            # The incumbent: the measured config the GP thinks fastest (noise-robust).
+            mu_m, _ = self._gp.predict(self.x[idx[ok]])
+            inc = idx[ok][int(np.argmin(mu_m))]
+            region = free[self._distance(inc, free) <= self.local_radius]
+            if region.size:
+                free = region
         pend = [self.index[c] for c in pending if c in self.index]
         if pend:  # Kriging believer: pending points take the mean prediction.
             mu_p, _ = self._gp.predict(self.x[pend])
             self._gp.fit(np.concatenate([self.x[idx], self.x[pend]]),
                          np.concatenate([ys, mu_p]), optimize=False)
         if free.size > MAX_SCORED:
-            free = self.rng.choice(free, MAX_SCORED, replace=False)
+            near = np.zeros(len(self.candidates), dtype=bool)
+            for i in idx[ok][np.argsort(ys[ok])[:3]]:
+                near[free[self._distance(i, free) <= 1]] = True
+            sample = np.zeros(len(self.candidates), dtype=bool)
+            sample[self.rng.choice(free, MAX_SCORED, replace=False)] = True
+            free = np.flatnonzero(near | sample)
         mu, sd = self._gp.predict(self.x[free])
-        best = ys[np.array([math.isfinite(v) and v > 0 for _, v in known])].min()
-        ei = _expected_improvement(mu, sd, best - self.xi)
+        ei = expected_improvement(mu, sd, best - self.xi)
         top = np.flatnonzero(ei >= ei.max() * (1 - 1e-9))
         return int(free[top[self.rng.integers(top.size)]])
+
+    def _distance(self, center: int, rows: np.ndarray) -> np.ndarray:
+        diff = np.abs(self._ranks[rows] - self._ranks[center])
+        return np.where(self._ordinal, diff, diff > 0).sum(1)
 
 
 class CandidateSampler(optuna.samplers.BaseSampler):

@@ -3,7 +3,10 @@
 Never imported on the dispatch path; :meth:`TunableKernel.tune` imports it on first use.
 """
 
-from pallas_tune.tuning.loop import TuningResult as TuningResult
+from pallas_tune.tuning.loop import run as run
 from pallas_tune.tuning.loop import tune as tune
+from pallas_tune.tuning.options import TuneOptions as TuneOptions
+from pallas_tune.tuning.result import Progress as Progress
+from pallas_tune.tuning.result import TuningResult as TuningResult
 
-__all__ = ["TuningResult", "tune"]
+__all__ = ["Progress", "TuneOptions", "TuningResult", "run", "tune"]

@@ -2,41 +2,79 @@
 
     pallas-tune sweep MODULE:KERNEL --shapes "x=1024x1024:bfloat16,y=1024x1024:bfloat16" --trials 32
     pallas-tune sweep --space matmul            # kernel and shape sets from search_spaces/matmul.toml
-    pallas-tune show [--kernel matmul] [--chip cpu]
+    pallas-tune show [--kernel matmul] [--chip cpu] [--trials [--key KEY]]
+
+Kernels are imported from the installed packages and from ``--path DIR`` only: the current
+directory is not searched (a ``jax.py`` lying there must not run). A ``--space`` file names a
+module to import, like any config that names code; it is validated whole before that import.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["main"]
+
+from pallas_tune.cli.options import _fmt_config, add_tune_options, tune_options  # noqa: E402
+
+_tune_options = tune_options  # The name tests and older callers use.
 
 
 class CLIUsageError(Exception):
     """Bad command-line input; printed without a traceback."""
 
 
-def _load_kernel(ref: str) -> Any:
+@contextlib.contextmanager
+def _import_path(paths: Sequence[str] = ()) -> Iterator[None]:
+    """sys.path for importing kernels: the ``--path`` directories first, and without the current
+    directory that ``python -m`` and ``-c`` put first (restored afterwards)."""
+    saved = list(sys.path)
+    here = os.path.realpath(os.getcwd())
+    if sys.path and (sys.path[0] == "" or os.path.realpath(sys.path[0]) == here):
+        del sys.path[0]
+    sys.path[:0] = [os.path.abspath(p) for p in paths]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def _load_kernel(ref: str, paths: Sequence[str] = ()) -> Any:
     from pallas_tune import _refs
     from pallas_tune.tunable import TunableKernel
 
-    sys.path.insert(0, os.getcwd())
-    try:
-        obj = _refs.load(ref)
-    except (ValueError, ImportError, AttributeError) as e:
-        raise CLIUsageError(f"cannot load kernel {ref!r}: {e}") from None
-    finally:
-        sys.path.pop(0)
+    for p in paths:
+        if not os.path.isdir(p):
+            raise CLIUsageError(f"--path {p}: not a directory")
+    with _import_path(paths):
+        try:
+            obj = _refs.load(ref)
+        except (ValueError, ImportError, AttributeError) as e:
+            hint = ("" if paths else " (the current directory is not searched: pass --path . "
+                                     "to import kernels from files here)")
+            raise CLIUsageError(f"cannot load kernel {ref!r}: {e}{hint}") from None
     if not isinstance(obj, TunableKernel):
         raise CLIUsageError(f"{ref} is not a @pallas_tune.tunable kernel (got {type(obj).__name__})")
     return obj
+
+
+def _check_specs(specs: Sequence[str]) -> None:
+    """Validates --shapes / [[shapes]] syntax before any kernel module is imported."""
+    from pallas_tune import keys
+
+    for spec in specs:
+        try:
+            keys.parse_key(spec)
+        except ValueError as e:
+            raise CLIUsageError(str(e)) from None
 
 
 def _spec_items(spec: Any) -> str:
@@ -113,7 +151,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CLIUsageError("name the kernel (MODULE:NAME) or a --space file that names one")
     if not specs:
         raise CLIUsageError("give at least one --shapes (or a --space file with [[shapes]])")
-    kernel = _load_kernel(kernel_ref)
+    _check_specs(specs)
+    kernel = _load_kernel(kernel_ref, args.path or ())
     from pallas_tune import chips
 
     if args.interpret is not None:
@@ -122,9 +161,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
         _settings.reload()
     chip = chips.normalize_chip(args.chip) if args.chip else chips.current_chip()
-    kind = "estimate" if args.timer == "tpu-estimate" else "measured"
+    options = tune_options(args, chip)  # Bad values fail here, before any shape is tuned.
+    kind = "estimate" if options.timer == "tpu-estimate" else "measured"
     print(f"pallas-tune sweep: {kernel.name} on {chip} ({len(specs)} shape(s), "
-          f"{args.trials} trials each, space of {kernel.space.size}, timer {args.timer})")
+          f"{options.trials} trials each, space of {kernel.space.size}, timer {options.timer})")
     failures = 0
     for spec in specs:
         call_args, call_kwargs = build_call(kernel, spec)
@@ -136,10 +176,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             continue
         t0 = time.perf_counter()
         try:
-            result = kernel.tune(*call_args, trials=args.trials, seed=args.seed,
-                                 storage=args.storage, repeats=args.repeats,
-                                 verbose=args.verbose, timer=args.timer, chip=chip,
-                                 workers=args.workers, sampler=args.sampler, **call_kwargs)
+            result = kernel.tune(*call_args, options=tune_options(args, chip), **call_kwargs)
         except (PallasTuneError, ValueError) as e:
             failures += 1
             print(f"  {key}: FAILED: {e}")
@@ -152,48 +189,121 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def cmd_show(args: argparse.Namespace) -> int:
-    from pallas_tune.cache import default_cache
+def _esc(value: Any, width: int | None = None) -> str:
+    """Text safe for a terminal: control and format characters (escape sequences, bidi
+    overrides) shown as Python escapes, never sent raw."""
+    text = value if isinstance(value, str) else str(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                       for c in text)
+    return text if width is None else text[:width]
 
+
+def show_rows(reports: Sequence[Any]) -> list[tuple[str, ...]]:
+    """Table rows (kernel, chip, key, best config, median_ms, how, cache) for ``show``."""
     rows = []
-    for _path, root, data in default_cache().scan():
-        where = "shipped" if root != default_cache().user_root else "user"
-        if "error" in data:
-            rows.append(("?", "?", "?", f"UNREADABLE: {data['error']}", "", "", where))
+    for r in reports:
+        where = ("shipped" if r.shipped else "user") + (" (recovered)" if r.role == "recovered"
+                                                         else "")
+        kernel = r.kernel or os.path.basename(r.path)
+        if r.error is not None:
+            rows.append((kernel, r.chip, "?", f"UNREADABLE: {r.error}", "", "", where))
             continue
-        if args.kernel and args.kernel not in data.get("kernel", ""):
-            continue
-        if args.chip and data.get("chip") != args.chip:
-            continue
-        kind = data.get("kind", "measured")
-        for key, entry in data["entries"].items():
-            prov = entry.get("provenance", {})
-            ms = entry.get("median_ms")
-            label = prov.get("timer", "?") + (" (interpret)" if prov.get("interpret") else "")
-            if kind != "measured":
-                label = f"ESTIMATE: {label}"
-            rows.append((data.get("kernel", "?"), data.get("chip", "?"), key,
-                         _fmt_config(entry.get("config", {})),
-                         "inf" if ms is None or math.isinf(ms) else f"{ms:.4g}", label, where))
+        for damage in r.damage:
+            rows.append((kernel, r.chip, "?", f"DAMAGED: {damage}", "", "", where))
+        for e in r.entries:
+            if e.problem is not None:
+                rows.append((kernel, r.chip, e.key, f"SKIPPED: {e.problem}", "", "", where))
+                continue
+            how = (e.timer or "?") + (" (interpret)" if e.interpret else "")
+            if r.kind != "measured":
+                how = f"ESTIMATE: {how}"
+            if e.outside_space:
+                how += " (outside space)"
+            ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
+            rows.append((kernel, r.chip, e.key, _fmt_config(e.config or {}), ms, how, where))
+    return rows
+
+
+def show_problems(reports: Sequence[Any]) -> list[str]:
+    """One line per unreadable file, damaged line or skipped entry, in full."""
+    out = []
+    for r in reports:
+        if r.error is not None:
+            out.append(f"{r.path}: {r.error}")
+        out += [f"{r.path}: {d}" for d in r.damage]
+        out += [f"{r.path}, key {e.key!r}: {e.problem}" for e in r.entries if e.problem]
+    return out
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from pallas_tune import chips
+    from pallas_tune.cache import default_cache
+    from pallas_tune.cache.inventory import inventory
+
+    cache = default_cache()
+    chip = chips.normalize_chip(args.chip) if args.chip else None
+    reports = inventory(cache, kernel=args.kernel, chip=chip)
+    rows = show_rows(reports)
+    if args.key:
+        rows = [r for r in rows if args.key in r[2]]
     if not rows:
-        print(f"no cache entries (looked in {default_cache().roots()})")
+        print(_esc(f"no cache entries (looked in {cache.roots()})"))
         return 0
     header = ("kernel", "chip", "key", "best config", "median_ms", "how", "cache")
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    widths = [min(w, 70) for w in widths]
+    rows = [tuple(_esc(c) for c in r) for r in rows]
+    widths = [min(max(len(r[i]) for r in rows + [header]), 70) for i in range(len(header))]
     print("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
     for r in rows:
-        print("  ".join(str(c)[:w].ljust(w) for c, w in zip(r, widths, strict=True)))
+        print("  ".join(c[:w].ljust(w) for c, w in zip(r, widths, strict=True)))
+    problems = show_problems(reports)
+    if problems:
+        print("\nnot served (files are left as they are):")
+        for line in problems:
+            print(_esc(f"  {line}"))
+    if args.trials:
+        _print_trials(reports, args.key)
     return 0
 
 
+def _print_trials(reports: Sequence[Any], key_filter: str | None) -> None:
+    from pallas_tune.cache.inventory import trial_history
+
+    for r in reports:
+        for e in r.entries:
+            if key_filter and key_filter not in e.key:
+                continue
+            runs, bad = trial_history(r, e.key)
+            where = r.ledger or r.path
+            print()
+            print(_esc(f"{r.kernel or '?'} on {r.chip}, {e.key}: {len(runs)} tuning run(s) "
+                       f"in {where}" + (f" ({bad} unreadable ledger lines skipped)" if bad
+                                        else "")))
+            for run in runs:
+                written = run.get("written") or "?"
+                trials = run.get("trials") if isinstance(run.get("trials"), list) else []
+                print(_esc(f"  run written {written}: {len(trials)} trials"))
+                for t in trials:
+                    if not isinstance(t, dict):
+                        print(_esc(f"    (not a trial record: {t!r:.60})"))
+                        continue
+                    ms = t.get("median_ms")
+                    ms_text = f"{ms:.4g}" if isinstance(ms, int | float) and not isinstance(
+                        ms, bool) and math.isfinite(ms) else "-"
+                    config = t.get("config") if isinstance(t.get("config"), dict) else {}
+                    error = f"  {t['error']}" if isinstance(t.get("error"), str) else ""
+                    print(_esc(f"    #{t.get('number', '?')!s:>4} "
+                               f"{t.get('outcome', '?')!s:14} {ms_text:>10}  "
+                               f"{_fmt_config(config)}{error}", 200))
+
+
 def cmd_feasibility(args: argparse.Namespace) -> int:
+    from pallas_tune.chips import chip_spec
     from pallas_tune.feasibility import compile as _compile
     from pallas_tune.feasibility import inspect as _inspect
     from pallas_tune.feasibility import model as feasibility
-    from pallas_tune.chips import chip_spec
 
-    kernel = _load_kernel(args.kernel)
+    kernel = _load_kernel(args.kernel, args.path or ())
     try:
         spec = chip_spec(args.chip)
     except ValueError as e:
@@ -213,7 +323,7 @@ def cmd_feasibility(args: argparse.Namespace) -> int:
         for config in kernel.space:
             try:
                 calls = _inspect.find_pallas_calls(kernel.fn, call_args, {**call_kwargs, **config})
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"  {_fmt_config(config):60s} trace error: {str(e)[:80]}")
                 continue
             v = feasibility.model_verdict(calls, spec)
@@ -233,14 +343,6 @@ def cmd_feasibility(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_config(config: dict[str, Any]) -> str:
-    return " ".join(f"{k}={_fmt_value(v)}" for k, v in config.items())
-
-
-def _fmt_value(v: Any) -> str:
-    if isinstance(v, list | tuple):
-        return "(" + ",".join(str(x) for x in v) + ")"
-    return str(v)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,24 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "@FILE with one such line per shape")
     s.add_argument("--space", help="a search_spaces/ file name or path; supplies the kernel and "
                                    "shape sets when not given")
-    s.add_argument("--trials", type=int, default=32)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--repeats", type=int, default=5, help="timed runs per candidate")
-    s.add_argument("--storage", help="Optuna storage URL (e.g. sqlite:///sweep.db): makes the "
-                                     "sweep resumable and shareable across hosts")
     s.add_argument("--force", action="store_true", help="re-tune keys already in the user cache")
-    s.add_argument("--chip", help="the chip to tune for (default: this host's); another chip "
-                                  "needs --timer tpu-estimate")
-    s.add_argument("--timer", choices=("wallclock", "tpu-estimate"), default="wallclock",
-                   help="tpu-estimate: the TPU compiler's static cycle estimate, deviceless "
-                        "(needs libtpu; no TPU)")
-    s.add_argument("--workers", type=int, default=2,
-                   help="processes compiling candidates in parallel (tpu-estimate)")
-    s.add_argument("--sampler", choices=("gp", "tpe"), default="gp",
-                   help="gp: a Gaussian process's expected improvement over every candidate "
-                        "(default); tpe: Optuna's multivariate TPE")
     s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
     s.add_argument("-v", "--verbose", action="store_true", help="print every trial")
+    add_tune_options(s)
+    s.add_argument("--path", action="append", metavar="DIR",
+                   help="also import kernels from DIR (repeatable; e.g. --path . for a kernel in "
+                        "a file here: the current directory is not searched otherwise)")
     s.set_defaults(func=cmd_sweep)
     f = sub.add_parser("feasibility", help="VMEM model (and compiler) verdict per candidate")
     f.add_argument("kernel", help="MODULE:NAME of a @tunable kernel")
@@ -279,10 +370,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--shapes", action="append", help="as for sweep")
     f.add_argument("--compile", action="store_true",
                    help="also compile each candidate deviceless (needs libtpu)")
+    f.add_argument("--path", action="append", metavar="DIR",
+                   help="also import kernels from DIR (repeatable)")
     f.set_defaults(func=cmd_feasibility)
     sh = sub.add_parser("show", help="list what the caches hold")
     sh.add_argument("--kernel", help="only kernels whose name contains this")
-    sh.add_argument("--chip", help="only this chip (e.g. cpu, tpu_v6e)")
+    sh.add_argument("--chip", help="only this chip (e.g. cpu, tpu_v6e, v6e)")
+    sh.add_argument("--key", help="only keys containing this")
+    sh.add_argument("--trials", action="store_true",
+                    help="also print the trial history of each entry shown (from the ledger)")
     sh.set_defaults(func=cmd_show)
     return p
 
@@ -292,9 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pallas_tune.errors import PallasTuneError
 
     try:
-        return int(args.func(args) or 0)
+        with _import_path():
+            return int(args.func(args) or 0)
     except (CLIUsageError, PallasTuneError) as e:
-        print(f"pallas-tune {args.command}: error: {e}", file=sys.stderr)
+        print(_esc(f"pallas-tune {args.command}: error: {e}").replace("\\n", "\n"),
+              file=sys.stderr)
         return 2
 
 

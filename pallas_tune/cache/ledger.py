@@ -1,0 +1,77 @@
+"""The trial ledger: every tuning run's full record, one JSON line each, beside the winners.
+
+``<stem>.trials.jsonl`` (``<stem>.estimate.trials.jsonl`` for estimates) is append-only: a
+writer adds one line per tuned shape, ``{"key", "kind", "written", "config", "median_ms",
+"provenance", "trials": [...]}``, under the winners file's lock. Nothing on the dispatch path
+reads it; ``pallas-tune show --trials`` and reports do. A writer killed mid-line leaves a partial
+line: readers skip lines that do not parse, and the next writer starts on a fresh line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pallas_tune.cache.files import dumps
+
+__all__ = ["append", "read"]
+
+
+def append(path: str, records: Sequence[dict[str, Any]]) -> None:
+    """Appends sanitized records, one line each, and syncs. Raises OSError."""
+    if not records:
+        return
+    data = "".join(dumps(r) + "\n" for r in records).encode("ascii")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | getattr(os, "O_NONBLOCK", 0),
+                 0o666)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        size = st.st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data  # A killed writer's partial line: end it, never extend it.
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(path: str, *, key: str | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The records of a ledger (oldest first), only those of ``key`` if given, and how many
+    lines were skipped as unreadable. A missing file has no records. Raises OSError."""
+    records, bad = [], 0
+    for record in _lines(path):
+        if record is None:
+            bad += 1
+        elif key is None or record.get("key") == key:
+            records.append(record)
+    return records, bad
+
+
+def _lines(path: str) -> Iterator[dict[str, Any] | None]:
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # A FIFO would block: not a ledger.
+            yield None
+            return
+    except FileNotFoundError:
+        return
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError):
+                yield None
+                continue
+            if isinstance(record, dict) and isinstance(record.get("key"), str) and isinstance(
+                    record.get("trials", []), list):
+                yield record
+            else:
+                yield None

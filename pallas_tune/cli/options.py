@@ -1,0 +1,91 @@
+"""How ``pallas-tune sweep`` turns every :class:`pallas_tune.TuneOptions` field into a flag."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_tune_options", "tune_options"]
+
+
+# How `pallas-tune sweep` reads each TuneOptions field (its help is the field's documentation).
+_OPTION_TYPES: dict[str, Any] = {
+    **dict.fromkeys(("trials", "seed", "warm_start", "patience", "max_attempts", "warmup",
+                     "repeats", "retime_top", "workers", "compile_workers"), int),
+    **dict.fromkeys(("min_time_s", "max_time_s", "slow_factor", "vreg_limit"), float),
+    **dict.fromkeys(("sampler", "storage", "study_name", "timer", "chip", "feasibility",
+                     "estimate_fallback"), str),
+    **dict.fromkeys(("isolate", "standin", "write"), bool),
+    "timeout_s": "limits",
+}
+_OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("auto", "wallclock", "profiler", "tpu-estimate"),
+                   "feasibility": ("auto", "off", "model", "compile"),
+                   "estimate_fallback": ("roofline",)}
+_CLI_ONLY = ("callbacks",)  # Functions: from the API only.
+
+
+def add_tune_options(parser: argparse.ArgumentParser) -> None:
+    from pallas_tune.tuning.options import TuneOptions
+
+    group = parser.add_argument_group("tuning options (pallas_tune.TuneOptions)")
+    for name, text in TuneOptions.help().items():
+        if name in _CLI_ONLY:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind = _OPTION_TYPES[name]
+        text = text.replace("%", "%%")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=text)
+        elif kind == "limits":
+            group.add_argument(flag, type=_limits_arg, default=None, metavar="S|PHASE=S,...",
+                               help=text)
+        else:
+            group.add_argument(flag, type=kind, default=None, choices=_OPTION_CHOICES.get(name),
+                               help=text)
+
+
+def _limits_arg(text: str) -> float | dict[str, float]:
+    try:
+        if "=" not in text:
+            return float(text)
+        return {k.strip(): float(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give seconds (e.g. 60) or phase=seconds pairs (e.g. trace=60,run=300)"
+        ) from None
+
+
+def tune_options(args: argparse.Namespace, chip: str) -> Any:
+    from pallas_tune.tuning.options import TuneOptions
+
+    given = {n: getattr(args, n) for n in TuneOptions.names()
+             if n not in _CLI_ONLY and getattr(args, n, None) is not None}
+    given.setdefault("seed", 0)  # Sweeps are reproducible unless told otherwise.
+    given["chip"] = chip
+    if args.verbose:
+        given["callbacks"] = (_print_trial,)
+    return TuneOptions.build(**given)
+
+
+def _print_trial(record: Any, progress: Any) -> None:
+    del progress  # Unused.
+    if record.duplicate_of is not None:
+        what = f"same program as trial {record.duplicate_of}"
+    elif record.outcome.timed:
+        what = f"{record.outcome.value} {record.median_ms:.4g} ms"
+    else:
+        what = f"{record.outcome.value} ({record.error.splitlines()[0][:120] if record.error else ''})"
+    print(f"  [{record.number:3d}] {_fmt_config(record.config)} -> {what}", flush=True)
+
+def _fmt_config(config: Any) -> str:
+    if not isinstance(config, dict):
+        return _esc(repr(config), 70)
+    return " ".join(f"{k}={_fmt_value(v)}" for k, v in config.items())
+
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, list | tuple):
+        return "(" + ",".join(str(x) for x in v) + ")"
+    return str(v)

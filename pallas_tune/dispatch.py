@@ -1,0 +1,235 @@
+"""The slow path of the trace-time lookup, and the one validity check every config goes through.
+
+Resolution order for a call whose tuned keywords are not all given (the first config that passes
+:func:`check` for the call's arguments wins):
+
+1. the exact cache entries for (chip, kernel, key): measured before estimates, the user's cache
+   directory before the caches shipped in the package. An entry must name exactly the kernel's
+   parameters, with values of the declared types, inside the declared space (or marked
+   ``"outside_space": true``); a refused entry is skipped with one warning naming the file, the
+   key and the reason;
+2. ``PALLAS_TUNE_MODE=strict`` raises :class:`CacheMissError`; ``=tune`` tunes now and caches;
+3. the winners of the nearest tuned shapes (by key distance; at most three distinct configs are
+   traced, whatever the cache's size);
+4. the declared ``default=``;
+5. the fastest valid config of the space by the roofline cost model
+   (:func:`pallas_tune.feasibility.roofline.roofline_calls`; a model, not a measurement).
+
+Steps 2 to 5 warn once per (kernel, key), naming the config used, why the others were refused
+and the command that tunes the shape. The result is memoized per (chip, key) by the kernel.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from pallas_tune import _settings
+from pallas_tune.cache import Hit
+from pallas_tune.errors import CacheMissError, InvalidConfig, NoFeasibleConfigError
+from pallas_tune.space import Config, _freeze
+
+if TYPE_CHECKING:
+    from pallas_tune.tunable import TunableKernel
+
+__all__ = ["check", "entry_problems", "resolve"]
+
+NEAREST_TRACES: Final = 3  # Distinct neighbour configs traced on a miss, at most.
+MODEL_SCAN_LIMIT: Final = 256  # Candidates the cost-model fallback traces, at most.
+
+
+def _frozen(config: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _freeze(v) for k, v in config.items()}
+
+
+def check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
+          kwargs: Mapping[str, Any]) -> tuple[list[str], list[Any] | None]:
+    """Why ``config`` cannot run for these arguments (empty: it can), and the traced
+    ``pallas_call``\\ s when it was traced. In order, stopping at the first that fails: the
+    parameter names and value types, the kernel's declared constraints, tracing
+    (:class:`InvalidConfig` and any tracing error), the TPU block rules."""
+    problems = declared_problems(kernel, config, args, kwargs)
+    if problems:
+        return problems, None
+    config = _frozen(config)
+    from pallas_tune.feasibility import inspect as _inspect
+
+    try:
+        calls = _inspect.find_pallas_calls(kernel.fn, args, {**kwargs, **config})
+    except InvalidConfig as e:
+        return [f"the kernel refused it: {e}"], None
+    except Exception as e:
+        return [f"tracing failed: {type(e).__name__}: {e}"], None
+    return _inspect.block_rule_violations(calls), calls
+
+
+def declared_problems(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
+                      kwargs: Mapping[str, Any]) -> list[str]:
+    """The part of :func:`check` that needs no trace: parameter names and value types, then the
+    kernel's declared constraints for these arguments (empty: none refuses it)."""
+    problems = kernel.space.config_problems(config, outside_ok=True)
+    if problems or not kernel.space.constraints:
+        return problems
+    config = _frozen(config)
+    try:
+        bound = kernel.signature.bind(*args, **kwargs, **config)
+    except TypeError as e:
+        return [f"the arguments do not fit {kernel.name}{kernel.signature}: {e}"]
+    bound.apply_defaults()
+    env = dict(bound.arguments)
+    for name, p in kernel.signature.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            env.update(env.pop(name, {}))
+    return kernel.space.constraint_problems(env)
+
+
+def entry_problems(kernel: TunableKernel, entry: Mapping[str, Any]) -> list[str]:
+    """Why a well-formed cache entry cannot be this kernel's (names, types, declared space);
+    empty if it can. No tracing: :func:`check` then decides for a call's shapes."""
+    outside = entry.get("outside_space") is True
+    return kernel.space.config_problems(_frozen(entry["config"]), outside_ok=outside)
+
+
+def _vet(kernel: TunableKernel, hit: Hit, args: Sequence[Any], kwargs: Mapping[str, Any]
+         ) -> tuple[dict[str, Any] | None, str | None]:
+    if hit.problem is not None:
+        return None, hit.problem
+    assert hit.entry is not None
+    problems = entry_problems(kernel, hit.entry)
+    if problems:
+        return None, "; ".join(problems)
+    config = _frozen(hit.entry["config"])
+    problems, _ = check(kernel, config, args, kwargs)
+    if problems:
+        return None, f"invalid for this call: {problems[0]}"
+    return config, None
+
+
+def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+            kwargs: Mapping[str, Any]) -> Config:
+    """The config for a call whose key is ``key`` (see the module docstring for the order)."""
+    cache = kernel.cache
+    refused = []
+    for hit in cache.lookup_all(chip, kernel.name, key):
+        config, why = _vet(kernel, hit, args, kwargs)
+        if config is not None:
+            return Config(config, source="cache", origin=hit.path)
+        cache.report(hit.path, key, why or "", fix=f"Re-tune it with: {tune_hint(kernel, key)}")
+        refused.append(f"{hit.path}: {why}")
+    mode = _settings.mode()
+    if mode == "strict":
+        was = f" Cache entries for it were refused: {'; '.join(refused)}." if refused else ""
+        raise CacheMissError(
+            f"PALLAS_TUNE_MODE=strict: no usable tuned config of kernel {kernel.name!r} on chip "
+            f"{chip!r} for key {key!r} (looked in {cache.roots()}).{was} Fill it with:\n"
+            f"  {tune_hint(kernel, key)}\n"
+            "or unset PALLAS_TUNE_MODE to run on a fallback config."
+        )
+    if mode == "tune":
+        result = kernel._tune_from_trace(args, kwargs)
+        return Config(result.best, source="tuned", origin=key)
+    notes: list[str] = []
+    found = _nearest(kernel, chip, key, args, kwargs, notes)
+    if found is None:
+        found = _default_or_model(kernel, chip, key, args, kwargs, notes)
+    head = f"pallas-tune: no tuned config of {kernel.name!r} on {chip!r} for {key!r}"
+    if found.source == "nearest":
+        what = (f"using that of the nearest tuned shape {found.origin!r}: "
+                f"{found.to_dict()}")
+    elif found.source == "default":
+        what = f"using the default {found.to_dict()}"
+    else:
+        what = (f"using {found.to_dict()}, the fastest of {found.origin} by the roofline cost "
+                "model (a model, not a measurement)")
+    refusals = f" Refused first: {'; '.join(notes)}." if notes else ""
+    kernel._warn_once(key, f"{head}; {what}.{refusals} Tune this shape with: "
+                           f"{tune_hint(kernel, key)}")
+    return found
+
+
+def _nearest(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+             kwargs: Mapping[str, Any], notes: list[str]) -> Config | None:
+    if kernel.key_fn is not None:
+        return None  # Custom keys have no notion of distance.
+    tried: set[tuple[Any, ...]] = set()
+    for _, hit in kernel.cache.neighbours(chip, kernel.name, key):
+        if hit.problem is not None or entry_problems(kernel, hit.entry or {}):
+            continue
+        config = _frozen(hit.entry["config"])  # type: ignore[index]
+        marker = tuple(sorted(config.items()))
+        if marker in tried:
+            continue
+        if len(tried) >= NEAREST_TRACES:
+            break
+        tried.add(marker)
+        problems, _ = check(kernel, config, args, kwargs)
+        if not problems:
+            return Config(config, source="nearest", origin=hit.key)
+        notes.append(f"the config of the tuned shape {hit.key!r} {config} ({problems[0]})")
+    return None
+
+
+def _default_or_model(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+                      kwargs: Mapping[str, Any], notes: list[str]) -> Config:
+    default = kernel.space.default
+    complete = default is not None and set(default) == set(kernel.space.names)
+    if complete:
+        problems, _ = check(kernel, default, args, kwargs)  # type: ignore[arg-type]
+        if not problems:
+            return Config(default, source="default")  # type: ignore[arg-type]
+        notes.append(f"the declared default {dict(default)} ({problems[0]})")  # type: ignore[arg-type]
+    from pallas_tune.feasibility.roofline import roofline_calls
+
+    spec = _cost_spec(chip)
+    best: tuple[float, int, dict[str, Any]] | None = None
+    valid = scanned = 0
+    first_problem = ""
+    for i, candidate in enumerate(itertools.islice(kernel.space.ordered_candidates(),
+                                                   MODEL_SCAN_LIMIT)):
+        if complete and i == 0:
+            continue  # The default, refused above.
+        scanned += 1
+        problems, calls = check(kernel, candidate, args, kwargs)
+        if problems:
+            first_problem = first_problem or problems[0]
+            continue
+        valid += 1
+        cost = roofline_calls(calls, spec).time_s if calls else 0.0
+        if best is None or (cost, i) < best[:2]:
+            best = (cost, i, candidate)
+    if best is None:
+        raise NoFeasibleConfigError(
+            f"no config of {kernel.name!r} is valid for {key!r}: the first "
+            f"{scanned + complete} candidates of the space were refused (first problem: "
+            f"{first_problem or (notes[0] if notes else '?')}). Add choices that fit these "
+            "shapes to the declared space, or pass the tuned keywords explicitly."
+        )
+    return Config(best[2], source="model", origin=f"{valid} valid configs of {scanned + complete}")
+
+
+def _cost_spec(chip: str) -> Any:
+    from pallas_tune.chips import chip_spec
+
+    try:
+        spec = chip_spec(chip)
+    except ValueError:
+        spec = None
+    if spec is None or spec.platform != "tpu":
+        spec = chip_spec("tpu_v6e")  # Interpret mode and other hosts rank as for a TPU.
+    return spec
+
+
+def tune_hint(kernel: TunableKernel, key: str) -> str:
+    """The command that tunes ``key`` (or the call to make, for kernels no CLI can import)."""
+    import sys
+
+    fn = kernel.fn
+    module, qualname = getattr(fn, "__module__", ""), getattr(fn, "__qualname__", "")
+    obj: Any = sys.modules.get(module) if module != "__main__" else None
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    if kernel.key_fn is None and obj is kernel:
+        return f"pallas-tune sweep {module}:{qualname} --shapes '{key}'"
+    return f"{kernel.name}.tune(...) with these arguments"

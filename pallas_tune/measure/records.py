@@ -1,0 +1,108 @@
+"""What evaluating one candidate produces: an :class:`Outcome`, a :class:`Measurement`, a
+:class:`TrialRecord`. Plain data, picklable (worker processes send them back as they are)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import statistics
+from typing import Any
+
+__all__ = ["Measurement", "Outcome", "TrialRecord"]
+
+
+class Outcome(str, enum.Enum):
+    """How a trial ended. ``slow``: timed, but stopped early for being clearly slower than the
+    best so far (its median is of the runs seen)."""
+
+    OK = "ok"
+    SLOW = "slow"
+    INFEASIBLE = "infeasible"
+    COMPILE_ERROR = "compile_error"
+    RUNTIME_ERROR = "runtime_error"
+    TIMEOUT = "timeout"
+    MISMATCH = "mismatch"
+
+    @property
+    def timed(self) -> bool:
+        """Whether the candidate ran correctly and has a time (``ok`` or ``slow``)."""
+        return self in (Outcome.OK, Outcome.SLOW)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Measurement:
+    """Timed runs of one program, in milliseconds."""
+
+    times_ms: tuple[float, ...]
+    compile_ms: float
+    timer: str = "wallclock"  # What produced times_ms (a profiler timer may fall back).
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms) if self.times_ms else math.inf
+
+    @property
+    def spread_ms(self) -> float:
+        """Interquartile range of the timed runs (0 with fewer than 4 runs)."""
+        return spread(self.times_ms)
+
+
+def spread(times: tuple[float, ...] | list[float]) -> float:
+    """Interquartile range (0 with fewer than 4 values)."""
+    if len(times) < 4:
+        return 0.0
+    q = statistics.quantiles(times, n=4)
+    return q[2] - q[0]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TrialRecord:
+    """One evaluated candidate.
+
+    ``fingerprint`` identifies the lowered program (after clamping and defaulting); a candidate
+    whose program was already evaluated is not run again: it carries ``duplicate_of`` (that
+    trial's number) and that trial's outcome and measurement. ``phase`` is where the candidate's
+    evaluation ended (``trace``, ``check``, ``compile``, ``run``), ``seconds`` how long it took.
+    """
+
+    number: int
+    config: dict[str, Any]
+    outcome: Outcome
+    measurement: Measurement | None = None
+    error: str = ""
+    max_abs_err: float | None = None
+    detail: str = ""  # Failure kind, e.g. vmem_scoped_oom, block_rule, smem_oom, worker_crashed.
+    vmem_bytes: int | None = None  # Model (or compiler) VMEM figure, where known.
+    cycles: int | None = None  # Compiler cycle estimate (tpu-estimate timer).
+    fingerprint: str | None = None
+    duplicate_of: int | None = None
+    phase: str = ""
+    seconds: float = 0.0
+
+    @property
+    def median_ms(self) -> float:
+        """The median of the timed runs (``inf`` for a candidate that was not timed)."""
+        return self.measurement.median_ms if self.measurement else math.inf
+
+    @property
+    def spent_device_time(self) -> bool:
+        """Whether this trial ran its program (not a duplicate, not rejected before running)."""
+        return self.duplicate_of is None and self.measurement is not None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"number": self.number, "config": self.config,
+                               "outcome": self.outcome.value}
+        m = self.measurement
+        if m is not None:
+            out.update(median_ms=m.median_ms, spread_ms=m.spread_ms, times_ms=list(m.times_ms),
+                       compile_ms=m.compile_ms, timer=m.timer)
+        optional = {"max_abs_err": self.max_abs_err, "error": self.error, "detail": self.detail,
+                    "vmem_bytes": self.vmem_bytes, "estimated_cycles": self.cycles,
+                    "fingerprint": self.fingerprint, "duplicate_of": self.duplicate_of,
+                    "phase": self.phase}
+        out.update({k: v for k, v in optional.items() if v not in (None, "")})
+        if self.duplicate_of is not None:  # Its times are the original's: say so, don't repeat.
+            for k in ("times_ms", "compile_ms"):
+                out.pop(k, None)
+        return out

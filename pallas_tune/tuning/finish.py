@@ -1,0 +1,141 @@
+"""After the search: the winner's final re-ranking, the result and its provenance, the cache."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import platform
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+from pallas_tune.errors import NoFeasibleConfigError
+from pallas_tune.measure.evaluate import Evaluator
+from pallas_tune.measure.records import Outcome, spread
+from pallas_tune.tuning.log import TrialLog
+from pallas_tune.tuning.options import TuneOptions
+from pallas_tune.tuning.plan import Plan
+from pallas_tune.tuning.result import TuningResult
+
+__all__ = ["build_result", "rerank", "versions", "write"]
+
+logger = logging.getLogger("pallas_tune.tuning")
+
+
+def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions
+           ) -> list[dict[str, Any]] | None:
+    """The ``retime_top`` best re-timed interleaved (A B C A B C ...), so that drift hits all
+    alike; rows sorted by their median there. None with fewer than two to compare."""
+    ok = sorted((r for r in log.records if r.outcome is Outcome.OK and r.duplicate_of is None),
+                key=lambda r: r.median_ms)
+    top = ok[:options.retime_top]
+    if options.retime_top < 2 or len(top) < 2:
+        return None
+    try:
+        times = evaluator.rerank([r.config for r in top], rounds=max(3, options.repeats))
+    except Exception:  # noqa: BLE001 - keep the search's ranking if re-timing fails.
+        logger.warning("interleaved re-timing failed; keeping the search's ranking",
+                       exc_info=True)
+        return None
+    if not times:
+        return None
+    rows = [{"trial": r.number, "config": dict(r.config), "search_median_ms": r.median_ms,
+             "median_ms": statistics.median(t), "spread_ms": spread(t), "times_ms": list(t)}
+            for r, t in zip(top, times, strict=True)]
+    return sorted(rows, key=lambda row: row["median_ms"])
+
+
+def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
+                 ranking: list[dict[str, Any]] | None, *, options: TuneOptions,
+                 device: Mapping[str, Any], study: Any, extra: Mapping[str, Any]
+                 ) -> TuningResult:
+    """The result: the winner (first of the re-ranking, else the search's best), ``best_ms``
+    from the same runs that chose it, and how every figure was obtained."""
+    best = log.best()
+    if best is None:
+        summary: dict[str, int] = {}
+        for r in log.records:
+            summary[r.outcome.value] = summary.get(r.outcome.value, 0) + 1
+        first = next((r for r in log.records if r.error), None)
+        raise NoFeasibleConfigError(
+            f"tuning {kernel.name!r} for {plan.key!r}: none of {len(log.records)} candidates "
+            f"succeeded ({summary}). First error ({first.config if first else ''}): "
+            f"{first.error if first else 'n/a'}")
+    best_ms = best.median_ms
+    best_spread = best.measurement.spread_ms if best.measurement else 0.0
+    if ranking:
+        best = log.records[ranking[0]["trial"]]
+        best_ms, best_spread = ranking[0]["median_ms"], ranking[0]["spread_ms"]
+    roofline_used = any("roofline" in r.detail for r in log.records if r.outcome.timed)
+    prov = provenance(plan, chip, options, device, {**extra, "roofline_used": roofline_used})
+    prov.update(ranked_by="interleaved re-ranking" if ranking else "search median",
+                strategy=extra.get("strategy"), counts=log.counts(),
+                trials_measured=log.timed, tuning_s=round(log.progress().elapsed_s, 3))
+    if ranking:
+        prov["retimed_interleaved"] = ranking
+    return TuningResult(kernel=kernel.name, chip=chip, key=plan.key, records=tuple(log.records),
+                        best_record=best, best_ms=best_ms, best_spread_ms=best_spread,
+                        ranking=tuple(ranking or ()), provenance=prov, options=options,
+                        study=study)
+
+
+def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str, Any],
+               extra: Mapping[str, Any]) -> dict[str, Any]:
+    """How the figures were obtained: chip, timer, evaluator, versions, date."""
+    common = {"kind": plan.kind, "chip": chip, "timer": options.timer,
+              "evaluator": extra.get("evaluator"), "seed": options.seed,
+              "versions": versions(),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    if plan.estimating:
+        from pallas_tune.chips import chip_spec
+
+        spec = chip_spec(chip)
+        prov = {**common, "device_kind": spec.device_kind, "platform": "tpu", "interpret": False,
+                "timing_note": ("static cycle estimate of the TPU compiler (deviceless libtpu "
+                                f"compile), converted at {spec.clock_hz / 1e9:g} GHz: an "
+                                "estimate, not a measurement"),
+                "clock_hz": spec.clock_hz, "standin": extra.get("standin"),
+                "standin_check": extra.get("standin_check", {})}
+        if prov["standin_check"].get("unverified"):
+            prov["timing_note"] += ("; on a stand-in problem NOT checked against a full "
+                                    "compile (the full problem did not fit in a worker)")
+        if extra.get("roofline_used"):
+            prov["timer"] = "tpu-estimate+roofline"
+            prov["timing_note"] += "; some candidates by the roofline MODEL (no estimate)"
+        return prov
+    interpret = bool(device.get("interpret"))
+    from pallas_tune.measure.timing import resolve_timer
+
+    timer = resolve_timer(options.timer, device.get("platform"))
+    common["timer"] = timer
+    return {**common, "device_kind": device.get("device_kind"),
+            "platform": device.get("platform"), "interpret": interpret,
+            "timing_note": ("wall clock of interpret-mode execution on the CPU: tracks grid "
+                            "steps, not TPU performance") if interpret else
+            ("device time from a profiler trace" if timer == "profiler" else
+             "wall clock around block_until_ready"),
+            "warmup": options.warmup, "repeats": options.repeats,
+            "max_time_s": options.max_time_s, "slow_factor": options.slow_factor,
+            "isolated": plan.isolate,
+            "time_limits_s": options.limits if plan.isolate else None}
+
+
+def write(kernel: Any, result: TuningResult) -> TuningResult:
+    """Writes the result's cache entry; returns the result with ``cache_path`` set."""
+    import dataclasses
+
+    path = kernel.cache.write(result.chip, kernel.name, result.key, result.to_entry(),
+                              kind=result.provenance["kind"])
+    return dataclasses.replace(result, cache_path=path)
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("pallas-tune", "jax", "jaxlib", "libtpu", "libtpu-nightly", "optuna"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

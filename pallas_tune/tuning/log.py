@@ -1,0 +1,137 @@
+"""The run's trial log: every record, what is known by config, the budget and the stop rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pallas_tune.measure.records import Outcome, TrialRecord
+from pallas_tune.tuning.options import TuneOptions
+from pallas_tune.tuning.result import Progress
+
+__all__ = ["TrialLog"]
+
+logger = logging.getLogger("pallas_tune.tuning")
+
+
+def config_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted(config.items()))
+
+
+class TrialLog:
+    """Records in trial order; a config is evaluated once per run (or study)."""
+
+    def __init__(self, options: TuneOptions, space_size: int):
+        self.options = options
+        self.space_size = space_size
+        self.records: list[TrialRecord] = []
+        self.by_config: dict[tuple[Any, ...], TrialRecord] = {}
+        self.imported: set[int] = set()
+        self.asked = 0
+        self.started = time.perf_counter()
+
+    # ---- what is known --------------------------------------------------------------------
+
+    def adopt(self, finished: Sequence[tuple[dict[str, Any], TrialRecord]]) -> list[TrialRecord]:
+        """Takes trials finished elsewhere (a resumed study, other hosts); returns the new ones."""
+        new = []
+        for config, record in finished:
+            if config_key(config) in self.by_config:
+                continue
+            record = dataclasses.replace(record, number=len(self.records))
+            self.imported.add(record.number)
+            self._store(record)
+            new.append(record)
+        return new
+
+    def fresh(self, configs: Sequence[Mapping[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+        """Numbers the configs not evaluated yet (each once), skipping what is known."""
+        out: list[tuple[int, dict[str, Any]]] = []
+        taken = set()
+        for config in configs:
+            k = config_key(config)
+            if k in self.by_config or k in taken:
+                continue
+            taken.add(k)
+            out.append((len(self.records) + len(out), dict(config)))
+        return out
+
+    def record_of(self, config: Mapping[str, Any]) -> TrialRecord:
+        return self.by_config[config_key(config)]
+
+    # ---- recording ------------------------------------------------------------------------
+
+    def add(self, record: TrialRecord) -> None:
+        assert record.number == len(self.records), (record.number, len(self.records))
+        self._store(record)
+        logger.debug("trial %d %s -> %s %.4g ms%s", record.number, record.config,
+                     record.outcome.value, record.median_ms,
+                     f" (same program as trial {record.duplicate_of})"
+                     if record.duplicate_of is not None else "")
+        progress = self.progress()
+        for callback in self.options.callbacks:
+            callback(record, progress)
+
+    def _store(self, record: TrialRecord) -> None:
+        self.records.append(record)
+        self.by_config[config_key(record.config)] = record
+
+    # ---- budget and stop rules ------------------------------------------------------------
+
+    @property
+    def timed(self) -> int:
+        """Distinct programs timed (imported ones included: a resumed study only measures what
+        is missing)."""
+        return sum(r.spent_device_time for r in self.records)
+
+    def wants_more(self) -> bool:
+        o = self.options
+        attempts = o.max_attempts or max(10 * o.trials, 100)
+        return (self.timed < o.trials and self.asked < attempts
+                and len(self.by_config) < self.space_size and not self._plateaued())
+
+    def batch(self, parallelism: int) -> int:
+        return max(1, min(parallelism, self.options.trials - self.timed))
+
+    def _plateaued(self) -> bool:
+        """``patience`` timed trials in a row without improving the best by more than 1%."""
+        n = self.options.patience
+        if not n:
+            return False
+        times = [r.median_ms for r in self.records if r.spent_device_time]
+        if len(times) <= n:
+            return False
+        return min(times[-n:]) > min(times[:-n]) * 0.99
+
+    # ---- summaries ------------------------------------------------------------------------
+
+    def best(self) -> TrialRecord | None:
+        ok = [r for r in self.records if r.outcome is Outcome.OK and r.duplicate_of is None]
+        return min(ok, key=lambda r: r.median_ms) if ok else None
+
+    def progress(self) -> Progress:
+        best = self.best()
+        here = [r for r in self.records if r.number not in self.imported]
+        return Progress(asked=self.asked, evaluated=len(here),
+                        timed=sum(r.spent_device_time for r in here),
+                        duplicates=sum(r.duplicate_of is not None for r in here),
+                        budget=self.options.trials, best_ms=best.median_ms if best else math.inf,
+                        best=dict(best.config) if best else None,
+                        elapsed_s=time.perf_counter() - self.started)
+
+    def counts(self) -> dict[str, int]:
+        """Asked of the sampler, evaluated, distinct programs, device timings spent, ..."""
+        here = [r for r in self.records if r.number not in self.imported]
+        outcomes: dict[str, int] = {}
+        for r in here:
+            outcomes[r.outcome.value] = outcomes.get(r.outcome.value, 0) + 1
+        return {"asked": self.asked, "evaluated": len(here),
+                "programs": len({r.fingerprint for r in here if r.fingerprint}),
+                "timed": sum(r.spent_device_time for r in here),
+                "duplicates": sum(r.duplicate_of is not None for r in here),
+                "from_storage": len(self.imported), **{f"outcome_{k}": v
+                                                       for k, v in sorted(outcomes.items())}}

@@ -1,0 +1,269 @@
+"""Every option of a tuning run, in one frozen dataclass, validated once.
+
+``pallas_tune.tune``, ``kernel.tune`` and ``pallas-tune sweep`` all build a
+:class:`TuneOptions`; this docstring is where each option is documented.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from pallas_tune.errors import TuneOptionError
+
+__all__ = ["PHASES", "SAMPLERS", "TIMERS", "TuneOptions"]
+
+TIMERS: Final = ("auto", "wallclock", "profiler", "tpu-estimate")
+SAMPLERS: Final = ("gp", "tpe")
+FEASIBILITY: Final = ("auto", "off", "model", "compile")
+PHASES: Final = ("trace", "compile", "run")
+# Default time limit of each phase of a candidate in a worker (seconds). The "check" phase (a
+# deviceless compile of a candidate the VMEM model is unsure about) has the compile limit.
+DEFAULT_LIMITS: Final = {"trace": 120.0, "compile": 600.0, "run": 300.0}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TuneOptions:
+    """How a kernel is tuned. Build it with keywords; every value is checked here.
+
+    Search
+      trials: distinct programs to measure (32). Candidates that are rejected before running,
+        and candidates whose lowered program was already measured (``duplicate_of``), do not
+        count. When the space has no more points than ``trials``, every point is evaluated.
+      seed: seeds the sampler and the random inputs made for ``ShapeDtypeStruct`` arguments.
+      sampler: ``"gp"`` (default: a Gaussian process's expected improvement over every
+        candidate; TPE over 50,000 points) or ``"tpe"`` (Optuna's multivariate TPE).
+      warm_start: how many warm configs to try first (6): the declared default, the winners of
+        the nearest tuned shapes, and for TPU chips the roofline model's picks. 0: only the
+        default.
+      patience: stop once this many measured trials in a row improved the best by under 1%.
+      max_attempts: most candidates to ask the sampler for (default ``max(10 * trials, 100)``).
+      storage, study_name: an Optuna storage (URL such as ``sqlite:///tune.db`` or
+        ``postgresql://...``, or a storage object) and study name (default
+        ``"<kernel>|<chip>|<key>"``): the study is then resumable and may be shared by several
+        hosts; configs and programs already evaluated there are not evaluated again.
+
+    Timing
+      timer: ``"auto"`` (default: ``"profiler"`` where a GPU or TPU measures, ``"wallclock"``
+        in CPU interpret mode), ``"wallclock"`` (around ``block_until_ready``), ``"profiler"``
+        (device time from a ``jax.profiler`` trace of the candidate's whole program; falls
+        back to wall clock, per trial and saying so, without device events) or
+        ``"tpu-estimate"`` (the TPU compiler's static cycle estimate, deviceless; needs
+        libtpu and a TPU ``chip``; written as cache entries of kind ``estimate``).
+      chip: the chip to tune for (default: this host's). Another chip needs ``tpu-estimate``.
+      warmup: untimed calls before timing (1; the first is the correctness check).
+      repeats: timed runs per candidate (5), cut short by ``max_time_s`` and ``slow_factor``.
+      min_time_s: keep timing until this much time has passed (0).
+      max_time_s: stop timing a candidate after this much time (1.0 s; at least one run).
+      slow_factor: stop timing a candidate once the fastest of two runs is over this many times
+        the best so far, and record it as ``slow`` (2.0; None: never).
+      retime_top: re-time this many of the best, interleaved, to choose the winner (3; 0 or 1:
+        the search's best wins). ``best_ms`` is the median of that final re-ranking.
+
+    Isolation and resources
+      isolate: evaluate every candidate (trace, screening, compile, run) in a worker process
+        with a time limit per phase: a hang or a crash becomes the trial's outcome. Default
+        (None): on where a device measures (TPU, GPU), off for CPU interpret-mode runs.
+        ``tpu-estimate`` always uses workers.
+      timeout_s: time limit of each phase in a worker: one number for every phase, or a
+        mapping over ``trace``, ``compile``, ``run`` (defaults 120, 600 and 300 s). Giving it
+        implies ``isolate`` unless that is set.
+      workers: worker processes for ``tpu-estimate`` compiles (2). Measurement uses one.
+      compile_workers: in-process, compile a batch in this many threads, then measure one at
+        a time (default 1 on a CPU backend, 4 on an accelerator).
+
+    Screening
+      feasibility: ``"auto"`` (default; on TPU chips ``"compile"`` where libtpu is installed and
+        no TPU measures, else ``"model"``; on other chips the block rules only), ``"model"``
+        (block rules and the VMEM/SMEM model), ``"compile"`` (also a deviceless compile of what
+        the model is unsure about), ``"off"`` (nothing but the trace itself).
+      vreg_limit: reject candidates whose largest in-kernel value exceeds this many vector
+        register files (spill risk); by default only recorded.
+      standin: for ``tpu-estimate``, estimate on the kernel's declared stand-in problem, once
+        one candidate has shown it within 5% of the full problem (True).
+      estimate_fallback: ``"roofline"``: use the roofline model where libtpu returns no
+        estimate (default None: that is an error naming the libtpu version).
+
+    Output
+      write: write the winner to the user cache (True).
+      callbacks: functions called as ``callback(record, progress)`` after every trial (a
+        :class:`~pallas_tune.measure.records.TrialRecord` and a
+        :class:`~pallas_tune.tuning.result.Progress`); from the API only.
+    """
+
+    trials: int = 32
+    seed: int | None = None
+    sampler: str = "gp"
+    warm_start: int = 6
+    patience: int | None = None
+    max_attempts: int | None = None
+    storage: Any = None
+    study_name: str | None = None
+    timer: str = "auto"
+    chip: str | None = None
+    warmup: int = 1
+    repeats: int = 5
+    min_time_s: float = 0.0
+    max_time_s: float = 1.0
+    slow_factor: float | None = 2.0
+    retime_top: int = 3
+    isolate: bool | None = None
+    timeout_s: float | Mapping[str, float] | None = None
+    workers: int = 2
+    compile_workers: int | None = None
+    feasibility: str = "auto"
+    vreg_limit: float | None = None
+    standin: bool = True
+    estimate_fallback: str | None = None
+    write: bool = True
+    callbacks: tuple[Callable[..., Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        _whole(self, "trials", 1)
+        _whole(self, "warm_start", 0)
+        _whole(self, "warmup", 0)
+        _whole(self, "repeats", 1)
+        _whole(self, "retime_top", 0)
+        _whole(self, "workers", 1)
+        for name in ("seed", "patience", "max_attempts", "compile_workers"):
+            if getattr(self, name) is not None:
+                _whole(self, name, 0 if name == "seed" else 1)
+        _choice(self, "sampler", SAMPLERS)
+        _choice(self, "timer", TIMERS)
+        _choice(self, "feasibility", FEASIBILITY)
+        _choice(self, "estimate_fallback", (None, "roofline"))
+        _number(self, "min_time_s", 0.0)
+        _number(self, "max_time_s", 0.0, strict=True)
+        if self.max_time_s < self.min_time_s:
+            raise TuneOptionError(f"max_time_s={self.max_time_s} is below min_time_s="
+                                  f"{self.min_time_s}; raise max_time_s or lower min_time_s.")
+        if self.slow_factor is not None:
+            _number(self, "slow_factor", 1.0, strict=True)
+        if self.vreg_limit is not None:
+            _number(self, "vreg_limit", 0.0, strict=True)
+        for name in ("isolate",):
+            if getattr(self, name) not in (None, True, False):
+                raise TuneOptionError(f"{name}={getattr(self, name)!r} must be True, False or "
+                                      "None (automatic).")
+        for name in ("standin", "write"):
+            if not isinstance(getattr(self, name), bool):
+                raise TuneOptionError(f"{name}={getattr(self, name)!r} must be True or False.")
+        for name in ("chip", "study_name"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise TuneOptionError(f"{name}={value!r} must be a non-empty string or None.")
+        self._check_storage()
+        object.__setattr__(self, "timeout_s", _limits(self.timeout_s))
+        callbacks = (self.callbacks,) if callable(self.callbacks) else tuple(self.callbacks)
+        for cb in callbacks:
+            if not callable(cb):
+                raise TuneOptionError(f"callbacks holds {cb!r}, which is not callable; pass "
+                                      "functions taking (record, progress).")
+        object.__setattr__(self, "callbacks", callbacks)
+
+    def _check_storage(self) -> None:
+        s = self.storage
+        if s is None or (isinstance(s, str) and "://" in s):
+            return
+        if isinstance(s, str) or not hasattr(s, "create_new_study"):
+            raise TuneOptionError(f"storage={s!r} must be an Optuna storage URL such as "
+                                  "'sqlite:///tune.db' or a storage object.")
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """Each option's documentation, read from this class's docstring (the CLI's help)."""
+        import inspect
+        import re
+
+        out: dict[str, str] = {}
+        names: list[str] = []
+        for line in (inspect.getdoc(cls) or "").splitlines():
+            entry = re.match(r"^  (\w+(?:, \w+)*): (.*)$", line)
+            if entry:
+                names = entry.group(1).split(", ")
+                for n in names:
+                    out[n] = entry.group(2)
+            elif line.startswith("    ") and names:
+                for n in names:
+                    out[n] += " " + line.strip()
+            else:
+                names = []
+        return out
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names (what ``kernel.tune`` takes out of its keyword arguments)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def build(cls, options: TuneOptions | None = None, **overrides: Any) -> TuneOptions:
+        """``options`` with ``overrides`` applied (a fresh default when ``options`` is None).
+        Unknown names raise :class:`TuneOptionError` naming the close matches."""
+        unknown = sorted(set(overrides) - set(cls.names()))
+        if unknown:
+            import difflib
+
+            hints = {u: difflib.get_close_matches(u, cls.names(), n=1) for u in unknown}
+            detail = ", ".join(f"{u!r}" + (f" (did you mean {h[0]!r}?)" if h else "")
+                               for u, h in hints.items())
+            raise TuneOptionError(f"unknown tuning option(s) {detail}; the options are the "
+                                  "fields of pallas_tune.TuneOptions.")
+        if options is None:
+            return cls(**overrides)
+        if not isinstance(options, TuneOptions):
+            raise TuneOptionError(f"options={options!r} must be a TuneOptions.")
+        return dataclasses.replace(options, **overrides) if overrides else options
+
+    @property
+    def limits(self) -> dict[str, float]:
+        """The time limit of each phase in a worker, in seconds."""
+        limits = dict(self.timeout_s)  # type: ignore[arg-type]
+        limits["check"] = limits["compile"]
+        return limits
+
+    @property
+    def isolated_by_choice(self) -> bool | None:
+        """``isolate`` as given, or True where ``timeout_s`` was given (None: automatic)."""
+        if self.isolate is not None:
+            return self.isolate
+        return True if self.timeout_s != DEFAULT_LIMITS else None
+
+
+def _whole(o: TuneOptions, name: str, low: int) -> None:
+    v = getattr(o, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise TuneOptionError(f"{name}={v!r} must be a whole number >= {low}.")
+
+
+def _number(o: TuneOptions, name: str, low: float, *, strict: bool = False) -> None:
+    v = getattr(o, name)
+    bad = (isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+           or (v <= low if strict else v < low))
+    if bad:
+        raise TuneOptionError(f"{name}={v!r} must be a finite number {'>' if strict else '>='} "
+                              f"{low:g}.")
+
+
+def _choice(o: TuneOptions, name: str, allowed: tuple[Any, ...]) -> None:
+    v = getattr(o, name)
+    if v not in allowed:
+        raise TuneOptionError(f"{name}={v!r} must be one of {allowed}.")
+
+
+def _limits(value: Any) -> dict[str, float]:
+    if value is None:
+        return dict(DEFAULT_LIMITS)
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(PHASES)
+        if unknown:
+            raise TuneOptionError(f"timeout_s names {sorted(unknown)}; the phases are {PHASES}.")
+        limits = {**DEFAULT_LIMITS, **value}
+    else:
+        limits = dict.fromkeys(PHASES, value)
+    for phase, v in limits.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 or math.isnan(v):
+            raise TuneOptionError(f"timeout_s for {phase} = {v!r} must be a number of seconds "
+                                  "> 0.")
+    return {k: float(v) for k, v in limits.items()}

@@ -1,0 +1,202 @@
+"""The Optuna side of a tuning run: the study, its sampler, warm starts, resumed trials.
+
+Parameters are stored with their real values (``bm: 512``, not a choice index), so
+``study.best_params``, Optuna's plots and optuna-dashboard read naturally. Choices Optuna
+cannot store (tuples such as ``("parallel", "parallel", "arbitrary")``) are stored as readable
+strings that map back one to one; parameters with a single choice are study user attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
+
+from pallas_tune.errors import SearchSpaceError
+from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
+
+__all__ = ["GP_MAX_CANDIDATES", "ParamCodec", "Search", "quiet_optuna"]
+
+# Spaces up to this size are searched by the GP over every candidate; larger ones by TPE.
+GP_MAX_CANDIDATES: Final = 50_000
+_PLAIN: Final = (bool, int, float, str)
+
+
+class ParamCodec:
+    """Configs to Optuna parameters and back, keeping the real values."""
+
+    def __init__(self, space: Any):
+        self.space = space
+        self._to: dict[str, dict[Any, Any]] = {}
+        self._from: dict[str, dict[Any, Any]] = {}
+        for p in space.params:
+            if len(p.choices) == 1:
+                continue
+            encoded = [_plain(v) for v in p.choices]
+            if len({(type(e), e) for e in encoded}) != len(encoded):  # Two texts alike.
+                encoded = [f"{i}: {e}" for i, e in enumerate(encoded)]
+            self._to[p.name] = dict(zip(p.choices, encoded, strict=True))
+            self._from[p.name] = dict(zip(encoded, p.choices, strict=True))
+
+    @property
+    def distributions(self) -> dict[str, Any]:
+        """The Optuna distribution of each parameter with several choices."""
+        from optuna.distributions import CategoricalDistribution
+
+        return {n: CategoricalDistribution(list(enc.values())) for n, enc in self._to.items()}
+
+    @property
+    def constants(self) -> dict[str, Any]:
+        """Parameters with a single choice (not Optuna parameters), JSON-friendly."""
+        return {p.name: _plain(p.choices[0]) for p in self.space.params if len(p.choices) == 1}
+
+    def encode(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        return {n: enc[config[n]] for n, enc in self._to.items()}
+
+    def decode(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The config of a trial's params (KeyError if they are not of this space)."""
+        return {p.name: self._from[p.name][params[p.name]] if p.name in self._from
+                else p.choices[0] for p in self.space.params}
+
+    def suggest(self, trial: Any) -> dict[str, Any]:
+        return self.decode({n: trial.suggest_categorical(n, list(enc.values()))
+                            for n, enc in self._to.items()})
+
+
+def _plain(v: Any) -> Any:
+    if v is None or isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, tuple):
+        return "(" + ", ".join(str(_plain(x)) for x in v) + ")"
+    return repr(v)
+
+
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Optuna's own INFO lines (one per trial) off while our loop runs; restored after."""
+    import optuna
+
+    before = optuna.logging.get_verbosity()
+    if before < optuna.logging.WARNING:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(before)
+
+
+class Search:
+    """Asks configs of an Optuna study and tells it the outcomes."""
+
+    def __init__(self, study: Any, codec: ParamCodec, *, strategy: str):
+        self.study = study
+        self.codec = codec
+        self.strategy = strategy
+        self._seen: set[int] = set()  # Study trial numbers already imported or told.
+
+    @classmethod
+    def open(cls, space: Any, *, name: str, storage: Any, sampler: str, seed: int | None,
+             trials: int, warm: Sequence[Mapping[str, Any]]) -> Search:
+        """A new (or resumed, with ``storage``) study over ``space``. When the space has no
+        more points than ``trials`` every point is enqueued (exhaustive); else the ``warm``
+        configs are, in order, and the sampler proposes the rest."""
+        import optuna
+
+        codec = ParamCodec(space)
+        exhaustive = space.size <= trials
+        strategy = ("exhaustive" if exhaustive else
+                    sampler if space.size <= GP_MAX_CANDIDATES else "tpe")
+        study = optuna.create_study(
+            direction="minimize", sampler=_sampler(space, codec, strategy, seed, trials),
+            storage=storage, study_name=name if storage is not None else None,
+            load_if_exists=storage is not None)
+        study.set_user_attr("constant_params", codec.constants)
+        search = cls(study, codec, strategy=strategy)
+        fresh = not any(t.state.is_finished() for t in study.trials)
+        queue = space.ordered_candidates() if exhaustive else (warm if fresh else ())
+        for config in queue:
+            study.enqueue_trial(codec.encode(config), skip_if_exists=True)
+        return search
+
+    def finished(self) -> list[tuple[dict[str, Any], TrialRecord]]:
+        """Finished trials not seen before (a resumed study; other hosts sharing it), as
+        (config, record) with the outcome, median and fingerprint they stored."""
+        from optuna.trial import TrialState
+
+        out = []
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.number in self._seen:
+                continue
+            self._seen.add(t.number)
+            try:
+                config = self.codec.decode(t.params)
+            except KeyError:
+                continue  # Not a point of this space (an older version of it).
+            out.append((config, _stored_record(t, config)))
+        return out
+
+    def ask(self, n: int) -> list[tuple[Any, dict[str, Any]]]:
+        """``n`` new trials and their configs, each asked after the previous one suggested (so
+        the sampler sees the earlier ones as pending)."""
+        asked = []
+        for _ in range(n):
+            trial = self.study.ask()
+            try:
+                asked.append((trial, self.codec.suggest(trial)))
+            except ValueError as e:  # Optuna: a stored study with other distributions.
+                raise SearchSpaceError(
+                    f"the stored study {self.study.study_name!r} was made for another search "
+                    f"space ({e}); pass another study_name= or storage=.") from None
+        return asked
+
+    def tell(self, trial: Any, record: TrialRecord, *, new: bool) -> None:
+        """Tells the study a trial's value: the median for a timed one (``slow`` included, at
+        the median seen), +inf for a failure (not FAIL: TPE ignores failed trials and would keep
+        proposing there). ``new``: the record was made for this trial (not a config known
+        before), so its details are stored with it."""
+        attrs: dict[str, Any] = {"outcome": record.outcome.value}
+        if new:
+            attrs.update(fingerprint=record.fingerprint, error=record.error[:1000],
+                         detail=record.detail)
+            if record.measurement is not None:
+                attrs["timer"] = record.measurement.timer
+        for k, v in attrs.items():
+            if v not in (None, ""):
+                trial.set_user_attr(k, v)
+        self._seen.add(trial.number)
+        self.study.tell(trial, record.median_ms if record.outcome.timed else math.inf)
+
+
+def _stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:
+    attrs = t.user_attrs
+    try:
+        outcome = Outcome(attrs.get("outcome", "ok" if t.value is not None else
+                                    "runtime_error"))
+    except ValueError:
+        outcome = Outcome.RUNTIME_ERROR
+    m = None
+    if outcome.timed and t.value is not None and math.isfinite(t.value):
+        m = Measurement(times_ms=(float(t.value),), compile_ms=math.nan,
+                        timer=attrs.get("timer", "wallclock"))
+    return TrialRecord(number=-1, config=config, outcome=outcome, measurement=m,
+                       error=(attrs.get("error", "") + " (from the stored study)").strip(),
+                       detail=attrs.get("detail", ""), fingerprint=attrs.get("fingerprint"))
+
+
+def _sampler(space: Any, codec: ParamCodec, strategy: str, seed: int | None, trials: int) -> Any:
+    """``gp``: :class:`pallas_tune.search.gp.CandidateSampler` (a GP's expected improvement
+    over every candidate); ``tpe``: multivariate TPE with constant liar; ``exhaustive``: every
+    point is enqueued, so the sampler is never consulted. All see running trials as pending."""
+    import optuna
+
+    if strategy == "exhaustive":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if strategy == "gp":
+        from pallas_tune.search.gp import CandidateSampler
+
+        return CandidateSampler([codec.encode(c) for c in space], codec.distributions,
+                                seed=seed)
+    return optuna.samplers.TPESampler(
+        seed=seed, multivariate=True, group=False, constant_liar=True,
+        n_startup_trials=max(1, min(5, trials // 5)))

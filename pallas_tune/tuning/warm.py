@@ -1,0 +1,78 @@
+"""Warm starts: configs worth evaluating before the sampler proposes its own."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["warm_start_configs"]
+
+# Rank at most this many configs with the roofline model (each is one trace).
+ROOFLINE_MAX_SPACE = 4096
+
+Ranker = Callable[[Sequence[Mapping[str, Any]], str], list[float | None]]
+
+
+def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], chip: str,
+                       key: str, *, limit: int = 6, rank: Ranker | None = None
+                       ) -> list[dict[str, Any]]:
+    """Configs worth measuring first: the declared default, the winners of the nearest tuned
+    shapes (same kernel and chip, by key distance; only those valid here), then for TPU chips
+    the roofline model's best picks. Deduplicated, at most ``limit``.
+
+    ``rank(configs, chip)`` gives each config's roofline time, None where it is invalid here
+    (the tuner passes its evaluator's, which traces inside the isolation boundary; default:
+    in this process)."""
+    from pallas_tune import keys
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.space import _freeze
+
+    rank = rank or _rank_here(kernel, args, kwargs)
+    space = kernel.space
+    out: list[dict[str, Any]] = []
+
+    def add(config: Mapping[str, Any]) -> None:
+        c = {k: config[k] for k in space.names}
+        if c not in out and c in space and len(out) < limit:
+            out.append(c)
+
+    add(next(space.ordered_candidates()))
+    near = []
+    if kernel.key_fn is None:
+        for other, entry, _ in kernel.cache.entries(chip, kernel.name):
+            d = keys.key_distance(key, other)
+            if other != key and math.isfinite(d):
+                near.append((d, other, entry))
+    winners = []
+    for _, _, entry in sorted(near, key=lambda t: (t[0], t[1]))[:limit]:
+        config = {k: _freeze(v) for k, v in entry.get("config", {}).items()}
+        if set(config) == set(space.names) and config in space and config not in winners:
+            winners.append(config)
+    for config, t in zip(winners, rank(winners, chip) if winners else [], strict=True):
+        if t is not None:
+            add(config)
+    try:
+        tpu = chip_spec(chip).platform == "tpu"
+    except ValueError:
+        tpu = False
+    if tpu and len(out) < limit and space.size <= ROOFLINE_MAX_SPACE:
+        configs = list(space)
+        times = rank(configs, chip)
+        ranked = sorted((t, i) for i, t in enumerate(times) if t is not None)
+        for _, i in ranked:
+            if len(out) >= limit:
+                break
+            add(configs[i])
+    return out
+
+
+def _rank_here(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Ranker:
+    from pallas_tune.measure.candidate import KernelParts, roofline_time
+
+    parts = KernelParts.of(kernel)
+
+    def rank(configs: Sequence[Mapping[str, Any]], chip: str) -> list[float | None]:
+        return [roofline_time(parts, args, kwargs, c, chip) for c in configs]
+
+    return rank
