@@ -80,10 +80,15 @@ def test_paged_attention_matches_reference(case):
 
 def test_paged_attention_clear_errors():
     q, k, v, lengths, pages = _paged(2, 2, 2, 16, 4, [3, 4], jnp.float32, 0)
+    # With a config given (the dispatcher reports refused shapes as NoFeasibleConfigError, whose
+    # message names the adapter's ValueError).
+    cfg = dict(pages_per_compute_block=2, inline_seq_dim=False, megacore_mode=None)
     with pytest.raises(ValueError, match="multiple of kv heads"):
-        ud.paged_attention(q[:, :3], k, v, lengths, pages)
+        ud.paged_attention(q[:, :3], k, v, lengths, pages, **cfg)
     with pytest.raises(ValueError, match="int32"):
-        ud.paged_attention(q, k, v, lengths.astype(jnp.int16), pages)
+        ud.paged_attention(q, k, v, lengths.astype(jnp.int16), pages, **cfg)
+    with pytest.raises(pt.NoFeasibleConfigError, match="multiple of kv heads"):
+        ud.paged_attention(q[:, :3], k, v, lengths, pages)
     with pytest.raises(pt.InvalidConfig, match="even kv head"):
         ud.paged_attention(q, k[:1], v[:1], lengths, pages, pages_per_compute_block=2,
                            inline_seq_dim=False, megacore_mode="kv_head")
