@@ -19,13 +19,18 @@ gives none, or where the kernel loops over run-time lengths (see measure/estimat
 compile failure is printed as such.
 
     python benchmarks/model_shapes.py [--only mamba2_ssd hstu_attention ...] [--workers 1]
-        [--max-shapes N] [--out benchmarks/results/model_shapes.md]
+        [--max-shapes N] [--rows-out part.json] [--out benchmarks/results/model_shapes.md]
+    python benchmarks/model_shapes.py --combine part1.json part2.json --out ...
+
+``--rows-out`` saves the rows of a run (several runs over disjoint sets may then go in
+parallel); ``--combine`` renders saved rows into one table, each part's command in the header.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import time
@@ -161,7 +166,7 @@ def _row(est, name, kernel, spec_str, clock):
         "upstream_label": up[4] if up else "—",
         "tuned": _fmt_ms(tuned, clock) if tuned_cfg else "not tuned (no cache entry)",
         "config": tuned_cfg, "xla_ratio": ratio(x_ms), "up_ratio": ratio(u_ms),
-        "roofline": f"{floor_ms / t_ms:.1%}" if t_ms else "—",
+        "roofline": (f"{floor_ms / t_ms:.1%}" + (" †" if floor_ms > t_ms else "")) if t_ms else "—",
         "bound": "compute" if flops / PEAK_FLOPS > nbytes / PEAK_BYTES else "memory",
         "seed": SEEDS.get(name, "—"),
         "notes": "; ".join(f"{k}: {r.message[:160]}" for k, r in (("XLA", xla), ("upstream", up_r),
@@ -195,11 +200,16 @@ def render(rows, header: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--only", nargs="+", help="kernel names (e.g. mamba2_ssd) or space files")
+    p.add_argument("--only", nargs="+", help="space files of SETS (e.g. mamba2_ssd llama3_matmul)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--max-shapes", type=int, default=None)
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
+    p.add_argument("--rows-out", default=None, help="save this run's rows (JSON) here")
+    p.add_argument("--combine", nargs="+", help="render rows saved by --rows-out runs")
     a = p.parse_args()
+    if a.combine:
+        _combine(a.combine, a.out)
+        return
     if not _compile.libtpu_available():
         print("libtpu is not installed (pip install 'pallas-tune[tpu]'): nothing to estimate.")
         return
@@ -211,16 +221,25 @@ def main() -> None:
             loaded = load_space(space_name)
             kernel = cli._load_kernel(loaded["kernel"])
             name = kernel.fn.__name__
-            if a.only and name not in a.only and space_name not in a.only:
+            if a.only and space_name not in a.only:
                 continue
             shapes = loaded["shapes"] if picks is None else [loaded["shapes"][i] for i in picks]
             for shape in shapes[: a.max_shapes]:
                 row = _row(est, name, kernel, cli._spec_items(shape), clock)
+                row["set"] = space_name
                 rows.append(row)
                 print(f"{name:24s} {_short(row['shape'])[:70]:70s} XLA {row['xla']:>16s} "
                       f"upstream {row['upstream']:>16s} tuned {row['tuned']:>10s} "
                       f"roofline {row['roofline']}", flush=True)
     elapsed = time.perf_counter() - t0
+    command = ("JAX_PLATFORMS=cpu python benchmarks/model_shapes.py"
+               + (" --only " + " ".join(a.only) if a.only else "")
+               + (f" --max-shapes {a.max_shapes}" if a.max_shapes else ""))
+    if a.rows_out:
+        with open(a.rows_out, "w", encoding="utf-8") as f:
+            json.dump({"command": command, "date": datetime.date.today().isoformat(),
+                       "seconds": round(elapsed), "jax": jax.__version__,
+                       "libtpu": _libtpu_version(), "rows": rows}, f, indent=1)
     header = (f"# Model shapes on TPU v6e: compiler ESTIMATES, not measurements\n\n"
               f"`$ JAX_PLATFORMS=cpu python benchmarks/model_shapes.py{' --only ' + ' '.join(a.only) if a.only else ''}`"
               f" — {datetime.date.today().isoformat()}, jax {jax.__version__}, libtpu "
@@ -232,6 +251,28 @@ def main() -> None:
         with open(a.out, "w", encoding="utf-8") as f:
             f.write(table)
     print(f"\n{elapsed:.0f} s")
+
+
+def _combine(paths, out) -> None:
+    parts = [json.load(open(p, encoding="utf-8")) for p in paths]
+    runs = "; ".join(f"`$ {p['command']}` ({p['seconds']} s)" for p in parts)
+    first = parts[0]
+    header = ("# Model shapes on TPU v6e: compiler ESTIMATES, not measurements\n\n"
+              f"{first['date']}, jax {first['jax']}, libtpu {first['libtpu']}, on a shared "
+              f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs side by side: {runs}; "
+              "combined with `--combine`. Times are libtpu's static cycle estimates at 1.75 GHz; "
+              "roofline: 918 TFLOP/s bf16, 1.64 TB/s HBM; † marks a tuned estimate faster than "
+              "the HBM roofline (the compiler's HBM model is optimistic: see "
+              "notes/libtpu-static-cost.md, 2.3-3.4 TB/s in its copy estimates). See the "
+              "module docstring for each column.")
+    rows = [r for p in parts for r in p["rows"]]
+    order = {name: i for i, (name, _) in enumerate(SETS)}
+    rows.sort(key=lambda r: order.get(r.get("set", ""), 99))
+    table = render(rows, header)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(table)
+    print(table)
 
 
 def _libtpu_version() -> str:
