@@ -100,6 +100,9 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
 def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, sm_scale, causal, bq, bkv,
             kv_tail):
     i, j = pl.program_id(2), pl.program_id(3)
+    # exp(scale * (s - m)) as exp2(c * (s - m)): one multiply per score instead of two (the
+    # scale, then exp's own log2(e)); the max is taken on unscaled scores (scale > 0).
+    c = sm_scale * math.log2(math.e)
 
     @pl.when(j == 0)
     def _init():
@@ -107,23 +110,24 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, sm_scale, caus
         l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def _step(tail=0):  # tail: valid keys in this (last, ragged) KV block; 0: all are valid.
-        q = q_ref[...]
-        k = k_ref[...]
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * sm_scale
-        if causal:
-            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
-            k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
+    def update(mask=False, tail=0):
+        """One online-softmax step over this KV block. mask: apply the causal mask (blocks that
+        straddle the diagonal); tail: valid keys of a ragged last block (0: all are valid)."""
+        s = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+        if mask:
+            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
             s = jnp.where(q_pos >= k_pos, s, _MASK_VALUE)
         if tail:
             s = _ragged.fill_tail(s, tail, axis=1, value=_MASK_VALUE)
         m_prev = m_ref[:, :1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        alpha = jnp.exp(m_prev - m_new)
-        l_new = alpha * l_ref[:, :1] + jnp.sum(p, axis=1, keepdims=True)
-        p = p.astype(v_ref.dtype)
+        # bf16 inputs: the exponent in bf16 (the MXU takes p in bf16 anyway; v6e's VPU and EUP
+        # work on bf16 natively), the row sum accumulated in f32 from the p actually used.
+        p = jnp.exp2(((s - m_new) * c).astype(v_ref.dtype))
+        alpha = jnp.exp2((m_prev - m_new) * c)
+        l_new = alpha * l_ref[:, :1] + jnp.sum(p.astype(jnp.float32), axis=1, keepdims=True)
         v = v_ref[...]
         if tail:  # p is 0 there, but 0 * NaN is not: zero the values read past kv_len.
             v = _ragged.fill_tail(v, tail, axis=0)
@@ -134,22 +138,31 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, sm_scale, caus
 
     # Every query row sees a valid key in KV block 0 (key 0), so l > 0 at the end: even the rows
     # of a ragged last query block, which are dropped on store, never divide by zero.
-    run = j * bkv <= i * bq + bq - 1 if causal else None  # Skip blocks above the diagonal.
-    if kv_tail:
-        last = j == pl.num_programs(3) - 1
-        full, tail = jnp.logical_not(last), last
-        if causal:
-            full, tail = jnp.logical_and(run, full), jnp.logical_and(run, tail)
-        pl.when(full)(_step)
-        pl.when(tail)(functools.partial(_step, kv_tail))
-    elif causal:
-        pl.when(run)(_step)
+    # Causal: blocks above the diagonal are skipped, blocks wholly below it need no mask.
+    if not (causal or kv_tail):
+        update()
     else:
-        _step()
+        _dispatch(update, i, j, causal=causal, bq=bq, bkv=bkv, kv_tail=kv_tail)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
         o_ref[...] = (acc_ref[...] / l_ref[:, :1]).astype(o_ref.dtype)
+
+
+def _dispatch(update, i, j, *, causal, bq, bkv, kv_tail):
+    """Runs ``update`` on the blocks that need it, masked only where a mask changes something."""
+    true, false = jnp.bool_(True), jnp.bool_(False)
+    run = j * bkv <= i * bq + bq - 1 if causal else true  # Skip blocks above the diagonal.
+    below = j * bkv + bkv - 1 <= i * bq if causal else true  # Wholly below it: no mask.
+    last = j == pl.num_programs(3) - 1 if kv_tail else false
+    body = jnp.logical_and(run, jnp.logical_not(last))
+    pl.when(jnp.logical_and(body, below))(update)
+    if causal:
+        pl.when(jnp.logical_and(body, jnp.logical_not(below)))(
+            functools.partial(update, mask=True))
+    if kv_tail:
+        pl.when(jnp.logical_and(run, last))(functools.partial(update, mask=causal,
+                                                              tail=kv_tail))
 
 
 def _standin(args, kwargs, config):

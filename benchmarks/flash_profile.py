@@ -1,0 +1,112 @@
+"""Where flash attention's v6e estimate goes: cycles and the static op mix of the kernel body.
+
+Compiles ``kernels/flash_attention.py`` (and, with ``--rev``, the same file at a git revision,
+for a before/after in one run) deviceless for TPU v6e with libtpu's static profile and its final
+VLIW bundles dumped, and prints per config: the compiler's estimated cycles (whole kernel, every
+grid step), the time at 1.75 GHz, the fraction of the roofline of the causal problem (useful
+FLOPs only: the lower triangle), the bundles of the kernel program, and how many instructions
+of each kind the program holds (static counts: loop bodies once, not per iteration).
+
+Every figure is a COMPILER ESTIMATE on a CPU host, not a measurement.
+
+    python benchmarks/flash_profile.py [--rev 84e6923] [--seq 2048] [--configs 2048x2048 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+_DUMP = tempfile.mkdtemp(prefix="flash-profile-")
+os.environ["LIBTPU_INIT_ARGS"] = (f"--xla_jf_dump_static_llo_profile_to={_DUMP}/sp "
+                                  f"--xla_jf_dump_to={_DUMP}/jf "
+                                  "--xla_jf_dump_llo_pass_label_regex=final_bundles")
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_tune.feasibility import compile as _compile  # noqa: E402
+
+PEAK_FLOPS, CLOCK = 918e12, 1.75e9
+KINDS = ("vmatmul", "vpop.f32.mrf", "vld", "vst", "vadd.f32", "vmax.f32", "vmul.f32", "vsub.f32",
+         "vexp2", "vpack", "vunpack", "vsel", "vpop.eup")
+
+
+def _kernel_at(rev: str):
+    """flash_attention's undecorated function as of git revision ``rev``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = subprocess.run(["git", "-C", root, "show", f"{rev}:kernels/flash_attention.py"],
+                          check=True, capture_output=True, text=True).stdout
+    text = re.sub(r"\nflash_attention = pt\.tunable\(.*", "\n", text, flags=re.S)
+    path = os.path.join(_DUMP, f"flash_attention_{rev}.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location(f"flash_attention_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.flash_attention
+
+
+def _ops(bq: int, bkv: int) -> tuple[int, collections.Counter]:
+    files = sorted(glob.glob(f"{_DUMP}/jf/*flash_attention_{bq}x{bkv}.1-01-final_bundles.txt"),
+                   key=os.path.getmtime)
+    if not files:
+        return 0, collections.Counter()
+    text = open(files[-1], encoding="utf-8").read()
+    for f in glob.glob(f"{_DUMP}/jf/*"):
+        os.remove(f)  # The next compile of the same name must not be mistaken for this one.
+    ops = collections.Counter(re.findall(r"= ([a-z][a-z0-9_.]*)", text))
+    bundles = len(re.findall(r"^\s*0x[0-9a-f]+", text, flags=re.M))
+    return bundles, collections.Counter({k: sum(n for op, n in ops.items() if op.startswith(k))
+                                         for k in KINDS})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rev", help="also profile kernels/flash_attention.py at this git revision")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--configs", nargs="+", default=["2048x2048", "1024x2048", "1024x1024",
+                                                     "512x512"])
+    a = p.parse_args()
+    if not _compile.libtpu_available():
+        print("libtpu is not installed: nothing to estimate.")
+        return
+    from pallas_tune.kernels.flash_attention import flash_attention
+
+    versions = [("working tree", flash_attention.fn)]
+    if a.rev:
+        versions.insert(0, (a.rev, _kernel_at(a.rev)))
+    s = a.seq  # Llama-3.1-8B: 32 query heads, 8 KV heads, head_dim 128, causal, batch 1.
+    q = jax.ShapeDtypeStruct((1, 32, s, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 8, s, 128), jnp.bfloat16)
+    floor_us = 4.0 * 32 * s * (s + 1) / 2 * 128 / PEAK_FLOPS * 1e6
+    print(f"# flash attention, Llama-3.1-8B, S={s}, causal, bf16; v6e compiler ESTIMATES; "
+          f"roofline {floor_us:.1f} us")
+    print(f"{'version':>14s} {'bq x bkv':>10s} {'cycles':>9s} {'us':>7s} {'roofline':>8s} "
+          f"{'bundles':>7s} " + " ".join(f"{k:>12s}" for k in KINDS))
+    for label, fn in versions:
+        for cfg in a.configs:
+            bq, bkv = map(int, cfg.split("x"))
+            r = _compile.compile_deviceless(fn, [q, kv, kv], dict(causal=True, bq=bq, bkv=bkv),
+                                            chip="tpu_v6e")
+            if not r.ok or not r.estimated_cycles:
+                print(f"{label:>14s} {cfg:>10s} no estimate ({r.kind}: {r.message[:100]})")
+                continue
+            cycles = sum(r.estimated_cycles)
+            us = cycles / CLOCK * 1e6
+            bundles, ops = _ops(bq, bkv)
+            print(f"{label:>14s} {cfg:>10s} {cycles:9d} {us:7.1f} {floor_us / us:8.1%} "
+                  f"{bundles:7d} " + " ".join(f"{ops[k]:12d}" for k in KINDS), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

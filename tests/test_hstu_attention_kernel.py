@@ -1,0 +1,128 @@
+"""HSTU attention kernel: every accepted shape matches the plain-JAX reference, in interpret mode.
+
+Property tests draw ragged sequence lengths, head dims, bias tables shorter and longer than the
+sequence, configs from the kernel's own space and both float dtypes; outputs are compared by
+``pallas_tune.measure.timing.compare`` with NaN/Inf checked explicitly.
+``HYPOTHESIS_PROFILE=long`` runs many more examples.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import pallas_tune as pt
+from pallas_tune.kernels.hstu_attention import (_reversed_table, hstu_attention,
+                                                hstu_attention_reference)
+from pallas_tune.measure.timing import compare
+
+_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=_SLOW, print_blob=True)
+settings.register_profile("long", max_examples=150, deadline=None,
+                          suppress_health_check=_SLOW, print_blob=True)
+PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+LENGTHS = [1, 2, 7, 61, 127, 128, 129, 255, 256, 257, 383, 385, 513, 640]
+
+
+def _inputs(b, h, s, d, dv, nb, dtype, seed):
+    rng = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
+    return (f(b, h, s, d).astype(dtype), f(b, h, s, d).astype(dtype),
+            f(b, h, s, dv).astype(dtype), f(nb))
+
+
+def _check(out, ref):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert np.isfinite(np.asarray(ref, np.float32)).all(), "the reference itself is not finite"
+    bad = int(np.sum(~np.isfinite(np.asarray(out, np.float32))))
+    assert bad == 0, f"{bad} NaN/Inf values in the kernel output"
+    ok, err, why = compare(out, ref)
+    assert ok, why
+
+
+@st.composite
+def cases(draw):
+    s = draw(st.one_of(st.sampled_from(LENGTHS), st.integers(1, 700)))
+    d = draw(st.sampled_from([8, 64, 128]))
+    dv = draw(st.sampled_from([d, 128]))
+    nb = draw(st.sampled_from([1, 7, s, 2 * s + 3]))
+    b, h = draw(st.sampled_from([(1, 1), (1, 2), (2, 1)]))
+    return ((b, h, s, d, dv, nb),
+            draw(st.sampled_from([jnp.float32, jnp.bfloat16])), draw(st.integers(0, 2**16)))
+
+
+@settings(PROFILE)
+@given(case=cases(), config=st.sampled_from([dict(c) for c in hstu_attention.space]))
+@example(case=((1, 1, 700, 128, 128, 700), jnp.float32, 0), config=dict(bq=256, bkv=512))
+# Diagonal blocks split in halves (bq == bkv >= 256), with a ragged last block.
+@example(case=((1, 2, 640, 128, 128, 640), jnp.float32, 3), config=dict(bq=256, bkv=256))
+@example(case=((1, 1, 1100, 64, 128, 2203), jnp.bfloat16, 4), config=dict(bq=512, bkv=512))
+@example(case=((1, 1, 300, 64, 128, 7), jnp.bfloat16, 1), config=dict(bq=128, bkv=128))
+@example(case=((2, 1, 100, 8, 8, 1), jnp.float32, 2), config=dict(bq=2048, bkv=128))
+def test_matches_reference(case, config):
+    shape, dtype, seed = case
+    q, k, v, bias = _inputs(*shape, dtype, seed)
+    norm = 1.0 / math.sqrt(shape[2])  # Outputs of order one at every length.
+    _check(hstu_attention(q, k, v, bias, norm=norm, **config),
+           hstu_attention_reference(q, k, v, bias, norm=norm))
+
+
+def test_defaults_are_hstu_scalings():
+    q, k, v, bias = _inputs(1, 1, 256, 64, 64, 256, jnp.float32, 0)
+    a = hstu_attention(q, k, v, bias, bq=128, bkv=128)
+    b = hstu_attention(q, k, v, bias, alpha=1 / 8.0, norm=1 / 256, bq=128, bkv=128)
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dmax,length,nb", [(10, 30, 4), (10, 30, 11), (10, 30, 50), (0, 5, 3)])
+def test_reversed_table_is_the_clamped_bias(dmax, length, nb):
+    bias = jnp.arange(nb, dtype=jnp.float32) + 1
+    d = dmax - np.arange(length)
+    expected = np.where(d >= 0, np.asarray(bias)[np.clip(d, 0, nb - 1)], 0)
+    np.testing.assert_array_equal(_reversed_table(bias, dmax=dmax, length=length)[0], expected)
+
+
+def test_bad_input_is_a_clear_error():
+    q, k, v, bias = _inputs(1, 1, 300, 64, 64, 8, jnp.float32, 0)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        hstu_attention(q, k[:, :, :200], v, bias, bq=128, bkv=128)
+    with pytest.raises(ValueError, match="rel_bias"):
+        hstu_attention(q, k, v, bias[:0], bq=128, bkv=128)
+    with pytest.raises(pt.InvalidConfig, match="multiple of 128"):
+        hstu_attention(q, k, v, bias, bq=100, bkv=128)
+
+
+def test_lowers_for_tpu_at_dlrm_hstu_shapes():
+    S = jax.ShapeDtypeStruct
+    q = S((1, 4, 2048, 128), jnp.bfloat16)
+    args = (q, q, q, S((2048,), jnp.float32))
+    with pt.target("v6e"):
+        for cfg in hstu_attention.space:
+            assert not hstu_attention.violations(cfg, args, {})
+            text = jax.jit(lambda *a: hstu_attention(*a, **cfg)).trace(*args).lower(
+                lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text
+
+
+@pytest.mark.libtpu
+def test_sweep_with_the_compiler_estimate(cache_dir, capsys):
+    from pallas_tune import cli
+
+    shapes = ("q=1x2x512x128:bfloat16,k=1x2x512x128:bfloat16,v=1x2x512x128:bfloat16,"
+              "rel_bias=512:float32")
+    rc = cli.main(["sweep", "pallas_tune.kernels.hstu_attention:hstu_attention", "--shapes",
+                   shapes, "--chip", "v6e", "--timer", "tpu-estimate", "--trials", "2",
+                   "--workers", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "(compiler estimate)" in out
+    assert list(cache_dir.glob("tpu_v6e/*hstu_attention*.estimate.json"))
