@@ -186,6 +186,7 @@ def _default_or_model(kernel: TunableKernel, chip: str, key: str, args: Sequence
     best: tuple[float, int, dict[str, Any]] | None = None
     valid = scanned = 0
     first_problem = ""
+    distinct: set[str] = set()
     for i, candidate in enumerate(itertools.islice(kernel.space.ordered_candidates(),
                                                    MODEL_SCAN_LIMIT)):
         if complete and i == 0:
@@ -194,11 +195,18 @@ def _default_or_model(kernel: TunableKernel, chip: str, key: str, args: Sequence
         problems, calls = check(kernel, candidate, args, kwargs)
         if problems:
             first_problem = first_problem or problems[0]
+            distinct.add(problems[0])
             continue
         valid += 1
         cost = roofline_calls(calls, spec).time_s if calls else 0.0
         if best is None or (cost, i) < best[:2]:
             best = (cost, i, candidate)
+    if best is None and scanned > 1 and len(distinct) == 1:
+        raise NoFeasibleConfigError(
+            f"no config of {kernel.name!r} can run {key!r}: all {scanned + complete} candidates "
+            f"tried were refused for the same reason, so the call's arguments are the problem, "
+            f"not the space: {first_problem}. Call it with arguments the kernel accepts."
+        )
     if best is None:
         raise NoFeasibleConfigError(
             f"no config of {kernel.name!r} is valid for {key!r}: the first "

@@ -87,8 +87,11 @@ def test_paged_attention_clear_errors():
         ud.paged_attention(q[:, :3], k, v, lengths, pages, **cfg)
     with pytest.raises(ValueError, match="int32"):
         ud.paged_attention(q, k, v, lengths.astype(jnp.int16), pages, **cfg)
-    with pytest.raises(pt.NoFeasibleConfigError, match="multiple of kv heads"):
+    with pytest.raises(pt.NoFeasibleConfigError, match="multiple of kv heads") as err:
         ud.paged_attention(q[:, :3], k, v, lengths, pages)
+    # Every candidate refused for one reason: the message blames the arguments, not the space.
+    assert "arguments are the problem" in str(err.value)
+    assert "Add choices" not in str(err.value)
     with pytest.raises(pt.InvalidConfig, match="even kv head"):
         ud.paged_attention(q, k[:1], v[:1], lengths, pages, pages_per_compute_block=2,
                            inline_seq_dim=False, megacore_mode="kv_head")
