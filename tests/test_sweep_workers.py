@@ -50,10 +50,12 @@ def test_kill9_then_the_same_command_resumes(tmp_path, backend):
         stored = url or f"sqlite:///{tmp_path / 'cache' / '.studies' / 'studies.db'}"
         first = subprocess.Popen(sweep_command(url, TRIALS, "-q"), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=worker_env(cache))
-        wait_for_timed(stored, 3)
+        # Killed at its first timed trial: each poll of the study takes a while on a loaded host,
+        # and a worker allowed to reach 3 first was seen finishing all 6 before the kill landed.
+        wait_for_timed(stored, 1)
         kill9(first)
         before = accounts(stored)
-        assert 3 <= before["timed"] < TRIALS, before
+        assert 1 <= before["timed"] < TRIALS, before
         again = subprocess.run(sweep_command(url, TRIALS, "-q"), capture_output=True,
                                text=True, env=worker_env(cache), timeout=600)
         acc = _assert_clean(stored, [(again.returncode, again.stdout, again.stderr)])
