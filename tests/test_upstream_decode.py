@@ -224,6 +224,6 @@ def test_rpa_sweep_with_the_compiler_estimate_says_why_it_cannot(cache_dir, caps
     rc = cli.main(["sweep", "pallas_tune.kernels.upstream_decode:ragged_paged_attention",
                    "--shapes", shapes, "--chip", "v6e", "--timer", "tpu-estimate", "--trials",
                    "2", "--workers", "1"])
-    out = capsys.readouterr().out
-    assert rc == 1 and "no static estimate" in out, out
+    out, err = capsys.readouterr()
+    assert rc == 1 and "no static estimate" in err, (out, err)  # Errors go to stderr.
     assert not list(cache_dir.glob("tpu_v6e/*.json"))
