@@ -16,7 +16,7 @@ import warnings
 import dispatch_kernels as dk
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pallas_tune as pt
@@ -175,6 +175,9 @@ def test_any_cache_file_content_the_call_is_right_and_the_file_untouched(content
           database=None,
           deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(content=hostile_files())
+# Found by this test: a measured write merged into a file whose header says "estimate".
+@example(content=b'{"schema": 2, "kernel": "tests.rowsum", "chip": "cpu", "kind": "estimate", '
+                 b'"entries": {\n}}\n')
 def test_a_write_never_loses_the_new_entry_nor_the_old_ones(content):
     with tempfile.TemporaryDirectory() as root:
         path = os.path.join(root, "cpu", "tests.rowsum.json")

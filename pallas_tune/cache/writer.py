@@ -49,6 +49,9 @@ def _read_base(path: str, *, kernel: str, kind: str) -> _Base:
     if wf.header.get("kernel", kernel) != kernel:
         raise CacheFormatError(
             f"cache file {path} holds kernel {wf.header['kernel']!r}, not {kernel!r}")
+    if wf.header.get("kind", kind) != kind:  # Measured figures never go into an estimates file.
+        raise CacheFormatError(
+            f"cache file {path} holds {wf.header['kind']!r} figures, not {kind!r} ones")
     if wf.schema == files.SCHEMA_VERSION:
         texts = wf.raw_texts()
         if texts is not None:
