@@ -17,10 +17,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from model_kernel_checks import assert_every_config_lowers_for_tpu, estimate_sweep
+from pallas_tune.kernels.hstu_attention import (
+    _reversed_table,
+    hstu_attention,
+    hstu_attention_reference,
+)
 
 import pallas_tune as pt
-from pallas_tune.kernels.hstu_attention import (_reversed_table, hstu_attention,
-                                                hstu_attention_reference)
 from pallas_tune.measure.timing import compare
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -105,24 +109,15 @@ def test_lowers_for_tpu_at_dlrm_hstu_shapes():
     S = jax.ShapeDtypeStruct
     q = S((1, 4, 2048, 128), jnp.bfloat16)
     args = (q, q, q, S((2048,), jnp.float32))
-    with pt.target("v6e"):
-        for cfg in hstu_attention.space:
-            assert not hstu_attention.violations(cfg, args, {})
-            text = jax.jit(lambda *a: hstu_attention(*a, **cfg)).trace(*args).lower(
-                lowering_platforms=("tpu",)).as_text()
-            assert "tpu_custom_call" in text
+    assert_every_config_lowers_for_tpu(hstu_attention, args)
 
 
 @pytest.mark.libtpu
 def test_sweep_with_the_compiler_estimate(cache_dir, capsys):
-    from pallas_tune import cli
-
     shapes = ("q=1x2x512x128:bfloat16,k=1x2x512x128:bfloat16,v=1x2x512x128:bfloat16,"
               "rel_bias=512:float32")
-    rc = cli.main(["sweep", "pallas_tune.kernels.hstu_attention:hstu_attention", "--shapes",
-                   shapes, "--chip", "v6e", "--timer", "tpu-estimate", "--trials", "2",
-                   "--workers", "1"])
-    out = capsys.readouterr().out
+    rc, out, _ = estimate_sweep("pallas_tune.kernels.hstu_attention:hstu_attention", shapes,
+                                capsys)
     assert rc == 0, out
     assert "(compiler estimate)" in out
     assert list(cache_dir.glob("tpu_v6e/*hstu_attention*.estimate.json"))

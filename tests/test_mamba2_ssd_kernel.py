@@ -18,10 +18,15 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from model_kernel_checks import assert_every_config_lowers_for_tpu, estimate_sweep
+from pallas_tune.kernels.mamba2_ssd import (
+    heads_per_block_for,
+    mamba2_ssd,
+    mamba2_ssd_reference,
+    mamba2_ssd_scan,
+)
 
 import pallas_tune as pt
-from pallas_tune.kernels.mamba2_ssd import (heads_per_block_for, mamba2_ssd,
-                                            mamba2_ssd_reference, mamba2_ssd_scan)
 from pallas_tune.measure.timing import compare
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -114,24 +119,14 @@ def test_lowers_for_tpu_at_mamba2_2_7b():
     args = (S((1, 2048, 5120), jnp.bfloat16), S((1, 2048, 80), jnp.float32),
             S((80,), jnp.float32), S((1, 2048, 128), jnp.bfloat16),
             S((1, 2048, 128), jnp.bfloat16), S((80,), jnp.float32))
-    with pt.target("v6e"):
-        for cfg in mamba2_ssd.space:
-            assert not mamba2_ssd.violations(cfg, args, {})
-            text = jax.jit(lambda *a: mamba2_ssd(*a, **cfg)).trace(*args).lower(
-                lowering_platforms=("tpu",)).as_text()
-            assert "tpu_custom_call" in text
+    assert_every_config_lowers_for_tpu(mamba2_ssd, args)
 
 
 @pytest.mark.libtpu
 def test_sweep_with_the_compiler_estimate(cache_dir, capsys):
-    from pallas_tune import cli
-
     shapes = ("x=1x512x512:bfloat16,dt=1x512x8:float32,A=8:float32,B=1x512x128:bfloat16,"
               "C=1x512x128:bfloat16,D=8:float32")
-    rc = cli.main(["sweep", "pallas_tune.kernels.mamba2_ssd:mamba2_ssd", "--shapes", shapes,
-                   "--chip", "v6e", "--timer", "tpu-estimate", "--trials", "2",
-                   "--workers", "1"])
-    out = capsys.readouterr().out
+    rc, out, _ = estimate_sweep("pallas_tune.kernels.mamba2_ssd:mamba2_ssd", shapes, capsys)
     assert rc == 0, out
     (path,) = cache_dir.glob("tpu_v6e/*mamba2_ssd*.estimate.json")
     (entry,) = json.loads(path.read_text())["entries"].values()
