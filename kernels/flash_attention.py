@@ -2,10 +2,12 @@
 
 q: (batch, q_heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim) with q_heads a
 multiple of kv_heads (grouped-query attention). Grid (batch, q_heads, cdiv(q_len, bq),
-cdiv(kv_len, bkv)), the KV axis last and "arbitrary". Running max, denominator and accumulator
-live in f32 VMEM scratch. With ``causal=True`` (queries and keys aligned at position 0), KV blocks
-entirely above the diagonal are skipped: no compute, and their index map repeats the last needed
-block, so no DMA.
+cdiv(kv_len, bkv)), the KV axis last and "arbitrary". The kernel works transposed (see
+``_kernel``): the running max is a (1, bq) row and the accumulator (head_dim + 8, bq) holds oᵀ
+with the softmax denominator in its extra rows, all in f32 VMEM scratch. With ``causal=True``
+(queries and keys aligned at position 0), KV blocks entirely above the diagonal are skipped: no
+compute, and their index map repeats the last needed block, so no DMA; a block on the diagonal
+runs as a staircase of query strips, each against only the keys it can see.
 
 Any q_len and kv_len: a ragged last query block computes rows that are dropped on store (each row
 is independent, so nothing leaks into valid rows); when no bkv divides kv_len, the last KV step
@@ -32,7 +34,8 @@ __all__ = ["flash_attention", "flash_attention_reference"]
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_STAT_LANES = 128  # m and l are kept lane-broadcast, (bq, 128), as in JAX's own TPU kernels.
+_STRIP = 512  # Query columns per stair of the diagonal staircase (best by the v6e estimate).
+_SUM_ROWS = 8  # Rows of ones below vᵀ: the MXU sums pᵀ (one sublane tile).
 
 
 # The public entry; registered as a tunable kernel (search_spaces/flash_attention.toml) at the end
@@ -87,9 +90,8 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
         ],
         out_specs=pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
         scratch_shapes=[
-            pltpu.VMEM((bq, _STAT_LANES), jnp.float32),
-            pltpu.VMEM((bq, _STAT_LANES), jnp.float32),
-            pltpu.VMEM((bq, d), jnp.float32),
+            pltpu.VMEM((1, bq), jnp.float32),
+            pltpu.VMEM((d + _SUM_ROWS, bq), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
@@ -97,44 +99,62 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
     )(q, k, v)
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, sm_scale, causal, bq, bkv,
+def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq, bkv,
             kv_tail):
+    """Works on transposed scores, sᵀ = k qᵀ (bkv, bq), and a transposed accumulator oᵀ (d, bq).
+
+    On a 256x256 MXU a head_dim of 128 fills half of it in q kᵀ whichever way round; but in
+    p v the 128 would be the output width, and vᵀ pᵀ makes it the streamed side instead, with
+    the full (bkv, bq) pᵀ as the weights. The softmax statistics are then per column: their
+    reductions run down sublanes (element-wise across vregs), not across lanes.
+    """
     i, j = pl.program_id(2), pl.program_id(3)
-    # exp(scale * (s - m)) as exp2(c * (s - m)): one multiply per score instead of two (the
-    # scale, then exp's own log2(e)); the max is taken on unscaled scores (scale > 0).
+    # exp(scale * (s - m)) as exp2(s' - m') with s' = (c q) kᵀ: the scale and exp's own
+    # log2(e) multiply the (bq, d) query block once, not each of the (bkv, bq) scores.
     c = sm_scale * math.log2(math.e)
 
     @pl.when(j == 0)
     def _init():
         m_ref[...] = jnp.full_like(m_ref, _MASK_VALUE)
-        l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def update(mask=False, tail=0):
-        """One online-softmax step over this KV block. mask: apply the causal mask (blocks that
-        straddle the diagonal); tail: valid keys of a ragged last block (0: all are valid)."""
-        s = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-        if mask:
-            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 0)
-            k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    def update(mask=False, tail=0, lo=0, hi=bq, rows=bkv, diagonal=None):
+        """One online-softmax step: the queries in columns [lo, hi) of this block against its
+        first ``rows`` keys (static bounds: the queries outside see none of the others).
+
+        mask: apply the causal mask by absolute positions (a block that straddles the
+        diagonal); diagonal=a: a static triangle instead, key r visible to column lo + c when
+        r <= a + c (the keys start at query lo - a); tail: valid keys of a ragged last block."""
+        cols = pl.ds(lo, hi - lo)
+        q = (q_ref[cols, :].astype(jnp.float32) * c).astype(q_ref.dtype)
+        s = lax.dot_general(k_ref[:rows, :], q, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)  # (rows, hi - lo)
+        if diagonal is not None:
+            row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            col = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            s = jnp.where(row - col <= diagonal, s, _MASK_VALUE)
+        elif mask:
+            k_pos = j * bkv + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, s.shape, 1)
             s = jnp.where(q_pos >= k_pos, s, _MASK_VALUE)
         if tail:
-            s = _ragged.fill_tail(s, tail, axis=1, value=_MASK_VALUE)
-        m_prev = m_ref[:, :1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            s = _ragged.fill_tail(s, tail, axis=0, value=_MASK_VALUE)
+        m_prev = m_ref[:, cols]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
         # bf16 inputs: the exponent in bf16 (the MXU takes p in bf16 anyway; v6e's VPU and EUP
-        # work on bf16 natively), the row sum accumulated in f32 from the p actually used.
-        p = jnp.exp2(((s - m_new) * c).astype(v_ref.dtype))
-        alpha = jnp.exp2((m_prev - m_new) * c)
-        l_new = alpha * l_ref[:, :1] + jnp.sum(p.astype(jnp.float32), axis=1, keepdims=True)
-        v = v_ref[...]
+        # work on bf16 natively), the sum accumulated in f32 from the p actually used.
+        p = jnp.exp2((s - m_new).astype(v_ref.dtype))
+        alpha = jnp.exp2(m_prev - m_new)
+        v = v_ref[:rows, :]
         if tail:  # p is 0 there, but 0 * NaN is not: zero the values read past kv_len.
             v = _ragged.fill_tail(v, tail, axis=0)
-        pv = jnp.dot(p, v, preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * alpha + pv
-        m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-        l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+        # [vᵀ; 1] pᵀ: the rows below vᵀ are ones, so the MXU also sums pᵀ over keys (the
+        # softmax denominator) in f32, instead of the VPU widening and adding every p.
+        ones = jnp.ones((_SUM_ROWS, v.shape[0]), v.dtype)
+        lhs = jnp.concatenate([v.T, ones], axis=0)
+        pv = jnp.dot(lhs, p, preferred_element_type=jnp.float32)  # (d + _SUM_ROWS, bq)
+        acc_ref[:, cols] = acc_ref[:, cols] * alpha + pv
+        m_ref[:, cols] = m_new
 
     # Every query row sees a valid key in KV block 0 (key 0), so l > 0 at the end: even the rows
     # of a ragged last query block, which are dropped on store, never divide by zero.
@@ -146,11 +166,14 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, sm_scale, caus
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
-        o_ref[...] = (acc_ref[...] / l_ref[:, :1]).astype(o_ref.dtype)
+        d = o_ref.shape[-1]
+        o_ref[...] = (acc_ref[:d, :] / acc_ref[d:d + 1, :]).T.astype(o_ref.dtype)
 
 
 def _dispatch(update, i, j, *, causal, bq, bkv, kv_tail):
     """Runs ``update`` on the blocks that need it, masked only where a mask changes something."""
+    if causal and bq % bkv == 0 and bkv % 128 == 0 and not kv_tail:
+        return _dispatch_diagonal(update, i, j, bq=bq, bkv=bkv)
     true, false = jnp.bool_(True), jnp.bool_(False)
     run = j * bkv <= i * bq + bq - 1 if causal else true  # Skip blocks above the diagonal.
     below = j * bkv + bkv - 1 <= i * bq if causal else true  # Wholly below it: no mask.
@@ -163,6 +186,28 @@ def _dispatch(update, i, j, *, causal, bq, bkv, kv_tail):
     if kv_tail:
         pl.when(jnp.logical_and(run, last))(functools.partial(update, mask=causal,
                                                               tail=kv_tail))
+
+
+def _dispatch_diagonal(update, i, j, *, bq, bkv):
+    """Causal, with bkv dividing bq: a KV block on the diagonal starts at query column
+    ``t * bkv`` of the query block for some static t, so each t gets its own branch that skips
+    the columns before it and masks a static triangle; blocks below the diagonal run whole."""
+    t = (j * bkv - i * bq) // bkv  # Negative: below the diagonal; bq // bkv or more: above it.
+    pl.when(t < 0)(update)
+    for start in range(bq // bkv):
+        pl.when(t == start)(functools.partial(_staircase, update, start * bkv, bq=bq, bkv=bkv))
+
+
+def _staircase(update, lo, *, bq, bkv):
+    """A KV block whose first key is query column ``lo``: the diagonal square as column strips,
+    each against only the keys up to its last query, then the columns past the square whole.
+    Each strip's query columns (the weights of q kᵀ) go through the MXU once, and the strips
+    are independent, so one strip's softmax can overlap the next one's matmuls."""
+    width = math.gcd(bkv, _STRIP)
+    for a in range(0, bkv, width):
+        update(lo=lo + a, hi=lo + a + width, rows=a + width, diagonal=a)
+    if lo + bkv < bq:
+        update(lo=lo + bkv)
 
 
 def _standin(args, kwargs, config):
