@@ -9,7 +9,8 @@
     pallas-tune report --kernel matmul [--key KEY] [--out DIR]
 
 Exit status: 0 success, 1 a failure (a shape that failed to tune, a cache problem found by
-check), 2 a usage error (bad flags or specs), 130 interrupted (Ctrl-C; the sweep resumes).
+check), 2 a usage error (bad flags or specs), 130 interrupted (Ctrl-C; the sweep resumes), 143
+terminated (SIGTERM, as a scheduler or a preempted host sends it: handled like Ctrl-C).
 Errors go to stderr.
 
 Kernels are imported from the installed packages and from ``--path DIR`` only: the current
@@ -20,7 +21,9 @@ module to import, like any config that names code; it is validated whole before 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -175,15 +178,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pallas_tune.errors import PallasTuneError, SearchSpaceError, TuneOptionError
 
+    terminated: list[int] = []
     try:
-        with _import_path():
+        with _import_path(), _sigterm_as_interrupt(terminated):
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(f"pallas-tune {args.command}: interrupted", file=sys.stderr, flush=True)
-        return 130
+        return 143 if terminated else 130
     except SystemExit as e:
         if e.code == 130:
-            return 130
+            return 143 if terminated else 130
         raise
     except (CLIUsageError, TuneOptionError, SearchSpaceError) as e:  # Bad input given.
         _error(args.command, e)
@@ -191,6 +195,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PallasTuneError, OSError) as e:
         _error(args.command, e)
         return 1
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt(terminated: list[int]):
+    """SIGTERM raises KeyboardInterrupt in the main thread while a command runs, so a stop from
+    a job scheduler or a host's preemption saves what finished and prints the resume line, as
+    Ctrl-C does (``terminated`` records that it was SIGTERM: exit status 143)."""
+    def handler(signum, frame):
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # main() called from another thread: signals stay as they are.
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _error(command: str, e: BaseException) -> None:

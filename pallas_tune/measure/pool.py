@@ -11,8 +11,9 @@ the call returns a :class:`Reply` saying so, with the tail of the worker's outpu
 worker takes the next call.
 
 Workers die with their parent: ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` on Linux, and everywhere a
-watchdog thread that exits when the parent's pid changes. They ignore SIGINT, so Ctrl-C in a
-terminal reaches only the parent, which kills them when it closes the pool.
+watchdog thread that exits when the parent's pid changes. They ignore SIGINT and SIGTERM, so
+Ctrl-C in a terminal, or a scheduler's SIGTERM to the process group, is handled by the parent
+alone, which kills them when it closes the pool.
 """
 
 from __future__ import annotations
@@ -384,7 +385,10 @@ def _import_main(path: str) -> None:
 def _child_main() -> None:
     fd, parent = int(sys.argv[1]), int(sys.argv[2])
     _die_with_parent(parent)
+    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the parent handles them
+    # (saves, exits) and its workers die with it, rather than die first as a failed candidate.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     factory, args, memory_limit, main_path, path = conn.recv()
     sys.path[:] = path + [p for p in sys.path if p not in path]
