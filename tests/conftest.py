@@ -6,6 +6,17 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings
+
+# Hypothesis profiles of the property tests (HYPOTHESIS_PROFILE picks one; `ci` by default):
+# `ci` draws few examples, derandomized, so CI checks the same cases each run; `long` draws many
+# random ones for local runs (HYPOTHESIS_MAX_EXAMPLES sets how many per test).
+_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=_SLOW, print_blob=True)
+settings.register_profile("long", deadline=None, suppress_health_check=_SLOW, print_blob=True,
+                          max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "150")))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
