@@ -4,6 +4,9 @@ import sys
 # Keep JAX on the CPU in tests even where jax[tpu] is installed: without a TPU, libtpu's
 # backend init only prints errors. Deviceless TPU compiles (libtpu tests) don't need it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Deviceless TPU compiles load libtpu in this process; under pytest-xdist two test processes may
+# load it at once (the library sets this too, before its own loads).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings

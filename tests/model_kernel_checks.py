@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +11,13 @@ import numpy as np
 
 import pallas_tune as pt
 from pallas_tune.measure.timing import compare
+
+
+def oracle(reference: Any, *args: Any, **kwargs: Any) -> Any:
+    """``reference(*args, **kwargs)`` compiled as one program. Run op by op, a reference compiles
+    each of its ops again for every new shape, seconds per drawn example; the values are the
+    reference's all the same (keyword arguments are fixed as constants)."""
+    return jax.jit(functools.partial(reference, **kwargs))(*args)
 
 
 def assert_matches_reference(out: Any, ref: Any) -> None:
