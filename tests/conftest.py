@@ -4,8 +4,22 @@ import sys
 # Keep JAX on the CPU in tests even where jax[tpu] is installed: without a TPU, libtpu's
 # backend init only prints errors. Deviceless TPU compiles (libtpu tests) don't need it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Deviceless TPU compiles load libtpu in this process; under pytest-xdist two test processes may
+# load it at once (the library sets this too, before its own loads).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings
+
+# Hypothesis profiles of the property tests (HYPOTHESIS_PROFILE picks one; `ci` by default):
+# `ci` draws few examples, derandomized, so CI checks the same cases each run; `long` draws many
+# random ones for local runs (HYPOTHESIS_MAX_EXAMPLES sets how many per test).
+_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=_SLOW, print_blob=True)
+settings.register_profile("long", deadline=None, suppress_health_check=_SLOW, print_blob=True,
+                          max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "150")))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)

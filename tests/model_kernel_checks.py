@@ -1,13 +1,35 @@
-"""Checks shared by the model-kernel tests (HSTU, Mamba-2 SSD, decode adapters)."""
+"""Checks shared by the kernel tests (property tests, HSTU, Mamba-2 SSD, decode adapters)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 import pallas_tune as pt
+from pallas_tune.measure.timing import compare
+
+
+def oracle(reference: Any, *args: Any, **kwargs: Any) -> Any:
+    """``reference(*args, **kwargs)`` compiled as one program. Run op by op, a reference compiles
+    each of its ops again for every new shape, seconds per drawn example; the values are the
+    reference's all the same (keyword arguments are fixed as constants)."""
+    return jax.jit(functools.partial(reference, **kwargs))(*args)
+
+
+def assert_matches_reference(out: Any, ref: Any) -> None:
+    """Same shape and dtype, a finite reference, no NaN/Inf in the output (counted: any comparison
+    with NaN is False), and a match within the dtype's tolerance (``timing.compare``)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape,
+                                                               ref.dtype)
+    assert np.isfinite(np.asarray(ref, np.float32)).all(), "the reference itself is not finite"
+    bad = int(np.sum(~np.isfinite(np.asarray(out, np.float32))))
+    assert bad == 0, f"{bad} NaN/Inf values in the kernel output"
+    ok, _, why = compare(out, ref)
+    assert ok, why
 
 
 def assert_every_config_lowers_for_tpu(kernel: Any, args: Sequence[Any]) -> None:

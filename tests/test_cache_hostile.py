@@ -28,6 +28,8 @@ KERNEL = dk.rowsum
 KEY = "x=16x384:float32"
 X = dk.data((16, 384))
 REF = np.asarray(dk.rowsum_reference(X))
+# Random files each run, as Hypothesis draws them by default (not the derandomized `ci` profile).
+RANDOM = settings.get_profile("default")
 
 _numbers = st.sampled_from([8, 16, 128, 256, 384, 0, -8, -128, 2**64, 8.0, 128.0, 1e308,
                             math.nan, math.inf, -math.inf, True, False])
@@ -130,7 +132,8 @@ def _truly_valid(config) -> bool:
     return all(type(v) is int and v > 0 for v in (br, bc)) and 384 % bc == 0 and 16 % br == 0
 
 
-@settings(max_examples=int(os.environ.get("PALLAS_TUNE_HOSTILE_EXAMPLES", "40")), deadline=None,
+@settings(RANDOM, max_examples=int(os.environ.get("PALLAS_TUNE_HOSTILE_EXAMPLES", "40")),
+          deadline=None,
           database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(content=hostile_files())
@@ -171,7 +174,7 @@ def test_any_cache_file_content_the_call_is_right_and_the_file_untouched(content
             assert f.read() == content
 
 
-@settings(max_examples=int(os.environ.get("PALLAS_TUNE_HOSTILE_EXAMPLES", "40")) // 2,
+@settings(RANDOM, max_examples=int(os.environ.get("PALLAS_TUNE_HOSTILE_EXAMPLES", "40")) // 2,
           database=None,
           deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(content=hostile_files())

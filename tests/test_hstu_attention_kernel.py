@@ -9,15 +9,19 @@ sequence, configs from the kernel's own space and both float dtypes; outputs are
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
-from model_kernel_checks import assert_every_config_lowers_for_tpu, estimate_sweep
+from model_kernel_checks import (
+    assert_every_config_lowers_for_tpu,
+    assert_matches_reference,
+    estimate_sweep,
+    oracle,
+)
 from pallas_tune.kernels.hstu_attention import (
     _reversed_table,
     hstu_attention,
@@ -25,14 +29,6 @@ from pallas_tune.kernels.hstu_attention import (
 )
 
 import pallas_tune as pt
-from pallas_tune.measure.timing import compare
-
-_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
-                          suppress_health_check=_SLOW, print_blob=True)
-settings.register_profile("long", max_examples=150, deadline=None,
-                          suppress_health_check=_SLOW, print_blob=True)
-PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 LENGTHS = [1, 2, 7, 61, 127, 128, 129, 255, 256, 257, 383, 385, 513, 640]
 
@@ -42,15 +38,6 @@ def _inputs(b, h, s, d, dv, nb, dtype, seed):
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
     return (f(b, h, s, d).astype(dtype), f(b, h, s, d).astype(dtype),
             f(b, h, s, dv).astype(dtype), f(nb))
-
-
-def _check(out, ref):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert np.isfinite(np.asarray(ref, np.float32)).all(), "the reference itself is not finite"
-    bad = int(np.sum(~np.isfinite(np.asarray(out, np.float32))))
-    assert bad == 0, f"{bad} NaN/Inf values in the kernel output"
-    ok, err, why = compare(out, ref)
-    assert ok, why
 
 
 @st.composite
@@ -64,7 +51,6 @@ def cases(draw):
             draw(st.sampled_from([jnp.float32, jnp.bfloat16])), draw(st.integers(0, 2**16)))
 
 
-@settings(PROFILE)
 @given(case=cases(), config=st.sampled_from([dict(c) for c in hstu_attention.space]))
 @example(case=((1, 1, 700, 128, 128, 700), jnp.float32, 0), config=dict(bq=256, bkv=512))
 # Diagonal blocks split in halves (bq == bkv >= 256), with a ragged last block.
@@ -76,8 +62,8 @@ def test_matches_reference(case, config):
     shape, dtype, seed = case
     q, k, v, bias = _inputs(*shape, dtype, seed)
     norm = 1.0 / math.sqrt(shape[2])  # Outputs of order one at every length.
-    _check(hstu_attention(q, k, v, bias, norm=norm, **config),
-           hstu_attention_reference(q, k, v, bias, norm=norm))
+    assert_matches_reference(hstu_attention(q, k, v, bias, norm=norm, **config),
+                             oracle(hstu_attention_reference, q, k, v, bias, norm=norm))
 
 
 def test_defaults_are_hstu_scalings():

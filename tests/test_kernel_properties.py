@@ -13,7 +13,6 @@ random examples, for local runs; ``HYPOTHESIS_MAX_EXAMPLES`` sets how many per t
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
+from model_kernel_checks import assert_matches_reference, oracle
 
 import pallas_tune as pt
 from pallas_tune.kernels import _ragged, upstream
@@ -29,14 +29,6 @@ from pallas_tune.kernels.grouped_matmul import grouped_matmul, grouped_matmul_re
 from pallas_tune.kernels.linear_attention import linear_attention, linear_attention_reference
 from pallas_tune.kernels.matmul import matmul, matmul_reference
 from pallas_tune.kernels.rms_norm import rms_norm, rms_norm_reference
-from pallas_tune.measure.timing import compare
-
-_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
-                          suppress_health_check=_SLOW, print_blob=True)
-settings.register_profile("long", deadline=None, suppress_health_check=_SLOW, print_blob=True,
-                          max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "150")))
-PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 DTYPES = st.sampled_from([jnp.float32, jnp.bfloat16])
 MM = ("parallel", "parallel", "arbitrary")
@@ -57,16 +49,6 @@ def _array(rng: np.random.Generator, shape, dtype, scale: float = 1.0) -> jax.Ar
     return jnp.asarray(scale * rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
 
 
-def _check(out, ref) -> None:
-    """Same shape and dtype, a finite reference, and a match within the dtype's tolerance."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape)
-    assert np.isfinite(np.asarray(ref, np.float32)).all(), "the reference itself is not finite"
-    bad = int(np.sum(~np.isfinite(np.asarray(out, np.float32))))
-    assert bad == 0, f"{bad} NaN/Inf values in the kernel output"
-    ok, err, why = compare(out, ref)
-    assert ok, why
-
-
 # ---- matmul ---------------------------------------------------------------------------------
 
 @st.composite
@@ -75,7 +57,6 @@ def matmul_cases(draw):
             draw(DTYPES), draw(st.integers(0, 2**16)))
 
 
-@settings(PROFILE)
 @given(case=matmul_cases())
 @example(case=(384, 640, 256, dict(bm=256, bn=256, bk=256, buffering=2, semantics=MM),
                jnp.float32, 0))  # Issue 12's shapes: every element was non-finite.
@@ -87,7 +68,7 @@ def test_matmul(case):
     m, k, n, config, dtype, seed = case
     rng = np.random.default_rng(seed)
     x, y = _array(rng, (m, k), dtype), _array(rng, (k, n), dtype)
-    _check(matmul(x, y, **config), matmul_reference(x, y))
+    assert_matches_reference(matmul(x, y, **config), oracle(matmul_reference, x, y))
 
 
 # ---- flash attention ------------------------------------------------------------------------
@@ -107,7 +88,6 @@ def _qkv(shape, dtype, seed):
             _array(rng, (b, hkv, sk, d), dtype))
 
 
-@settings(PROFILE)
 @given(case=attention_cases(), config=configs(flash_attention))
 @example(case=((1, 1, 2, 1000, 1000, 128), True, jnp.float32, 0),
          config=dict(bq=256, bkv=256))  # Issue 12: NaN at S=1000, causal.
@@ -115,8 +95,8 @@ def _qkv(shape, dtype, seed):
 def test_flash_attention(case, config):
     shape, causal, dtype, seed = case
     q, k, v = _qkv(shape, dtype, seed)
-    _check(flash_attention(q, k, v, causal=causal, **config),
-           flash_attention_reference(q, k, v, causal=causal))
+    assert_matches_reference(flash_attention(q, k, v, causal=causal, **config),
+                             oracle(flash_attention_reference, q, k, v, causal=causal))
 
 
 # ---- grouped matmul -------------------------------------------------------------------------
@@ -130,7 +110,6 @@ def grouped_cases(draw):
     return m, k, n, group_sizes, draw(DTYPES), draw(st.integers(0, 2**16))
 
 
-@settings(PROFILE)
 @given(case=grouped_cases(), config=configs(grouped_matmul))
 @example(case=(1000, 512, 256, [100, 0, 300, 600], jnp.float32, 0),
          config=dict(tm=128, tk=128, tn=128))  # Issue 12: m=1000 raised ValueError.
@@ -140,7 +119,8 @@ def test_grouped_matmul(case, config):
     rng = np.random.default_rng(seed)
     lhs, rhs = _array(rng, (m, k), dtype), _array(rng, (len(group_sizes), k, n), dtype)
     gs = jnp.asarray(group_sizes, jnp.int32)
-    _check(grouped_matmul(lhs, rhs, gs, **config), grouped_matmul_reference(lhs, rhs, gs))
+    assert_matches_reference(grouped_matmul(lhs, rhs, gs, **config),
+                             oracle(grouped_matmul_reference, lhs, rhs, gs))
 
 
 # ---- linear attention -----------------------------------------------------------------------
@@ -153,7 +133,6 @@ def linear_cases(draw):
             draw(st.integers(0, 2**16)))
 
 
-@settings(PROFILE)
 @given(case=linear_cases(), config=configs(linear_attention))
 @example(case=((1, 2, 300, 128, 128), 0.96875, jnp.float32, 0), config=dict(chunk=128))
 @example(case=((1, 1, 1000, 64, 64), 1.0, jnp.float32, 1), config=dict(chunk=256))  # Issue 12.
@@ -163,13 +142,12 @@ def test_linear_attention(case, config):
     scale = 1.0 / math.sqrt(d)  # Keeps o = q·S of order one at every length.
     q, k = _array(rng, (b, h, t, d), dtype, scale), _array(rng, (b, h, t, d), dtype, scale)
     v = _array(rng, (b, h, t, dv), dtype)
-    _check(linear_attention(q, k, v, decay=decay, **config),
-           linear_attention_reference(q, k, v, decay=decay))
+    assert_matches_reference(linear_attention(q, k, v, decay=decay, **config),
+                             oracle(linear_attention_reference, q, k, v, decay=decay))
 
 
 # ---- rms norm -------------------------------------------------------------------------------
 
-@settings(PROFILE)
 @given(lead=st.sampled_from([(), (2,), (3, 1)]), rows=sizes(2100),
        hidden=st.sampled_from([1, 7, 128, 300, 1024]), config=configs(rms_norm), dtype=DTYPES,
        seed=st.integers(0, 2**16))
@@ -177,7 +155,7 @@ def test_rms_norm(lead, rows, hidden, config, dtype, seed):
     rng = np.random.default_rng(seed)
     x = _array(rng, (*lead, rows, hidden), dtype)
     w = (1.0 + _array(rng, (hidden,), jnp.float32, 0.1)).astype(dtype)
-    _check(rms_norm(x, w, **config), rms_norm_reference(x, w))
+    assert_matches_reference(rms_norm(x, w, **config), oracle(rms_norm_reference, x, w))
 
 
 # ---- upstream adapters: what they accept is correct; the rest is refused before tracing ------
@@ -204,7 +182,7 @@ def _upstream_case(fn, args, kwargs, config, accepts: bool, reference, calls) ->
     calls.clear()
     event("accepted" if accepts else "refused")  # --hypothesis-show-statistics shows the split.
     if accepts:
-        _check(fn(*args, **kwargs, **config), reference)
+        assert_matches_reference(fn(*args, **kwargs, **config), reference)
         assert calls, "the upstream kernel was not called"
     else:
         with pytest.raises((ValueError, pt.InvalidConfig)):
@@ -216,7 +194,8 @@ def _clamped(config, dims):
     return {name: min(value, dims[name]) for name, value in config.items()}
 
 
-@settings(PROFILE, suppress_health_check=[*_SLOW, HealthCheck.function_scoped_fixture])
+@settings(suppress_health_check=[*settings().suppress_health_check,
+                                 HealthCheck.function_scoped_fixture])
 @given(case=attention_cases(max_len=700), config=configs(upstream.flash_attention))
 @example(case=((1, 2, 1, 1000, 512, 128), True, jnp.float32, 0),
          config=dict(block_q=128, block_k_major=256, block_k=128))  # Any q_len.
@@ -229,11 +208,12 @@ def test_upstream_flash_attention(case, config, upstream_calls):
     accepts = (group == 1 and sk % bkm == 0 and sk % bk == 0 and bkm % bk == 0
                and (bk == sk or d <= 128 or d % 128 == 0))
     _upstream_case(upstream.flash_attention, (q, k, v), dict(causal=causal), config, accepts,
-                   flash_attention_reference(q, k, v, causal=causal) if accepts else None,
+                   oracle(flash_attention_reference, q, k, v, causal=causal) if accepts else None,
                    upstream_calls)
 
 
-@settings(PROFILE, suppress_health_check=[*_SLOW, HealthCheck.function_scoped_fixture])
+@settings(suppress_health_check=[*settings().suppress_health_check,
+                                 HealthCheck.function_scoped_fixture])
 @given(case=attention_cases(max_len=700), config=configs(upstream.splash_attention),
        kv_blocks=st.sampled_from([0, 1, 2, 3, 4]))
 @example(case=((1, 1, 2, 1000, 0, 80), True, jnp.float32, 0),
@@ -249,11 +229,12 @@ def test_upstream_splash_attention(case, config, kv_blocks, upstream_calls):
     accepts = (sk % 128 == 0 and sq % bq == 0 and (bq == sq or bq % 8 == 0) and sk % bkv == 0
                and bkv % bkvc == 0)
     _upstream_case(upstream.splash_attention, (q, k, v), dict(causal=causal), config, accepts,
-                   flash_attention_reference(q, k, v, causal=causal) if accepts else None,
+                   oracle(flash_attention_reference, q, k, v, causal=causal) if accepts else None,
                    upstream_calls)
 
 
-@settings(PROFILE, suppress_health_check=[*_SLOW, HealthCheck.function_scoped_fixture])
+@settings(suppress_health_check=[*settings().suppress_health_check,
+                                 HealthCheck.function_scoped_fixture])
 @given(case=grouped_cases(), config=configs(upstream.megablox_gmm),
        m_tiles=st.sampled_from([0, 1, 2, 3]))
 @example(case=(1000, 300, 200, [500, 500], jnp.float32, 0), config=dict(tm=128, tk=128, tn=128),
@@ -272,7 +253,8 @@ def test_upstream_megablox_gmm(case, config, m_tiles, upstream_calls):
     gs = jnp.asarray(group_sizes, jnp.int32)
     accepts = m % min(config["tm"], m) == 0
     _upstream_case(upstream.megablox_gmm, (lhs, rhs, gs), {}, config, accepts,
-                   grouped_matmul_reference(lhs, rhs, gs) if accepts else None, upstream_calls)
+                   oracle(grouped_matmul_reference, lhs, rhs, gs) if accepts else None,
+                   upstream_calls)
 
 
 # ---- shapes that divide: no mask code at all ------------------------------------------------

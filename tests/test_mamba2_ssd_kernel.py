@@ -10,15 +10,19 @@ the step-by-step recurrence (``mamba2_ssd_scan``), compared by
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
-from model_kernel_checks import assert_every_config_lowers_for_tpu, estimate_sweep
+from model_kernel_checks import (
+    assert_every_config_lowers_for_tpu,
+    assert_matches_reference,
+    estimate_sweep,
+    oracle,
+)
 from pallas_tune.kernels.mamba2_ssd import (
     heads_per_block_for,
     mamba2_ssd,
@@ -28,13 +32,6 @@ from pallas_tune.kernels.mamba2_ssd import (
 
 import pallas_tune as pt
 from pallas_tune.measure.timing import compare
-
-_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
-                          suppress_health_check=_SLOW, print_blob=True)
-settings.register_profile("long", max_examples=150, deadline=None,
-                          suppress_health_check=_SLOW, print_blob=True)
-PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # (heads, head_dim, groups, d_state): head blocks exist for each (see heads_per_block_for).
 LAYOUTS = [(4, 64, 1, 128), (2, 64, 1, 64), (8, 32, 2, 16), (6, 64, 3, 32), (3, 128, 1, 8),
@@ -54,15 +51,6 @@ def _inputs(b, t, h, p, g, n, dtype, seed):
     return x, dt, A, B, C, D
 
 
-def _check(out, ref):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert np.isfinite(np.asarray(ref, np.float32)).all(), "the oracle itself is not finite"
-    bad = int(np.sum(~np.isfinite(np.asarray(out, np.float32))))
-    assert bad == 0, f"{bad} NaN/Inf values in the kernel output"
-    ok, err, why = compare(out, ref)
-    assert ok, why
-
-
 @st.composite
 def cases(draw):
     layout = draw(st.sampled_from(LAYOUTS))
@@ -72,7 +60,6 @@ def cases(draw):
     return draw(st.integers(1, 2)), t, layout, config, dtype, draw(st.integers(0, 2**16))
 
 
-@settings(PROFILE)
 @given(case=cases())
 @example(case=(1, 300, (4, 64, 1, 128), dict(chunk=128, heads_per_block=2), jnp.float32, 0))
 @example(case=(2, 129, (8, 32, 2, 16), dict(chunk=128, heads_per_block=16), jnp.bfloat16, 1))
@@ -80,7 +67,8 @@ def cases(draw):
 def test_matches_recurrence(case):
     b, t, (h, p, g, n), config, dtype, seed = case
     args = _inputs(b, t, h, p, g, n, dtype, seed)
-    _check(mamba2_ssd(*args, groups=g, **config), mamba2_ssd_scan(*args, groups=g))
+    assert_matches_reference(mamba2_ssd(*args, groups=g, **config),
+                             oracle(mamba2_ssd_scan, *args, groups=g))
 
 
 @pytest.mark.parametrize("t,chunk", [(1, 256), (100, 64), (256, 256), (257, 128)])  # Any L.

@@ -4,6 +4,7 @@ Ctrl-C (exit 130, one resume line), library caches and their rank."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -125,12 +126,27 @@ def test_record_then_sweep_from_record(cache_dir, tmp_path, capsys):
     assert set(entries) == {KEY, "x=32x128:float32,factor=3.0"}
 
 
+@contextlib.contextmanager
+def _sigint_not_ignored():
+    """SIGINT handled while a child starts, so that it starts with SIGINT at its default: a shell
+    ignores SIGINT in background jobs, children inherit that, and Python then never raises
+    KeyboardInterrupt (the sweep ran to the end when the suite ran as a background job)."""
+    old = signal.getsignal(signal.SIGINT)
+    if old is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def test_ctrl_c_exits_130_with_one_resume_line_and_resumes(cache_dir, tmp_path):
     env = subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir)
     cmd = [sys.executable, "-m", "pallas_tune", "sweep", "toy_kernels:scale", "--shapes",
            SHAPES, "--trials", "8", "--repeats", "1"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=env)
+    with _sigint_not_ignored():
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
     deadline = time.monotonic() + 300
     seen = 0
     while seen < 2 and time.monotonic() < deadline:  # Two progress lines: a trial is told.

@@ -9,36 +9,20 @@ checked against upstream's own reference, and the adapter is lowered and compile
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
+from model_kernel_checks import assert_matches_reference, oracle
 
 import pallas_tune as pt
 from pallas_tune.kernels import upstream_decode as ud
 from pallas_tune.feasibility import inspect as _rules_module
 from pallas_tune.measure.estimate import data_dependent_loops
-from pallas_tune.measure.timing import compare
 
-_SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
-                          suppress_health_check=_SLOW, print_blob=True)
-settings.register_profile("long", max_examples=150, deadline=None,
-                          suppress_health_check=_SLOW, print_blob=True)
-PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 S = jax.ShapeDtypeStruct
-
-
-def _check(out, ref):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    bad = int(np.sum(~np.isfinite(np.asarray(out, np.float32))))
-    assert bad == 0, f"{bad} NaN/Inf values in the kernel output"
-    ok, err, why = compare(out, ref)
-    assert ok, why
 
 
 # ---- paged attention ------------------------------------------------------------------------
@@ -66,7 +50,6 @@ def _paged(b, hkv, group, page, pps, lengths, dtype, seed, spare=3):
             jnp.asarray(rng.permutation(total)[: b * pps].reshape(b, pps), jnp.int32))
 
 
-@settings(PROFILE)
 @given(case=paged_cases())
 @example(case=(3, 2, 2, 16, 8, [1, 37, 128], dict(pages_per_compute_block=3, inline_seq_dim=False,
                                                    megacore_mode=None), jnp.float32, 0))
@@ -75,7 +58,8 @@ def _paged(b, hkv, group, page, pps, lengths, dtype, seed, spare=3):
 def test_paged_attention_matches_reference(case):
     b, hkv, group, page, pps, lengths, config, dtype, seed = case
     args = _paged(b, hkv, group, page, pps, lengths, dtype, seed)
-    _check(ud.paged_attention(*args, **config), ud.paged_attention_reference(*args))
+    assert_matches_reference(ud.paged_attention(*args, **config),
+                             oracle(ud.paged_attention_reference, *args))
 
 
 def test_paged_attention_clear_errors():
@@ -118,7 +102,6 @@ def ragged_cases(draw):
     return seqs, page, pps, kv_lens, q_lens, live, hkv, group, draw(st.integers(0, 2**16))
 
 
-@settings(PROFILE)
 @given(case=ragged_cases(), window=st.sampled_from([None, 3]))
 def test_ragged_reference_matches_upstreams_reference(case, window):
     seqs, page, pps, kv_lens, q_lens, live, hkv, group, seed = case
@@ -134,7 +117,7 @@ def test_ragged_reference_matches_upstreams_reference(case, window):
     ours = ud.ragged_paged_attention_reference(*args, sm_scale=0.1, sliding_window=window)
     theirs = ud._rpa.ref_ragged_paged_attention(*args, sm_scale=0.1, sliding_window=window)
     n = int(cu[live])
-    _check(ours[:n], theirs)
+    assert_matches_reference(ours[:n], theirs)
     assert not np.asarray(ours[n:]).any(), "rows of tokens past the live ones must be zero"
 
 

@@ -6,6 +6,7 @@ second process that neither tunes nor imports Optuna, and check the result again
 """
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -20,9 +21,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
+    # Built from a copy of the sources: setuptools builds in the source tree (build/, egg-info),
+    # which two builds at once (pytest-xdist workers) break, and which a test should not touch.
+    src = tmp_path_factory.mktemp("src") / "pallas-tune"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis"))
     out = tmp_path_factory.mktemp("dist")
     r = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation",
-                        "--outdir", str(out), REPO], capture_output=True, text=True, timeout=600)
+                        "--outdir", str(out), str(src)], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (whl,) = out.glob("pallas_tune-*.whl")
     return whl
