@@ -160,9 +160,10 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq,
             m_prev = m_ref[:, cols]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
             m_ref[:, cols] = m_new
-            # bf16 inputs: the exponent in bf16 (the MXU takes p in bf16 anyway; v6e's VPU and
-            # EUP work on bf16 natively).
-            probs.append((cols, jnp.exp2((s - m_new).astype(v_ref.dtype)),
+            # The exponent in f32, then p rounded to the MXU's input dtype. On bf16 inputs
+            # this is also the faster form by the v6e estimate (S=2048, causal, 2048²: 177,930
+            # cycles against 197,002 for exp2 of a bf16 argument), and the more exact one.
+            probs.append((cols, jnp.exp2(s - m_new).astype(v_ref.dtype),
                           jnp.exp2(m_prev - m_new)))
         for (cols, p, alpha), part in zip(probs, parts):
             pv = jnp.dot(lhs[:, :part.get("rows", bkv)], p,
