@@ -18,20 +18,25 @@ Targets: >= 99% agreement of the model (point estimate) with the compiler; 0 fal
 two-stage filter lets through a candidate the compiler rejects).
 
     python benchmarks/feasibility_accuracy.py [--parts rules calibration heldout] [--threads 2]
-        [--csv rows.csv] [--compiler-rows earlier.csv]
+        [--csv rows.csv] [--compiler-rows earlier.csv [--stale-groups GROUP ...]]
 
 ``--compiler-rows``: take each candidate's compiler outcome (kind, VMEM used and needed) from an
 earlier run's ``--csv`` made with the same libtpu, and recompute only the rules and the model's
 verdicts: a changed model judged against the compiler's recorded truth, without recompiling.
-Candidates the file lacks are compiled as usual.
+Candidates the file lacks are compiled as usual. A recorded row stands only for the program it
+was recorded for: rows carry a hash of the traced program (kernel bodies included), and a row
+whose hash differs is left out as stale (and counted as such); for recordings made before rows
+had the hash, ``--stale-groups`` names the case groups whose kernel has changed since.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import os
 import sys
 from typing import Any
@@ -70,6 +75,7 @@ class Row:
     message: str = ""
     used: int | None = None  # Scoped VMEM the compiler allocated (default limit).
     need: int | None = None  # Scoped VMEM needed (from a raised-limit compile where needed).
+    program: str = ""  # Hash of the traced program (kernel bodies included): what was compiled.
 
     @property
     def compiles(self) -> bool:
@@ -88,6 +94,9 @@ class Row:
 RECORDED: dict[tuple[str, str, str], dict[str, Any]] = {}  # (part, chip, label) -> CSV row.
 
 
+STALE_GROUPS: set[str] = set()
+
+
 def load_recorded(path: str) -> None:
     import math
 
@@ -97,7 +106,25 @@ def load_recorded(path: str) -> None:
         for k in ("used", "need"):
             v = r.get(k)
             r[k] = None if v in ("", None) or (isinstance(v, float) and math.isnan(v)) else int(float(v))
-        RECORDED[(r["part"], r["chip"], r["label"])] = r
+        # The group too: several groups hold the same config labels (matmul 2048^3 and 4096^3).
+        RECORDED[(r["part"], r["chip"], r["group"], r["label"])] = r
+
+
+def program_hash(case: cases.Case) -> str:
+    """What the compiler is given, kernel bodies included: a recorded row stands for this case
+    only while the hash is unchanged."""
+    import hashlib
+
+    text = str(jax.make_jaxpr(functools.partial(case.fn, **case.kwargs))(*case.args))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def is_stale(recorded: dict, row: Row) -> bool:
+    """Rows recorded with a program hash are stale when it differs; older recordings (no
+    hash) only for the groups named by --stale-groups."""
+    if recorded.get("program"):
+        return recorded["program"] != row.program
+    return row.group in STALE_GROUPS
 
 
 def evaluate(part: str, chip: str, case: cases.Case, *, need: bool) -> Row:
@@ -112,7 +139,13 @@ def evaluate(part: str, chip: str, case: cases.Case, *, need: bool) -> Row:
     row.status, row.model_ok, row.est, row.limit = v.status, v.ok, v.vmem_bytes, v.limit_bytes
     row.rules = _inspect.block_rule_violations(calls, spec=spec)
     row.native = _inspect.block_rule_violations(calls, spec=spec, native_tiling=True)
-    recorded = RECORDED.get((part, row.chip, row.label))
+    row.program = program_hash(case)
+    recorded = RECORDED.get((part, row.chip, row.group, row.label))
+    if recorded is not None and is_stale(recorded, row):
+        # The compiler's figures were for another program: left out of every count, and not
+        # compiled again (run without --compiler-rows for that).
+        row.message = "stale: recorded for an earlier version of the kernel"
+        return row
     if recorded is not None:
         row.kind, row.message = recorded["kind"], str(recorded["message"])
         row.used, row.need = recorded["used"], recorded["need"]
@@ -260,6 +293,12 @@ def report_vmem(title: str, rows: list[Row]) -> None:
 def band_report(calibration: list[Row], heldout: list[Row]) -> None:
     errs, stats = error_stats(calibration)
     print("## The uncertain band")
+    for name, rows in (("calibration", calibration), ("held-out", heldout)):
+        stale = collections.Counter(r.group for r in rows if r.message.startswith("stale:"))
+        if stale:
+            print(f"left out as stale ({name}: their compiler figures were recorded for an "
+                  f"earlier version of the kernel; re-record them with a compile run): "
+                  f"{dict(stale)}")
     if errs:
         print(f"measured on the calibration kernels: the compiler needed up to {max(errs):+.2%} "
               f"more and up to {-min(errs):.2%} less than the estimate ({stats})")
@@ -283,7 +322,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv")
     p.add_argument("--compiler-rows")
+    p.add_argument("--stale-groups", nargs="*", default=[],
+                   help="case groups whose kernel changed since --compiler-rows were recorded "
+                        "(for recordings made before rows carried a program hash)")
     a = p.parse_args()
+    STALE_GROUPS.update(a.stale_groups)
     if a.compiler_rows:
         load_recorded(a.compiler_rows)
     if not _compile.libtpu_available():
