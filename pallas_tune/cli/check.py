@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pallas_tune.cli.shapes import CLIUsageError
 
-__all__ = ["add_parsers", "cmd_check", "cmd_merge"]
+__all__ = ["add_parsers", "cmd_check", "cmd_merge", "kernel_by_name"]
 
 
 def add_parsers(sub: Any) -> None:
@@ -23,6 +23,9 @@ def add_parsers(sub: Any) -> None:
                    help="also import kernels from DIR, to check configs against them")
     c.add_argument("--no-kernels", action="store_true",
                    help="check the files only, without importing the kernels they name")
+    c.add_argument("--fail-stale", action="store_true",
+                   help="count entries tuned on other code of their kernel (stale kernel "
+                        "fingerprint) as problems, not notes")
     c.set_defaults(func=cmd_check)
     m = sub.add_parser("merge", help="merge cache files written by several hosts into one cache")
     m.add_argument("inputs", nargs="+", metavar="FILE", help="winners files (<chip>/<kernel>.json)")
@@ -60,7 +63,7 @@ def _read(path: str) -> tuple[Any, str | None]:
         return None, str(e)
 
 
-def _kernel(name: str, paths: list[str], memo: dict[str, Any]) -> Any:
+def kernel_by_name(name: str, paths: Sequence[str], memo: dict[str, Any]) -> Any:
     """The tunable a file names (``module.qualname``), or None when it cannot be imported."""
     if name in memo:
         return memo[name]
@@ -99,6 +102,26 @@ def _check_entries(wf: Any, kernel: Any, path: str) -> list[str]:
     return problems
 
 
+def _fingerprints(wf: Any, kernel: Any, path: str) -> tuple[list[str], list[str], int]:
+    """(malformed fingerprint problems, stale entry lines, entries recording none)."""
+    from pallas_tune import _kernel_hash
+
+    malformed, stale, unknown = [], [], 0
+    for key, value, problem in wf.items():
+        if problem is not None or not isinstance(value, dict):
+            continue
+        recorded, bad = _kernel_hash.recorded(value.get("provenance"))
+        if bad is not None:
+            malformed.append(f"{path}: entry {key!r}: {bad}")
+        unknown += recorded is None
+        if recorded is not None and kernel is not None and _kernel_hash.state(
+                recorded, kernel.fingerprint) == "stale":
+            stale.append(f"{path}: entry {key!r}: stale: tuned on kernel {recorded}, now "
+                         f"{kernel.fingerprint}; re-tune it (pallas-tune sweep re-tunes "
+                         "stale entries)")
+    return malformed, stale, unknown
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from pallas_tune import chips
     from pallas_tune.cache import default_cache
@@ -107,7 +130,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     problems: list[str] = []
     notes: list[str] = []
     memo: dict[str, Any] = {}
-    n_files = n_entries = 0
+    n_files = n_entries = n_unknown = 0
+    stale: list[str] = []
     for path, chip_dir in _winners_files(paths):
         n_files += 1
         if chips.normalize_chip(chip_dir) != chip_dir:
@@ -125,12 +149,20 @@ def cmd_check(args: argparse.Namespace) -> int:
         name = wf.header.get("kernel")
         kernel = None
         if isinstance(name, str) and not args.no_kernels:
-            kernel = _kernel(name, args.path or [], memo)
+            kernel = kernel_by_name(name, args.path or [], memo)
             if kernel is None:
                 notes.append(f"{path}: kernel {name!r} not importable here (pass --path DIR); "
                              "its configs were checked against the file format only")
         n_entries += len(wf.keys())
         problems += _check_entries(wf, kernel, path)
+        malformed, stale_here, unknown = _fingerprints(wf, kernel, path)
+        problems += malformed
+        stale += stale_here
+        n_unknown += unknown
+    if args.fail_stale:
+        problems += stale
+    else:
+        notes += stale
     for line in notes:
         print(f"note: {line}")
     for line in problems:
@@ -139,7 +171,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"pallas-tune check: no cache files under {', '.join(paths)}", file=sys.stderr)
         return 1
     verdict = "OK" if not problems else f"{len(problems)} problem(s)"
-    print(f"pallas-tune check: {n_files} file(s), {n_entries} entries: {verdict}")
+    code = f"; kernel code: {len(stale)} stale, {n_unknown} unknown" if stale or n_unknown \
+        else ""
+    print(f"pallas-tune check: {n_files} file(s), {n_entries} entries{code}: {verdict}")
     return 1 if problems else 0
 
 
