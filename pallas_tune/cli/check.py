@@ -102,24 +102,27 @@ def _check_entries(wf: Any, kernel: Any, path: str) -> list[str]:
     return problems
 
 
-def _fingerprints(wf: Any, kernel: Any, path: str) -> tuple[list[str], list[str], int]:
-    """(malformed fingerprint problems, stale entry lines, entries recording none)."""
+def _fingerprints(wf: Any, kernel: Any, path: str, counts: dict[str, int]
+                  ) -> tuple[list[str], list[str]]:
+    """(malformed fingerprint problems, stale entry lines); ``counts`` gets each entry's
+    state (current, stale, unknown, unchecked: the kernel's own fingerprint is unknown)."""
     from pallas_tune import _kernel_hash
 
-    malformed, stale, unknown = [], [], 0
+    current = kernel.fingerprint if kernel is not None else None
+    malformed, stale = [], []
     for key, value, problem in wf.items():
         if problem is not None or not isinstance(value, dict):
             continue
         recorded, bad = _kernel_hash.recorded(value.get("provenance"))
         if bad is not None:
             malformed.append(f"{path}: entry {key!r}: {bad}")
-        unknown += recorded is None
-        if recorded is not None and kernel is not None and _kernel_hash.state(
-                recorded, kernel.fingerprint) == "stale":
+        state = "unchecked" if recorded is not None and current is None else \
+            _kernel_hash.state(recorded, current)
+        counts[state] = counts.get(state, 0) + 1
+        if state == "stale":
             stale.append(f"{path}: entry {key!r}: stale: tuned on kernel {recorded}, now "
-                         f"{kernel.fingerprint}; re-tune it (pallas-tune sweep re-tunes "
-                         "stale entries)")
-    return malformed, stale, unknown
+                         f"{current}; re-tune it (pallas-tune sweep re-tunes stale entries)")
+    return malformed, stale
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -130,8 +133,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     problems: list[str] = []
     notes: list[str] = []
     memo: dict[str, Any] = {}
-    n_files = n_entries = n_unknown = 0
+    n_files = n_entries = 0
     stale: list[str] = []
+    states: dict[str, int] = {}
     for path, chip_dir in _winners_files(paths):
         n_files += 1
         if chips.normalize_chip(chip_dir) != chip_dir:
@@ -155,10 +159,9 @@ def cmd_check(args: argparse.Namespace) -> int:
                              "its configs were checked against the file format only")
         n_entries += len(wf.keys())
         problems += _check_entries(wf, kernel, path)
-        malformed, stale_here, unknown = _fingerprints(wf, kernel, path)
+        malformed, stale_here = _fingerprints(wf, kernel, path, states)
         problems += malformed
         stale += stale_here
-        n_unknown += unknown
     if args.fail_stale:
         problems += stale
     else:
@@ -171,8 +174,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"pallas-tune check: no cache files under {', '.join(paths)}", file=sys.stderr)
         return 1
     verdict = "OK" if not problems else f"{len(problems)} problem(s)"
-    code = f"; kernel code: {len(stale)} stale, {n_unknown} unknown" if stale or n_unknown \
-        else ""
+    code = ", ".join(f"{states[s]} {s}" for s in ("current", "stale", "unknown", "unchecked")
+                     if states.get(s))
+    code = f" (kernel code: {code})" if code else ""
     print(f"pallas-tune check: {n_files} file(s), {n_entries} entries{code}: {verdict}")
     return 1 if problems else 0
 
