@@ -15,6 +15,10 @@ Resolution order for a call whose tuned keywords are not all given (the first co
 5. the fastest valid config of the space by the roofline cost model
    (:func:`pallas_tune.feasibility.roofline.roofline_calls`; a model, not a measurement).
 
+An entry tuned on other code of the kernel (its recorded ``kernel_fingerprint`` is not the
+kernel's :attr:`~pallas_tune.tunable.TunableKernel.fingerprint`) still serves when valid for the
+call, with one warning per (kernel, key); entries that record none serve silently.
+
 Steps 2 to 5 warn once per (kernel, key), naming the config used, why the others were refused
 and the command that tunes the shape. The result is memoized per (chip, key) by the kernel.
 """
@@ -115,6 +119,7 @@ def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
     for hit in cache.lookup_all(chip, kernel.name, key):
         config, why = _vet(kernel, hit, args, kwargs)
         if config is not None:
+            _check_fingerprint(kernel, key, hit)
             return Config(config, source="cache", origin=hit.path)
         cache.report(hit.path, key, why or "", fix=f"Re-tune it with: {tune_hint(kernel, key)}")
         refused.append(f"{hit.path}: {why}")
@@ -147,6 +152,30 @@ def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
     kernel._warn_once(key, f"{head}; {what}.{refusals} Tune this shape with: "
                            f"{tune_hint(kernel, key)}")
     return found
+
+
+def _check_fingerprint(kernel: TunableKernel, key: str, hit: Hit) -> None:
+    """Warns (once per kernel and key) when a served entry was tuned on other code of the
+    kernel, or records a malformed fingerprint (then unknown). Never raises."""
+    from pallas_tune import _kernel_hash
+
+    recorded, problem = _kernel_hash.recorded((hit.entry or {}).get("provenance"))
+    if problem is not None:
+        kernel._warn_once(key, f"pallas-tune: the cache entry {key!r} of {kernel.name!r} in "
+                               f"{hit.path}: {problem}. It still serves; the file was left as "
+                               "it is.", topic="fingerprint")
+        return
+    if recorded is None:
+        return  # Tuned before fingerprints were recorded: unknown, as before.
+    current = kernel.fingerprint
+    if _kernel_hash.state(recorded, current) != "stale":
+        return
+    kernel._warn_once(key, (
+        f"pallas-tune: the cached config of {kernel.name!r} for {key!r} ({hit.path}) was tuned "
+        f"on other code of the kernel (kernel fingerprint {recorded}, now {current}); it is "
+        "still used, as it is valid for this call, but may no longer be the fastest. Re-tune "
+        f"it with: {tune_hint(kernel, key)} (a sweep re-tunes such entries; or, to re-tune "
+        "every shape of a space file: pallas-tune sweep --space NAME)"), topic="stale")
 
 
 def _nearest(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],

@@ -26,6 +26,8 @@ from pallas_tune.space import Config, SearchSpace, load_space
 
 __all__ = ["TunableKernel", "tunable"]
 
+_UNSET: Any = object()
+
 def _fast_part(v: Any) -> Any:
     shape = getattr(v, "shape", None)
     if shape is not None:
@@ -44,7 +46,7 @@ class TunableKernel:
                  key: Callable[..., Any] | None, reference: Callable[..., Any] | None,
                  inputs: Callable[..., Any] | None, cache: TuningCache | None = None,
                  vmem_estimate: Callable[..., int] | None = None,
-                 standin: Callable[..., Any] | None = None):
+                 standin: Callable[..., Any] | None = None, version: str | None = None):
         space.check_function(fn)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -57,6 +59,11 @@ class TunableKernel:
         self.inputs = inputs
         self.vmem_estimate = vmem_estimate
         self.standin = standin
+        if version is not None and (not isinstance(version, str) or not version.strip()):
+            raise SearchSpaceError(f"version={version!r} must be a non-empty string, e.g. "
+                                   "version=\"2\".")
+        self.version = version
+        self._fingerprint: Any = _UNSET
         self._cache = cache
         self._sig = inspect.signature(fn)
         self.signature = self._sig
@@ -64,6 +71,21 @@ class TunableKernel:
         self._memo: dict[Any, Config] = {}
         self._warned: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The version of the kernel's code its cache entries are tuned on: 16 hex digits
+        of the code of the module defining the function (docstrings and comments aside), or
+        of ``version=`` when given; None when the source cannot be read (see
+        :mod:`pallas_tune._kernel_hash`). Computed once, on first use (never on a memo hit)."""
+        fp = self._fingerprint
+        if fp is _UNSET:
+            from pallas_tune import _kernel_hash
+
+            fp = (_kernel_hash.version_fingerprint(self.version) if self.version is not None
+                  else _kernel_hash.code_fingerprint(self.fn))
+            self._fingerprint = fp
+        return fp  # type: ignore[no-any-return]
 
     @property
     def cache(self) -> TuningCache:
@@ -132,8 +154,8 @@ class TunableKernel:
         config = self._resolve(args, kwargs)
         return config.replace(**explicit) if explicit else config
 
-    def _warn_once(self, key: str, message: str) -> None:
-        marker = (chips.current_chip(), key)
+    def _warn_once(self, key: str, message: str, *, topic: str = "miss") -> None:
+        marker = (chips.current_chip(), key, topic)
         if marker not in self._warned:
             self._warned.add(marker)
             warn(message)
@@ -252,6 +274,7 @@ def tunable(
     standin: Callable[..., Any] | None = None,
     constraints: Mapping[str, str | Callable[..., Any]] | Sequence[Constraint] | None = None,
     cache: TuningCache | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    version: str | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -294,6 +317,12 @@ def tunable(
         wheel, e.g. ``cache=importlib.resources.files("mylib") / "caches"``. They rank after
         the user cache and before ``PALLAS_TUNE_CACHE_PATH`` and pallas-tune's own caches
         (see :mod:`pallas_tune.cache.store`). Or a :class:`~pallas_tune.cache.TuningCache`.
+      version: the version of the kernel's code that each new cache entry records (default:
+        a hash of the code of the module defining the function; comments and docstrings do
+        not count). An entry recording another still serves, with one warning, and ``sweep``
+        re-tunes it. Set it when the kernel's code spans several modules (a change elsewhere
+        would go unseen), or to decide when caches go stale: bump it when a change may move
+        the best tile sizes.
       **choices: parameter name → list of choices.
 
     Raises:
@@ -325,7 +354,7 @@ def tunable(
             constraints=tuple({**base_constraints, **extra}.values()))
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
                              vmem_estimate=vmem_estimate, standin=standin,
-                             cache=_library_cache(cache))
+                             cache=_library_cache(cache), version=version)
 
     if fn is not None:
         if not callable(fn):

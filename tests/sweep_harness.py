@@ -17,7 +17,19 @@ from typing import Any
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 KERNEL = "toy_kernels:scale"  # A space of 16 configs.
 SHAPES = "x=64x256:float32"
-STUDY = "toy_kernels.scale|cpu|x=64x256:float32,factor=2.0"
+
+
+def toy_study(key: str = "x=64x256:float32,factor=2.0") -> str:
+    """The default stored study of toy_kernels.scale for ``key`` on the CPU: it names the
+    kernel's code fingerprint (the hash of toy_kernels.py), as the tuner does."""
+    from pallas_tune._kernel_hash import source_fingerprint
+
+    with open(os.path.join(TESTS_DIR, "toy_kernels.py"), encoding="utf-8") as f:
+        fingerprint = source_fingerprint(f.read())
+    return f"toy_kernels.scale|cpu|{key}|kernel={fingerprint}"
+
+
+STUDY = toy_study()
 
 
 def postgres_or_skip(tmp: str) -> Any:

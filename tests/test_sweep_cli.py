@@ -16,6 +16,7 @@ import time
 
 import pytest
 from conftest import subprocess_env
+from sweep_harness import toy_study
 
 SHAPES = "x=64x256:float32"
 KEY = "x=64x256:float32,factor=2.0"
@@ -162,7 +163,7 @@ def test_ctrl_c_exits_130_with_one_resume_line_and_resumes(cache_dir, tmp_path):
     import optuna
 
     study = optuna.load_study(
-        study_name=f"toy_kernels.scale|cpu|{KEY}",
+        study_name=toy_study(KEY),
         storage=f"sqlite:///{cache_dir / '.studies' / 'studies.db'}")
     evaluated = [tuple(sorted(t.params.items())) for t in study.trials
                  if "worker" in t.user_attrs]
@@ -249,7 +250,7 @@ def test_fresh_study_starts_over_and_a_rerun_resumes(cache_dir, capsys):
     base = ["sweep", "toy_kernels:scale", "--shapes", SHAPES, "--trials", "2", "--repeats", "1",
             "-q"]
     storage = f"sqlite:///{cache_dir / '.studies' / 'studies.db'}"
-    name = f"toy_kernels.scale|cpu|{KEY}"
+    name = toy_study(KEY)
 
     def workers():
         s = optuna.load_study(study_name=name, storage=storage)

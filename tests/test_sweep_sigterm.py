@@ -12,6 +12,7 @@ import sys
 import time
 
 from conftest import subprocess_env
+from sweep_harness import toy_study
 
 SHAPES = "x=64x256:float32"
 KEY = "x=64x256:float32,factor=2.0"
@@ -39,7 +40,7 @@ def test_sigterm_to_the_process_group_saves_and_exits_143(cache_dir):
     import optuna
 
     study = optuna.load_study(
-        study_name=f"toy_kernels.scale|cpu|{KEY}",
+        study_name=toy_study(KEY),
         storage=f"sqlite:///{cache_dir / '.studies' / 'studies.db'}")
     states = optuna.trial.TrialState
     done = [t for t in study.trials if t.state == states.COMPLETE]

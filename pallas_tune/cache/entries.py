@@ -4,8 +4,12 @@ winner (read on every trace) and its trial history (the ledger, read by people a
 A winner entry (schema 2)::
 
     {"config": {"bm": 512, ...}, "median_ms": 0.41, "spread_ms": 0.003,
-     "provenance": {"kind": "measured", "chip": "tpu_v6e", "timer": "wallclock", ...},
+     "provenance": {"kind": "measured", "chip": "tpu_v6e", "timer": "wallclock",
+                    "kernel_fingerprint": "3f0c9a1e5b7d2c44", ...},
      "trial_count": 32}
+
+``kernel_fingerprint`` (16 hex digits, see :mod:`pallas_tune._kernel_hash`) names the version
+of the kernel's code the entry was tuned on; entries written before it existed have none.
 
 plus, optionally, ``"outside_space": true`` for a config deliberately outside the kernel's
 declared space (served only if its values have the declared types and it is valid for the

@@ -12,6 +12,7 @@ import math
 import os
 from typing import Any
 
+from pallas_tune import _kernel_hash
 from pallas_tune.cache import files, ledger, names
 from pallas_tune.cache.entries import entry_problem
 from pallas_tune.errors import CacheFormatError
@@ -32,6 +33,8 @@ class EntryReport:
     trial_count: int | None
     outside_space: bool
     problem: str | None  # Why a reader would skip it; None if it serves.
+    kernel_fingerprint: str | None = None  # The kernel code it was tuned on; None: unknown.
+    fingerprint_problem: str | None = None  # A malformed recorded fingerprint (then unknown).
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,13 +71,15 @@ def _entry_report(key: str, value: Any, problem: str | None) -> EntryReport:
     count = entry.get("trial_count")
     if isinstance(trials, list):
         count = len(trials)
+    fingerprint, fingerprint_problem = _kernel_hash.recorded(prov)
     return EntryReport(
         key=key, config=config if isinstance(config, dict) else None,
         median_ms=_number(entry.get("median_ms")), spread_ms=_number(entry.get("spread_ms")),
         timer=prov.get("timer") if isinstance(prov.get("timer"), str) else None,
         interpret=prov.get("interpret") if isinstance(prov.get("interpret"), bool) else None,
         trial_count=count if isinstance(count, int) and not isinstance(count, bool) else None,
-        outside_space=entry.get("outside_space") is True, problem=problem)
+        outside_space=entry.get("outside_space") is True, problem=problem,
+        kernel_fingerprint=fingerprint, fingerprint_problem=fingerprint_problem)
 
 
 def _file_report(path: str, root: str, shipped: bool, chip: str, role: str, kind: str

@@ -122,10 +122,12 @@ def _sweep_parser(sub: Any) -> None:
                    help="keep studies in memory only (not resumable). Without --storage they "
                         "live in an SQLite file in the user cache directory")
     s.add_argument("--force", action="store_true",
-                   help="re-tune keys already in the user cache (resuming their stored studies)")
+                   help="re-tune keys already in the user cache (resuming their stored studies); "
+                        "entries tuned on other code of the kernel are re-tuned without it")
     s.add_argument("--fresh-study", action="store_true",
-                   help="delete each shape's stored study first and start over (after changing "
-                        "the kernel's code; run it on one worker, then start the others)")
+                   help="delete each shape's stored study first and start over (run it on one "
+                        "worker, then start the others; changed kernel code gets new studies "
+                        "by itself, unless --study-name is given)")
     s.add_argument("--interpret", choices=("auto", "1", "0"), default=None)
     out = s.add_mutually_exclusive_group()
     out.add_argument("-v", "--verbose", action="store_true", help="print every trial")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pallas_tune.cli.shapes import CLIUsageError
 
-__all__ = ["add_parsers", "cmd_check", "cmd_merge"]
+__all__ = ["add_parsers", "cmd_check", "cmd_merge", "kernel_by_name"]
 
 
 def add_parsers(sub: Any) -> None:
@@ -23,6 +23,9 @@ def add_parsers(sub: Any) -> None:
                    help="also import kernels from DIR, to check configs against them")
     c.add_argument("--no-kernels", action="store_true",
                    help="check the files only, without importing the kernels they name")
+    c.add_argument("--fail-stale", action="store_true",
+                   help="count entries tuned on other code of their kernel (stale kernel "
+                        "fingerprint) as problems, not notes")
     c.set_defaults(func=cmd_check)
     m = sub.add_parser("merge", help="merge cache files written by several hosts into one cache")
     m.add_argument("inputs", nargs="+", metavar="FILE", help="winners files (<chip>/<kernel>.json)")
@@ -60,7 +63,7 @@ def _read(path: str) -> tuple[Any, str | None]:
         return None, str(e)
 
 
-def _kernel(name: str, paths: list[str], memo: dict[str, Any]) -> Any:
+def kernel_by_name(name: str, paths: Sequence[str], memo: dict[str, Any]) -> Any:
     """The tunable a file names (``module.qualname``), or None when it cannot be imported."""
     if name in memo:
         return memo[name]
@@ -99,6 +102,29 @@ def _check_entries(wf: Any, kernel: Any, path: str) -> list[str]:
     return problems
 
 
+def _fingerprints(wf: Any, kernel: Any, path: str, counts: dict[str, int]
+                  ) -> tuple[list[str], list[str]]:
+    """(malformed fingerprint problems, stale entry lines); ``counts`` gets each entry's
+    state (current, stale, unknown, unchecked: the kernel's own fingerprint is unknown)."""
+    from pallas_tune import _kernel_hash
+
+    current = kernel.fingerprint if kernel is not None else None
+    malformed, stale = [], []
+    for key, value, problem in wf.items():
+        if problem is not None or not isinstance(value, dict):
+            continue
+        recorded, bad = _kernel_hash.recorded(value.get("provenance"))
+        if bad is not None:
+            malformed.append(f"{path}: entry {key!r}: {bad}")
+        state = "unchecked" if recorded is not None and current is None else \
+            _kernel_hash.state(recorded, current)
+        counts[state] = counts.get(state, 0) + 1
+        if state == "stale":
+            stale.append(f"{path}: entry {key!r}: stale: tuned on kernel {recorded}, now "
+                         f"{current}; re-tune it (pallas-tune sweep re-tunes stale entries)")
+    return malformed, stale
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from pallas_tune import chips
     from pallas_tune.cache import default_cache
@@ -108,6 +134,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     notes: list[str] = []
     memo: dict[str, Any] = {}
     n_files = n_entries = 0
+    stale: list[str] = []
+    states: dict[str, int] = {}
     for path, chip_dir in _winners_files(paths):
         n_files += 1
         if chips.normalize_chip(chip_dir) != chip_dir:
@@ -125,12 +153,19 @@ def cmd_check(args: argparse.Namespace) -> int:
         name = wf.header.get("kernel")
         kernel = None
         if isinstance(name, str) and not args.no_kernels:
-            kernel = _kernel(name, args.path or [], memo)
+            kernel = kernel_by_name(name, args.path or [], memo)
             if kernel is None:
                 notes.append(f"{path}: kernel {name!r} not importable here (pass --path DIR); "
                              "its configs were checked against the file format only")
         n_entries += len(wf.keys())
         problems += _check_entries(wf, kernel, path)
+        malformed, stale_here = _fingerprints(wf, kernel, path, states)
+        problems += malformed
+        stale += stale_here
+    if args.fail_stale:
+        problems += stale
+    else:
+        notes += stale
     for line in notes:
         print(f"note: {line}")
     for line in problems:
@@ -139,7 +174,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"pallas-tune check: no cache files under {', '.join(paths)}", file=sys.stderr)
         return 1
     verdict = "OK" if not problems else f"{len(problems)} problem(s)"
-    print(f"pallas-tune check: {n_files} file(s), {n_entries} entries: {verdict}")
+    code = ", ".join(f"{states[s]} {s}" for s in ("current", "stale", "unknown", "unchecked")
+                     if states.get(s))
+    code = f" (kernel code: {code})" if code else ""
+    print(f"pallas-tune check: {n_files} file(s), {n_entries} entries{code}: {verdict}")
     return 1 if problems else 0
 
 

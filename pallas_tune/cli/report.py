@@ -230,7 +230,8 @@ def _img(path: str) -> str:
 def _receipts(prov: dict[str, Any]) -> str:
     rows = []
     for k in ("chip", "device_kind", "timer", "evaluator", "interpret", "timing_note", "date",
-              "strategy", "seed", "repeats", "tuning_s"):
+              "strategy", "seed", "repeats", "tuning_s", "kernel_fingerprint",
+              "kernel_version"):
         if k in prov:
             rows.append(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(prov[k]))}</td></tr>")
     versions = prov.get("versions") if isinstance(prov.get("versions"), dict) else {}

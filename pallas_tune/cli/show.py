@@ -8,14 +8,14 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pallas_tune.cli.options import _fmt_config
 
-__all__ = ["cmd_show", "show_problems", "show_rows"]
+__all__ = ["cmd_show", "code_state", "current_fingerprints", "show_problems", "show_rows"]
 
-_HEADER = ("kernel", "chip", "key", "best config", "median_ms", "how", "cache")
+_HEADER = ("kernel", "chip", "key", "best config", "median_ms", "how", "code", "cache")
 
 
 def _esc(value: Any, width: int | None = None) -> str:
@@ -28,21 +28,56 @@ def _esc(value: Any, width: int | None = None) -> str:
     return text if width is None else text[:width]
 
 
-def show_rows(reports: Sequence[Any]) -> list[tuple[str, ...]]:
-    """Table rows (kernel, chip, key, best config, median_ms, how, cache) for ``show``."""
+def code_state(entry: Any, current: str | None) -> str:
+    """Whether an entry was tuned on the kernel's current code: ``current``, ``stale``,
+    ``unknown`` (none recorded, or malformed) or ``unchecked`` (recorded, but the kernel's
+    own fingerprint is unknown here: not importable, or its source unreadable)."""
+    if entry.kernel_fingerprint is None:
+        return "unknown"
+    if current is None:
+        return "unchecked"
+    return "current" if entry.kernel_fingerprint == current else "stale"
+
+
+def current_fingerprints(reports: Sequence[Any], paths: Sequence[str] = ()
+                         ) -> dict[str, str | None]:
+    """Kernel name -> its code fingerprint now, for the kernels of files whose entries record
+    one (only those kernels are imported; None where one cannot be)."""
+    from pallas_tune.cli.check import kernel_by_name
+
+    out: dict[str, str | None] = {}
+    memo: dict[str, Any] = {}
+    for r in reports:
+        if r.kernel is None or r.kernel in out or not any(e.kernel_fingerprint
+                                                         for e in r.entries):
+            continue
+        try:
+            kernel = kernel_by_name(r.kernel, paths, memo)
+        except Exception:  # noqa: BLE001 - a kernel module that fails to import: unchecked.
+            kernel = None
+        out[r.kernel] = kernel.fingerprint if kernel is not None else None
+    return out
+
+
+def show_rows(reports: Sequence[Any], current: Mapping[str, str | None] | None = None
+              ) -> list[tuple[str, ...]]:
+    """Table rows (kernel, chip, key, best config, median_ms, how, code, cache) for ``show``;
+    ``code`` is :func:`code_state` against ``current`` (kernel name -> fingerprint)."""
+    current = current or {}
     rows = []
     for r in reports:
         where = ("shipped" if r.shipped else "user") + (" (recovered)" if r.role == "recovered"
                                                          else "")
         kernel = r.kernel or os.path.basename(r.path)
         if r.error is not None:
-            rows.append((kernel, r.chip, "?", f"UNREADABLE: {r.error}", "", "", where))
+            rows.append((kernel, r.chip, "?", f"UNREADABLE: {r.error}", "", "", "", where))
             continue
         for damage in r.damage:
-            rows.append((kernel, r.chip, "?", f"DAMAGED: {damage}", "", "", where))
+            rows.append((kernel, r.chip, "?", f"DAMAGED: {damage}", "", "", "", where))
         for e in r.entries:
             if e.problem is not None:
-                rows.append((kernel, r.chip, e.key, f"SKIPPED: {e.problem}", "", "", where))
+                rows.append((kernel, r.chip, e.key, f"SKIPPED: {e.problem}", "", "", "",
+                             where))
                 continue
             how = (e.timer or "?") + (" (interpret)" if e.interpret else "")
             if r.kind != "measured":
@@ -50,7 +85,9 @@ def show_rows(reports: Sequence[Any]) -> list[tuple[str, ...]]:
             if e.outside_space:
                 how += " (outside space)"
             ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
-            rows.append((kernel, r.chip, e.key, _fmt_config(e.config or {}), ms, how, where))
+            code = code_state(e, current.get(r.kernel or ""))
+            rows.append((kernel, r.chip, e.key, _fmt_config(e.config or {}), ms, how, code,
+                         where))
     return rows
 
 
@@ -62,6 +99,8 @@ def show_problems(reports: Sequence[Any]) -> list[str]:
             out.append(f"{r.path}: {r.error}")
         out += [f"{r.path}: {d}" for d in r.damage]
         out += [f"{r.path}, key {e.key!r}: {e.problem}" for e in r.entries if e.problem]
+        out += [f"{r.path}, key {e.key!r}: {e.fingerprint_problem} (it still serves)"
+                for e in r.entries if e.problem is None and e.fingerprint_problem]
     return out
 
 
@@ -73,7 +112,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     cache = default_cache()
     chip = chips.normalize_chip(args.chip) if args.chip else None
     reports = inventory(cache, kernel=args.kernel, chip=chip)
-    rows = show_rows(reports)
+    rows = show_rows(reports, current_fingerprints(reports))
     if args.key:
         rows = [r for r in rows if args.key in r[2]]
     fmt = args.format
@@ -102,7 +141,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     problems = show_problems(reports)
     if problems:
-        print("\nnot served (files are left as they are):")
+        print("\nproblems (entries not served, or served with a warning; files are left as "
+              "they are):")
         for line in problems:
             print(_esc(f"  {line}"))
     if args.trials:

@@ -176,10 +176,15 @@ def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
         user_file = kernel.cache.path(chip, kernel.name, kind=kind)
         found = kernel.cache.lookup(chip, kernel.name, key)
         if not args.force and found is not None and found[1] == user_file:
-            _say(args, f"  {key}: cached, skipped (--force re-tunes)")
-            continue
+            stale = _stale(kernel, found[0])
+            if stale is None:
+                _say(args, f"  {key}: cached, skipped (--force re-tunes)")
+                continue
+            _say(args, f"  {key}: {stale}; re-tuning")
         if args.fresh_study and args.storage:
-            _delete_study(args.storage, options.study_name or f"{kernel.name}|{chip}|{key}")
+            from pallas_tune.tuning.study import study_name
+
+            _delete_study(args.storage, options.study_name or study_name(kernel, chip, key))
         progress = _progress(args, kernel, options, f"[{i + 1}/{len(calls)}] {key}")
         t0 = time.perf_counter()
         try:
@@ -203,6 +208,17 @@ def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
                    f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
                    f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
     return failures
+
+
+def _stale(kernel: Any, entry: dict[str, Any]) -> str | None:
+    """Why a cached entry is not done though present: tuned on other code of the kernel (an
+    entry recording no fingerprint, or a malformed one, counts as done, as before)."""
+    from pallas_tune import _kernel_hash
+
+    recorded, _ = _kernel_hash.recorded(entry.get("provenance"))
+    if _kernel_hash.state(recorded, kernel.fingerprint if recorded else None) != "stale":
+        return None
+    return f"stale: tuned on kernel {recorded}, now {kernel.fingerprint}"
 
 
 def _delete_study(storage: str, name: str) -> None:

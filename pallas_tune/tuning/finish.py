@@ -9,6 +9,7 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
+from pallas_tune._kernel_hash import FIELD as FINGERPRINT_FIELD
 from pallas_tune.errors import NoFeasibleConfigError
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.records import Outcome, spread
@@ -71,6 +72,11 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
     prov.update(ranked_by="interleaved re-ranking" if ranking else "search median",
                 strategy=extra.get("strategy"), counts=log.counts(),
                 trials_measured=log.timed, tuning_s=round(log.progress().elapsed_s, 3))
+    fingerprint = getattr(kernel, "fingerprint", None)
+    if fingerprint is not None:  # The code it was tuned on (see pallas_tune._kernel_hash).
+        prov[FINGERPRINT_FIELD] = fingerprint
+        if getattr(kernel, "version", None) is not None:
+            prov["kernel_version"] = kernel.version
     if ranking:
         prov["retimed_interleaved"] = ranking
     return TuningResult(kernel=kernel.name, chip=chip, key=plan.key, records=tuple(log.records),

@@ -21,7 +21,7 @@ from pallas_tune.tuning.log import TrialLog
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import make_plan, open_evaluator, settle_chip
 from pallas_tune.tuning.result import TuningResult
-from pallas_tune.tuning.study import Search, quiet_optuna
+from pallas_tune.tuning.study import Search, quiet_optuna, study_name
 from pallas_tune.tuning.warm import warm_start_configs
 
 __all__ = ["run", "tune", "warm_start_configs"]
@@ -80,7 +80,7 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
         extra = _prepare(evaluator, kernel, options)
         warm = _warm(evaluator, kernel, args, kwargs, chip, plan.key, options)
         search = Search.open(kernel.space, name=options.study_name or
-                             f"{kernel.name}|{chip}|{plan.key}", storage=options.storage,
+                             study_name(kernel, chip, plan.key), storage=options.storage,
                              sampler=options.sampler, seed=options.seed, trials=options.trials,
                              warm=warm)
         log = TrialLog(options, kernel.space.size)

@@ -42,8 +42,10 @@ class TuneOptions:
       max_attempts: most candidates to ask the sampler for (default ``max(10 * trials, 100)``).
       storage, study_name: an Optuna storage (URL such as ``sqlite:///tune.db`` or
         ``postgresql://...``, or a storage object) and study name (default
-        ``"<kernel>|<chip>|<key>"``): the study is then resumable and may be shared by several
-        hosts; configs and programs already evaluated there are not evaluated again.
+        ``"<kernel>|<chip>|<key>|kernel=<fingerprint>"``, without the last part when the
+        kernel's code fingerprint is unknown): the study is then resumable and may be shared
+        by several hosts; configs and programs already evaluated there are not evaluated
+        again. Changed kernel code gets a study of its own.
 
     Timing
       timer: ``"auto"`` (default: ``"profiler"`` where a GPU or TPU measures, ``"wallclock"``

@@ -16,11 +16,21 @@ from typing import Any, Final
 from pallas_tune.errors import SearchSpaceError
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 
-__all__ = ["GP_MAX_CANDIDATES", "ParamCodec", "Search", "quiet_optuna"]
+__all__ = ["GP_MAX_CANDIDATES", "ParamCodec", "Search", "quiet_optuna", "study_name"]
 
 # Spaces up to this size are searched by the GP over every candidate; larger ones by TPE.
 GP_MAX_CANDIDATES: Final = 50_000
 _PLAIN: Final = (bool, int, float, str)
+
+
+def study_name(kernel: Any, chip: str, key: str) -> str:
+    """The stored study of (kernel, chip, key) when no ``study_name`` is given. It names the
+    kernel's code fingerprint when known, so that a run on changed kernel code starts a study
+    of its own instead of resuming trials measured on the old code (their values would be told
+    again, not measured)."""
+    fingerprint = getattr(kernel, "fingerprint", None)
+    name = f"{kernel.name}|{chip}|{key}"
+    return f"{name}|kernel={fingerprint}" if fingerprint else name
 
 
 class ParamCodec:

@@ -1,0 +1,128 @@
+"""Kernel fingerprints: which version of a kernel's code a cache entry was tuned on.
+
+A tuned config is a fact about one program. When a kernel's code changes (another layout,
+masking, a different program) its old cache entries may no longer be its best, so the tuner
+records the kernel's fingerprint in each entry's provenance (``"kernel_fingerprint"``), the
+dispatcher warns when it serves an entry tuned on other code, and ``pallas-tune sweep``
+re-tunes such entries. As Triton's autotuner keys its cache on a hash of the kernel source.
+
+The fingerprint is 16 hex digits of a SHA-256:
+
+- by default, of the code of the module that defines the kernel function: its syntax tree
+  with docstrings (and other bare string statements) removed, so that comments, docstrings
+  and formatting do not count, while any change to the code does, helpers such as
+  ``_kernel`` and the declared space included. The tree is serialized here (node type, then
+  non-empty fields), not with ``ast.dump``, whose text differs between Python versions;
+- with ``@tunable(version="...")``, of that string only: for a kernel whose code spans several
+  modules, or whose author wants to decide when its caches go stale;
+- None ("unknown") when the source cannot be read (a kernel defined in a REPL, a notebook or
+  by ``exec``): nothing is then recorded, checked or warned.
+
+Entries without a recorded fingerprint (every cache written before fingerprints) are
+"unknown" too, and serve as they always did.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import re
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+__all__ = ["FIELD", "code_fingerprint", "recorded", "source_fingerprint", "state",
+           "version_fingerprint"]
+
+FIELD: Final = "kernel_fingerprint"  # The provenance field.
+LENGTH: Final = 16
+_HEX: Final = re.compile(r"[0-9a-f]{16}")
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:LENGTH]
+
+
+def version_fingerprint(version: str) -> str:
+    """The fingerprint of an explicit ``@tunable(version=...)``."""
+    return _digest(b"version\0" + version.encode("utf-8"))
+
+
+def _is_doc(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str))
+
+
+def _canon(node: Any, out: list[str]) -> None:
+    """Appends a Python-version-stable text of ``node``: fields that are None or empty lists
+    are left out (newer Pythons add such fields, e.g. ``type_params`` in 3.12)."""
+    if isinstance(node, ast.AST):
+        out.append(type(node).__name__ + "(")
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if value is None or (isinstance(value, list) and not value):
+                continue
+            out.append(name + "=")
+            _canon(value, out)
+            out.append(",")
+        out.append(")")
+    elif isinstance(node, list):
+        out.append("[")
+        for item in node:
+            if _is_doc(item):
+                continue  # A docstring, or a string used as a comment: no code.
+            _canon(item, out)
+            out.append(",")
+        out.append("]")
+    else:
+        out.append(f"{type(node).__name__}:{node!r}")
+
+
+def source_fingerprint(source: str) -> str:
+    """The fingerprint of a module's source text (SyntaxError if it does not parse)."""
+    out: list[str] = []
+    _canon(ast.parse(source), out)
+    return _digest("".join(out).encode("utf-8"))
+
+
+def code_fingerprint(fn: Callable[..., Any]) -> str | None:
+    """The fingerprint of the module that defines ``fn``, or None when its source cannot be
+    read or does not hold ``fn`` (defined in a REPL, by ``exec``, in a notebook). Never
+    raises: it runs on the dispatch path."""
+    try:
+        fn = inspect.unwrap(fn)
+        code = getattr(fn, "__code__", None)
+        module = sys.modules.get(getattr(fn, "__module__", None) or "")
+        if code is None or module is None:
+            return None
+        path = inspect.getsourcefile(module)
+        if not path or path != code.co_filename:
+            return None  # fn was not compiled from this module's file (exec, a notebook).
+        return source_fingerprint(inspect.getsource(module))
+    except Exception:  # noqa: BLE001 - OSError, SyntaxError, RecursionError...: unknown.
+        return None
+
+
+def recorded(provenance: Any) -> tuple[str | None, str | None]:
+    """(fingerprint, problem) recorded in an entry's provenance: (None, None) when none is,
+    (None, why) when the value is malformed (then it counts as unknown)."""
+    if not isinstance(provenance, Mapping) or FIELD not in provenance:
+        return None, None
+    value = provenance[FIELD]
+    if value is None:
+        return None, None
+    if not isinstance(value, str) or not _HEX.fullmatch(value):
+        text = repr(value)
+        text = text if len(text) <= 40 else text[:37] + "..."
+        return None, (f"its provenance's {FIELD} {text} is not {LENGTH} lowercase hex "
+                      "digits; treated as unknown")
+    return value, None
+
+
+def state(recorded_fp: str | None, current: str | None) -> str:
+    """``"current"``, ``"stale"`` (tuned on other code) or ``"unknown"`` (either side not
+    known)."""
+    if recorded_fp is None or current is None:
+        return "unknown"
+    return "current" if recorded_fp == current else "stale"
