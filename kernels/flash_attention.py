@@ -206,10 +206,14 @@ def _dispatch_diagonal(update, i, j, *, bq, bkv):
     """Causal, with bkv dividing bq: a KV block on the diagonal starts at query column
     ``t * bkv`` of the query block for some static t, so each t gets its own branch that skips
     the columns before it and masks a static triangle; blocks below the diagonal run whole."""
-    t = (j * bkv - i * bq) // bkv  # Negative: below the diagonal; bq // bkv or more: above it.
-    pl.when(t < 0)(update)
+    # Plain comparisons of program ids: with a floor division in these conditions libtpu's
+    # static estimate charged every grid step with the branch step 0 takes (the staircase),
+    # whatever each step runs (found on HSTU attention; benchmarks/results/hstu_profile.txt).
+    first_key, first_query = j * bkv, i * bq
+    pl.when(first_key < first_query)(update)  # Wholly below the diagonal.
     for start in range(bq // bkv):
-        pl.when(t == start)(functools.partial(_staircase, update, start * bkv, bq=bq, bkv=bkv))
+        pl.when(first_key == first_query + start * bkv)(
+            functools.partial(_staircase, update, start * bkv, bq=bq, bkv=bkv))
 
 
 def _staircase(update, lo, *, bq, bkv):
