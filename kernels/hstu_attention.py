@@ -22,7 +22,8 @@ What the kernel does per step, from the v6e compiler's static profile
   and the sequence, a block on the diagonal runs as a staircase of 256-column query strips,
   each against only the keys it can see, with a static triangle mask; the others (ragged
   sequences) mask by absolute positions.
-- "Phases": every strip's q kᵀ, then every strip's bias and SiLU, then every vᵀ pᵀ, so the MXU
+- Software pipelining: strip n's q kᵀ is emitted with strip n-2's bias and SiLU and strip n-4's vᵀ pᵀ,
+  so the MXU
   has work while the VPU runs.
 - alpha is applied to the (bq, d) query block, not to the scores; norm to the output.
 - The bias block is Toeplitz (constant along diagonals). It is built once per step from a
@@ -53,6 +54,7 @@ __all__ = ["hstu_attention", "hstu_attention_reference"]
 
 _LANES = 128
 _STRIP = 256  # Query columns per stair of a diagonal block (as in flash_attention).
+_LAG = 2  # Software pipelining of ``update``'s parts (best of 0-3 by the v6e estimate).
 
 
 def hstu_attention_reference(q, k, v, rel_bias, *, alpha: float | None = None,
@@ -139,9 +141,8 @@ def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, se
         return p.astype(v_ref.dtype)
 
     def update(*parts):
-        """acc[:, cols] += vᵀ pᵀ for each part (``probs``' keywords; disjoint columns), in
-        phases: every part's q kᵀ, then every SiLU, then every vᵀ pᵀ, so that the MXU has the
-        next part's work while the VPU does this one's."""
+        """acc[:, cols] += vᵀ pᵀ for each part (``probs``' keywords; disjoint columns), emitted
+        software-pipelined so that the MXU has other parts' work while the VPU does one's."""
         parts = parts or ({},)
         v = v_ref[...]
         if tail and any(part.get("mask") for part in parts):
@@ -153,19 +154,26 @@ def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, se
         base = off - bkv + pad
         wide = _bias_rows(tab_ref, base if isinstance(base, int) else pl.multiple_of(base, _LANES),
                           rows=bkv, cols=bq)
-        ss = [scores(**part) for part in parts]
-        ps = [probs(s, wide, **part) for s, part in zip(ss, parts)]
-        for p, part in zip(ps, parts):
-            cols = pl.ds(part.get("lo", 0), part.get("hi", bq) - part.get("lo", 0))
-            acc_ref[:, cols] += jnp.dot(vt[:, :part.get("rows", bkv)], p,
-                                        preferred_element_type=jnp.float32)
+        ss, ps = {}, {}
+        for n in range(len(parts) + 2 * _LAG):  # Part n's q kᵀ, n - LAG's SiLU, n - 2 LAG's vᵀ pᵀ.
+            if n < len(parts):
+                ss[n] = scores(**parts[n])
+            if 0 <= n - _LAG < len(parts):
+                ps[n - _LAG] = probs(ss.pop(n - _LAG), wide, **parts[n - _LAG])
+            if 0 <= n - 2 * _LAG < len(parts):
+                part = parts[n - 2 * _LAG]
+                cols = pl.ds(part.get("lo", 0), part.get("hi", bq) - part.get("lo", 0))
+                acc_ref[:, cols] += jnp.dot(vt[:, :part.get("rows", bkv)], ps.pop(n - 2 * _LAG),
+                                            preferred_element_type=jnp.float32)
 
+    # Branch conditions are plain comparisons of products: libtpu's static estimate follows
+    # them per grid step, but with a floor division in them it charged every step with the
+    # branch of step 0 (benchmarks/results/hstu_profile.txt).
     if bq % bkv == 0 and bkv % _LANES == 0 and not tail:
-        t = (k_start - q_start) // bkv  # < 0: below the diagonal; >= bq // bkv: above it.
-        pl.when(t < 0)(update)
-        for start in range(bq // bkv):
-            pl.when(t == start)(functools.partial(_staircase, update, start * bkv, bq=bq,
-                                                  bkv=bkv))
+        _when(k_start + bkv <= q_start, update)  # Wholly below the diagonal.
+        for start in range(0, bq, bkv):
+            _when(k_start == q_start + start,
+                  functools.partial(_staircase, update, start, bq=bq, bkv=bkv))
     else:
         below = k_start + bkv - 1 <= q_start  # Every key of the block precedes every query.
         inside = k_start + bkv <= seq
@@ -178,6 +186,15 @@ def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, se
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
         o_ref[...] = (acc_ref[...] * norm).T.astype(o_ref.dtype)
+
+
+def _when(condition, body):
+    """pl.when that also takes a static condition (one block covering the sequence)."""
+    if isinstance(condition, bool):
+        if condition:
+            body()
+    else:
+        pl.when(condition)(body)
 
 
 def _staircase(update, lo, *, bq, bkv):
