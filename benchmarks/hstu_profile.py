@@ -4,7 +4,9 @@ Compiles ``kernels/hstu_attention.py`` (and, with ``--rev``, the same file at a 
 for a before/after in one run) deviceless for TPU v6e with libtpu's static profile and its final
 VLIW bundles dumped, and prints per shape and config: the compiler's estimated cycles (whole
 kernel, every grid step), the time at 1.75 GHz, the fraction of the roofline of the causal
-problem (useful FLOPs only: the lower triangle, 4·b·h·S(S+1)/2·d at 918 TFLOP/s), the bundles
+problem as benchmarks/model_shapes.py defines it (the larger of useful FLOPs, the lower
+triangle 4·b·h·S(S+1)/2·d at 918 TFLOP/s, and q, k, v, bias and output bytes at 1.64 TB/s), the
+bundles
 of the kernel program, and how many instructions of each kind the program holds (static counts:
 loop bodies once, not per iteration).
 
@@ -39,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_tune.feasibility import compile as _compile  # noqa: E402
 
-PEAK_FLOPS, CLOCK = 918e12, 1.75e9
+PEAK_FLOPS, PEAK_BYTES, CLOCK = 918e12, 1.64e12, 1.75e9
 BATCH = {2048: 4, 4096: 2, 8192: 1}  # search_spaces/hstu_attention.toml: ~8k tokens a batch.
 KINDS = ("vmatmul", "vpop.f32.mrf", "vld", "vst", "vadd", "vmul", "vsel", "vpack", "vrot",
          "vtanh", "vpow2", "vrcp", "vpop.eup")
@@ -99,9 +101,12 @@ def main() -> None:
         b = BATCH.get(s, 1)
         x = jax.ShapeDtypeStruct((b, 4, s, 128), jnp.bfloat16)
         bias = jax.ShapeDtypeStruct((s,), jnp.float32)
-        floor_us = 4.0 * b * 4 * s * (s + 1) / 2 * 128 / PEAK_FLOPS * 1e6
+        flop_us = 4.0 * b * 4 * s * (s + 1) / 2 * 128 / PEAK_FLOPS * 1e6
+        byte_us = (4 * b * 4 * s * 128 * 2 + 4 * s) / PEAK_BYTES * 1e6
+        floor_us = max(flop_us, byte_us)
         print(f"# HSTU attention, DLRM-HSTU {b}x4x{s}x128, causal, bf16; v6e compiler "
-              f"ESTIMATES; roofline {floor_us:.1f} us", flush=True)
+              f"ESTIMATES; roofline {floor_us:.1f} us (FLOPs {flop_us:.1f}, HBM {byte_us:.1f})",
+              flush=True)
         for label, fn in versions:
             for cfg in a.configs:
                 bq, bkv = map(int, cfg.split("x"))

@@ -22,9 +22,8 @@ What the kernel does per step, from the v6e compiler's static profile
   and the sequence, a block on the diagonal runs as a staircase of 256-column query strips,
   each against only the keys it can see, with a static triangle mask; the others (ragged
   sequences) mask by absolute positions.
-- Software pipelining: strip n's q kᵀ is emitted with strip n-2's bias and SiLU and strip n-4's vᵀ pᵀ,
-  so the MXU
-  has work while the VPU runs.
+- Software pipelining: strip n's q kᵀ is emitted with strip n-2's bias and SiLU and strip
+  n-4's vᵀ pᵀ, so that the MXU has work while the VPU runs.
 - alpha is applied to the (bq, d) query block, not to the scores; norm to the output.
 - The bias block is Toeplitz (constant along diagonals). It is built once per step from a
   128-lane-aligned slice of the table, broadcast to 128 rows and rotated with a per-row stride
