@@ -12,21 +12,28 @@ position bias; distances past the table use its last bucket), ``alpha`` default 
 
 There is no softmax, so no running max or denominator: each KV block adds its (SiLU ⊙ mask) V to
 an f32 accumulator. Grid (batch, heads, q blocks, kv blocks), the KV axis last and "arbitrary".
-What the kernel does per step, from the v6e compiler's static profile (see
-benchmarks/results/model_shapes.md):
+What the kernel does per step, from the v6e compiler's static profile
+(benchmarks/hstu_profile.py, benchmarks/results/hstu_profile.txt):
 
+- It works transposed, like flash_attention: sᵀ = k qᵀ (bkv, bq) and oᵀ += vᵀ pᵀ (hidden, bq),
+  so at hidden dim 128 the 128 is the MXU's streamed side and the full pᵀ tile its weights.
 - KV blocks wholly above the diagonal are skipped: no compute, and their index map repeats the
-  last needed block, so no DMA either.
-- Only blocks that cross the diagonal or the end of the sequence build a mask; blocks wholly
-  below the diagonal run unmasked (two code paths chosen per step with ``pl.when``).
-- alpha is applied to the (bq, d) query block, not to the (bq, bkv) scores; norm to the output.
-- The bias block is a Toeplitz matrix (constant along diagonals). It is built in VMEM from a
-  slice of the table, 128 query rows at a time: the row slice is broadcast and rotated with a
-  per-row stride (``pltpu.roll(..., stride=1)``), one vector rotate per register, instead of a
-  gather. The table is laid out in the wrapper so every slice starts on a 128-lane boundary.
+  last needed block, so no DMA either. Blocks wholly below it run unmasked. When bkv divides bq
+  and the sequence, a block on the diagonal runs as a staircase of 256-column query strips,
+  each against only the keys it can see, with a static triangle mask; the others (ragged
+  sequences) mask by absolute positions.
+- Software pipelining: strip n's q kᵀ is emitted with strip n-2's bias and SiLU and strip
+  n-4's vᵀ pᵀ, so that the MXU has work while the VPU runs.
+- alpha is applied to the (bq, d) query block, not to the scores; norm to the output.
+- The bias block is Toeplitz (constant along diagonals). It is built once per step from a
+  128-lane-aligned slice of the table, broadcast to 128 rows and rotated with a per-row stride
+  (``pltpu.roll(..., stride=1)``); every 128-key chunk of every strip is then a lane-aligned
+  slice of that one rotated array. No gather, and one rotate per vreg of a (128, bq + bkv)
+  array rather than per vreg of the block.
 
-Every sequence length is accepted: rows past the end of a ragged last block are masked (their
-keys get zero weight and their values are zeroed, so padding garbage cannot reach the output).
+Every sequence length is accepted: keys past the end of a ragged last block get zero weight
+and their values are zeroed, so padding garbage cannot reach the output; queries past the end
+are columns of their own, dropped on store.
 Block sizes must be multiples of 128 or cover the whole sequence; larger ones are clamped.
 """
 
@@ -45,6 +52,8 @@ import pallas_tune as pt
 __all__ = ["hstu_attention", "hstu_attention_reference"]
 
 _LANES = 128
+_STRIP = 256  # Query columns per stair of a diagonal block (as in flash_attention).
+_LAG = 2  # Software pipelining of ``update``'s parts (best of 0-3 by the v6e estimate).
 
 
 def hstu_attention_reference(q, k, v, rel_bias, *, alpha: float | None = None,
@@ -62,89 +71,155 @@ def hstu_attention_reference(q, k, v, rel_bias, *, alpha: float | None = None,
     return (out * norm).astype(q.dtype)
 
 
-def _bias_block(tab_ref, start, *, bq, bkv):
-    """The (bq, bkv) Toeplitz bias block whose reversed-table slice starts at lane ``start``.
+def _bias_rows(tab_ref, base, *, rows: int, cols: int):
+    """The rotated table from which every part of a (rows, cols) bias block is sliced.
 
-    Built 128 query rows at a time (or all bq if fewer or odd): each row slice is broadcast and
-    rotated with a per-row stride. Slices are ``width`` = roundup(rows + bkv - 1, 128) lanes and
-    start at multiples of 128 (the wrapper lays the table out so), so no lane shifts are needed
-    to load them.
+    The block is Toeplitz, B[r, c] = tab[base + c - r + rows], with ``base`` a multiple of 128
+    or static (see ``_table``). The slice L = tab[base : base + W] (W = roundup(rows + cols,
+    128)) broadcast to R = 128 rows (all ``rows`` if not a multiple of 128), row ρ rotated by
+    ρ - R, gives RW[ρ, m] = L[m - ρ + R], and rows kR .. kR + R of B are the lane-aligned
+    slice RW[:, (K-1-k)R:][:, :cols] for K = rows / R (``_bias_part``). One rotate per vreg
+    of (R, W) for the whole block, not one per vreg of the block (at 2048 x 2048: 512 rotates
+    instead of 4,352).
     """
-    rows = _LANES if bq % _LANES == 0 else bq
-    width = pl.cdiv(rows + bkv - 1, _LANES) * _LANES
-    parts = []
-    for r0 in range(0, bq, rows):
-        first = pl.multiple_of(start + bq - r0 - rows, _LANES)
-        line = tab_ref[:, pl.ds(first, width)]
-        grid = jnp.broadcast_to(line, (rows, width))
-        # Row r is rotated right by (width - rows + 1 + r): t[r, c] = line[c - r + rows - 1]
-        # (no wrap-around: 0 <= c - r + rows - 1 < width).
-        parts.append(pltpu.roll(grid, width - rows + 1, 1, stride=1, stride_axis=0)[:, :bkv])
+    r = _LANES if rows % _LANES == 0 else rows
+    width = pl.cdiv(rows + cols, _LANES) * _LANES
+    line = tab_ref[:, pl.ds(base, width)]
+    return pltpu.roll(jnp.broadcast_to(line, (r, width)), width - r, 1, stride=1, stride_axis=0)
+
+
+def _bias_part(wide, *, rows: int, lo: int, hi: int, nrows: int):
+    """Rows [0, nrows) and columns [lo, hi) of the bias block of ``_bias_rows``."""
+    r = wide.shape[0]
+    n = rows // r
+    parts = [wide[:, (n - 1 - k) * r + lo:(n - 1 - k) * r + hi] for k in range(nrows // r)]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
-def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, seq, alpha, norm):
+def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, seq, pad, alpha,
+            norm):
+    """Works on transposed scores sᵀ = k qᵀ (bkv, bq) and accumulates oᵀ = vᵀ pᵀ (dv, bq).
+
+    On the 256x256 MXU an attention dim of 128 fills half of it in q kᵀ whichever way round;
+    in p v a hidden dim of 128 would be the output width, in vᵀ pᵀ it is the streamed side and
+    the full pᵀ tile is the MXU's weights (benchmarks/results/attention_mxu_floor.txt).
+    """
     i, j = pl.program_id(2), pl.program_id(3)
-    q_start, k_start = i * bq, j * bkv
-    tile_start = (nq - 1 - i) * bq + k_start  # Table slice of the whole (bq, bkv) block.
+    # Static where one block covers the sequence (blocks that are not multiples of 128).
+    q_start = i * bq if nq > 1 else 0
+    k_start = j * bkv if nk > 1 else 0
+    tail = seq % bkv if nk > 1 else 0
 
     @pl.when(j == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def update(r0: int, nr: int, nc: int, masked: bool):
-        """acc[r0:r0+nr] += (silu(alpha q kᵀ + rab) ⊙ mask) v over the block's first nc keys."""
-        q = (q_ref[r0:r0 + nr, :].astype(jnp.float32) * alpha).astype(q_ref.dtype)
-        k, v = k_ref[:nc, :], v_ref[:nc, :]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-        s = s + _bias_block(tab_ref, tile_start + bq - nr - r0, bq=nr, bkv=nc)
+    def scores(lo=0, hi=bq, rows=bkv, **_):
+        """sᵀ for the query columns [lo, hi) of the block against its first ``rows`` keys."""
+        q = (q_ref[lo:hi, :].astype(jnp.float32) * alpha).astype(q_ref.dtype)
+        return jax.lax.dot_general(k_ref[:rows, :], q, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)  # (rows, hi - lo)
+
+    def probs(s, wide, lo=0, hi=bq, rows=bkv, mask=False, diagonal=None, **_):
+        """pᵀ = silu(sᵀ + biasᵀ) ⊙ mask in v's dtype.
+
+        mask: causal and sequence-end mask by absolute positions; diagonal=a: a static triangle
+        instead (key r visible to column lo + c when r <= a + c)."""
+        s = s + _bias_part(wide, rows=bkv, lo=lo, hi=hi, nrows=rows)
+        # f32: sigmoid is one EUP op (and an add), as cheap as tanh; in bf16 it crashes
+        # libtpu 0.0.50.1's LLO type check, and bf16 tanh was no faster by the estimate.
         p = s * jax.nn.sigmoid(s)
-        if masked:
-            q_pos = q_start + r0 + jax.lax.broadcasted_iota(jnp.int32, (nr, nc), 0)
-            k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, (nr, nc), 1)
-            p = jnp.where((q_pos >= k_pos) & (k_pos < seq), p, 0.0)
+        if diagonal is not None:
+            row = jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            col = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            p = jnp.where(row - col <= diagonal, p, jnp.zeros_like(p))
+        elif mask:
+            k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            q_pos = q_start + lo + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+            p = jnp.where((q_pos >= k_pos) & (k_pos < seq), p, jnp.zeros_like(p))
+        return p.astype(v_ref.dtype)
+
+    def update(*parts):
+        """acc[:, cols] += vᵀ pᵀ for each part (``probs``' keywords; disjoint columns), emitted
+        software-pipelined so that the MXU has other parts' work while the VPU does one's."""
+        parts = parts or ({},)
+        v = v_ref[...]
+        if tail and any(part.get("mask") for part in parts):
             row = k_start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0)
             v = jnp.where(row < seq, v, jnp.zeros_like(v))  # Padding rows may hold NaN.
-        acc_ref[r0:r0 + nr, :] += jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        vt = v.T
+        # The bias of the whole block, once (q_start - k_start is static on the diagonal).
+        off = parts[0].get("off", q_start - k_start)
+        base = off - bkv + pad
+        wide = _bias_rows(tab_ref, base if isinstance(base, int) else pl.multiple_of(base, _LANES),
+                          rows=bkv, cols=bq)
+        ss, ps = {}, {}
+        for n in range(len(parts) + 2 * _LAG):  # Part n's q kᵀ, n - LAG's SiLU, n - 2 LAG's vᵀ pᵀ.
+            if n < len(parts):
+                ss[n] = scores(**parts[n])
+            if 0 <= n - _LAG < len(parts):
+                ps[n - _LAG] = probs(ss.pop(n - _LAG), wide, **parts[n - _LAG])
+            if 0 <= n - 2 * _LAG < len(parts):
+                part = parts[n - 2 * _LAG]
+                cols = pl.ds(part.get("lo", 0), part.get("hi", bq) - part.get("lo", 0))
+                acc_ref[:, cols] += jnp.dot(vt[:, :part.get("rows", bkv)], ps.pop(n - 2 * _LAG),
+                                            preferred_element_type=jnp.float32)
 
-    below = k_start + bkv - 1 <= q_start  # Every key of the block precedes every query.
-    inside = k_start + bkv <= seq
-    needed = k_start <= q_start + bq - 1  # Some key is at or before some query.
-    pl.when(below & inside)(lambda: update(0, bq, bkv, False))
-    half = bq // 2
-    if bq == bkv and half >= _LANES and half % _LANES == 0:
-        # A diagonal block: its first half of queries sees only the first half of keys (a
-        # quarter of the block's MXU work saved; -25% on the 2048-token blocks' estimate).
-        diagonal = (i == j) & inside
-
-        @pl.when(diagonal)
-        def _diagonal():
-            update(0, half, half, True)
-            update(half, half, bkv, True)
-
-        rest = needed & jnp.logical_not(below & inside) & jnp.logical_not(diagonal)
+    # Branch conditions are plain comparisons of products: libtpu's static estimate follows
+    # them per grid step, but with a floor division in them it charged every step with the
+    # branch of step 0 (benchmarks/results/hstu_profile.txt).
+    if bq % bkv == 0 and bkv % _LANES == 0 and not tail:
+        _when(k_start + bkv <= q_start, update)  # Wholly below the diagonal.
+        for start in range(0, bq, bkv):
+            _when(k_start == q_start + start,
+                  functools.partial(_staircase, update, start, bq=bq, bkv=bkv))
     else:
-        rest = needed & jnp.logical_not(below & inside)
-    pl.when(rest)(lambda: update(0, bq, bkv, True))
+        below = k_start + bkv - 1 <= q_start  # Every key of the block precedes every query.
+        inside = k_start + bkv <= seq
+        needed = k_start <= q_start + bq - 1  # Some key is at or before some query.
+        whole = jnp.logical_and(below, inside)
+        pl.when(whole)(update)
+        pl.when(jnp.logical_and(needed, jnp.logical_not(whole)))(
+            functools.partial(update, dict(mask=True)))
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _finish():
-        o_ref[...] = (acc_ref[...] * norm).astype(o_ref.dtype)
+        o_ref[...] = (acc_ref[...] * norm).T.astype(o_ref.dtype)
 
 
-def _reversed_table(rel_bias, *, dmax: int, length: int):
-    """ext[m] = rel_bias[min(dmax - m, nb - 1)] for dmax - m >= 0, else 0 (masked anyway).
+def _when(condition, body):
+    """pl.when that also takes a static condition (one block covering the sequence)."""
+    if isinstance(condition, bool):
+        if condition:
+            body()
+    else:
+        pl.when(condition)(body)
 
-    Built from a flip, a broadcast and padding, not a gather: a gather of this size cost more
-    than the whole kernel in the v6e estimate (81,551 cycles at 4096 tokens).
+
+def _staircase(update, lo, *, bq, bkv):
+    """A KV block whose first key is query column ``lo``: the diagonal square as column strips,
+    each against only the keys up to its last query (static triangle masks), then the columns
+    past the square whole."""
+    width = math.gcd(bkv, _STRIP)
+    parts = [dict(lo=lo + a, hi=lo + a + width, rows=a + width, diagonal=a, off=-lo)
+             for a in range(0, bkv, width)]
+    if lo + bkv < bq:
+        parts.append(dict(lo=lo + bkv, off=-lo))
+    update(*parts)
+
+
+def _table(rel_bias, *, pad: int, length: int):
+    """tab[x] = rel_bias[min(x - pad, nb - 1)] for x >= pad, else 0 (masked anyway): the
+    score of key k for query q has bias tab[q - k + pad].
+
+    Built from a broadcast and padding, not a gather: a gather of this size cost more than the
+    whole kernel in the v6e estimate (81,551 cycles at 4096 tokens).
     """
     bias = rel_bias.astype(jnp.float32)
     nb = bias.shape[0]
-    clamped = max(0, dmax - nb + 1)  # Distances dmax .. nb-1 use the last bucket.
-    table = jnp.concatenate([jnp.broadcast_to(bias[-1], (clamped,)),
-                             jnp.flip(bias[:min(nb, dmax + 1)])])
-    return jnp.pad(table, (0, length - table.shape[0]))[None, :]
+    body = bias[:min(nb, length - pad)]
+    rest = jnp.broadcast_to(bias[-1], (length - pad - body.shape[0],))
+    return jnp.concatenate([jnp.zeros((pad,), jnp.float32), body, rest])[None, :]
 
 
 def _blocks(seq: int, bq: int, bkv: int) -> tuple[int, int]:
@@ -186,31 +261,31 @@ def hstu_attention(q, k, v, rel_bias, *, alpha: float | None = None, norm: float
     norm = 1.0 / s if norm is None else float(norm)
     bq, bkv = _blocks(s, bq, bkv)
     nq, nk = pl.cdiv(s, bq), pl.cdiv(s, bkv)
-    # Table slices start at (nq-1-i)*bq + j*bkv + (bq - r0 - rows) for row chunks r0 of 128
-    # (or of the whole block when it is one odd-sized tile): multiples of 128, because blocks
-    # are multiples of 128 or single tiles (i = 0 or j = 0).
-    rows = _LANES if bq % _LANES == 0 else bq
-    width = pl.cdiv(rows + bkv - 1, _LANES) * _LANES
-    length = (nq - 1) * bq + (nk - 1) * bkv + bq - rows + width
-    table = _reversed_table(rel_bias, dmax=nq * bq - 1, length=length)
+    # Bias slices start at q_start - k_start + lo - rows + pad (``_kernel``): multiples of 128
+    # when pad = bkv (mod 128), since blocks are multiples of 128 or cover the sequence (then
+    # their start is a static 0), and so are the staircase's strips. Slices end before
+    # nq * bq + pad + 128.
+    pad = pl.cdiv(bq + bkv, _LANES) * _LANES + bkv % _LANES
+    table = _table(rel_bias, pad=pad, length=pl.cdiv(nq * bq + pad + _LANES, _LANES) * _LANES)
 
     def kv_index(bi, hi, i, j):
         last = (i * bq + bq - 1) // bkv  # Repeat the last needed block: no DMA when skipped.
         return (bi, hi, jnp.minimum(j, last), 0)
 
-    kernel = functools.partial(_kernel, bq=bq, bkv=bkv, nq=nq, seq=s, alpha=alpha, norm=norm)
+    kernel = functools.partial(_kernel, bq=bq, bkv=bkv, nq=nq, nk=nk, seq=s, pad=pad,
+                               alpha=alpha, norm=norm)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(v.shape[:3] + (v.shape[-1],), q.dtype),
         grid=(b, h, nq, nk),
         in_specs=[
-            pl.BlockSpec((1, length), lambda bi, hi, i, j: (0, 0)),
+            pl.BlockSpec(table.shape, lambda bi, hi, i, j: (0, 0)),
             pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0)),
             pl.BlockSpec((None, None, bkv, d), kv_index),
             pl.BlockSpec((None, None, bkv, v.shape[-1]), kv_index),
         ],
         out_specs=pl.BlockSpec((None, None, bq, v.shape[-1]), lambda bi, hi, i, j: (bi, hi, i, 0)),
-        scratch_shapes=[pltpu.VMEM((bq, v.shape[-1]), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((v.shape[-1], bq), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         name=f"hstu_attention_{bq}x{bkv}",

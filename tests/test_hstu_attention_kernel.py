@@ -23,7 +23,7 @@ from model_kernel_checks import (
     oracle,
 )
 from pallas_tune.kernels.hstu_attention import (
-    _reversed_table,
+    _table,
     hstu_attention,
     hstu_attention_reference,
 )
@@ -53,8 +53,13 @@ def cases(draw):
 
 @given(case=cases(), config=st.sampled_from([dict(c) for c in hstu_attention.space]))
 @example(case=((1, 1, 700, 128, 128, 700), jnp.float32, 0), config=dict(bq=256, bkv=512))
-# Diagonal blocks split in halves (bq == bkv >= 256), with a ragged last block.
+# Ragged last blocks: the masked path by absolute positions.
 @example(case=((1, 2, 640, 128, 128, 640), jnp.float32, 3), config=dict(bq=256, bkv=256))
+# Diagonal staircases (bkv divides bq and the sequence): 256-column strips, 128-column strips,
+# columns past the diagonal square, blocks wholly below it, bias tables short and long.
+@example(case=((1, 1, 1024, 128, 128, 1024), jnp.bfloat16, 5), config=dict(bq=1024, bkv=256))
+@example(case=((1, 2, 768, 64, 128, 7), jnp.float32, 6), config=dict(bq=256, bkv=128))
+@example(case=((2, 1, 1024, 128, 64, 2051), jnp.float32, 7), config=dict(bq=512, bkv=512))
 @example(case=((1, 1, 1100, 64, 128, 2203), jnp.bfloat16, 4), config=dict(bq=512, bkv=512))
 @example(case=((1, 1, 300, 64, 128, 7), jnp.bfloat16, 1), config=dict(bq=128, bkv=128))
 @example(case=((2, 1, 100, 8, 8, 1), jnp.float32, 2), config=dict(bq=2048, bkv=128))
@@ -73,12 +78,12 @@ def test_defaults_are_hstu_scalings():
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dmax,length,nb", [(10, 30, 4), (10, 30, 11), (10, 30, 50), (0, 5, 3)])
-def test_reversed_table_is_the_clamped_bias(dmax, length, nb):
+@pytest.mark.parametrize("pad,length,nb", [(10, 30, 4), (10, 30, 20), (10, 30, 50), (0, 5, 3)])
+def test_table_is_the_clamped_bias_by_distance(pad, length, nb):
     bias = jnp.arange(nb, dtype=jnp.float32) + 1
-    d = dmax - np.arange(length)
+    d = np.arange(length) - pad  # Entry x holds the bias of distance x - pad.
     expected = np.where(d >= 0, np.asarray(bias)[np.clip(d, 0, nb - 1)], 0)
-    np.testing.assert_array_equal(_reversed_table(bias, dmax=dmax, length=length)[0], expected)
+    np.testing.assert_array_equal(_table(bias, pad=pad, length=length)[0], expected)
 
 
 def test_bad_input_is_a_clear_error():

@@ -1,0 +1,128 @@
+"""Where HSTU attention's v6e estimate goes: cycles and the static op mix of the kernel body.
+
+Compiles ``kernels/hstu_attention.py`` (and, with ``--rev``, the same file at a git revision,
+for a before/after in one run) deviceless for TPU v6e with libtpu's static profile and its final
+VLIW bundles dumped, and prints per shape and config: the compiler's estimated cycles (whole
+kernel, every grid step), the time at 1.75 GHz, the fraction of the roofline of the causal
+problem as benchmarks/model_shapes.py defines it (the larger of useful FLOPs, the lower
+triangle 4·b·h·S(S+1)/2·d at 918 TFLOP/s, and q, k, v, bias and output bytes at 1.64 TB/s), the
+bundles
+of the kernel program, and how many instructions of each kind the program holds (static counts:
+loop bodies once, not per iteration).
+
+Shapes are DLRM-HSTU's (search_spaces/hstu_attention.toml: 4 heads, attention and hidden dim
+128, bf16, a bias bucket per distance). Every figure is a COMPILER ESTIMATE on a CPU host, not a
+measurement.
+
+    python benchmarks/hstu_profile.py [--rev 45f79a9] [--seqs 2048 4096] [--configs 2048x2048 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+_DUMP = tempfile.mkdtemp(prefix="hstu-profile-")
+os.environ["LIBTPU_INIT_ARGS"] = (f"--xla_jf_dump_static_llo_profile_to={_DUMP}/sp "
+                                  f"--xla_jf_dump_to={_DUMP}/jf "
+                                  "--xla_jf_dump_llo_pass_label_regex=final_bundles")
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_tune.feasibility import compile as _compile  # noqa: E402
+
+PEAK_FLOPS, PEAK_BYTES, CLOCK = 918e12, 1.64e12, 1.75e9
+BATCH = {2048: 4, 4096: 2, 8192: 1}  # search_spaces/hstu_attention.toml: ~8k tokens a batch.
+KINDS = ("vmatmul", "vpop.f32.mrf", "vld", "vst", "vadd", "vmul", "vsel", "vpack", "vrot",
+         "vtanh", "vpow2", "vrcp", "vpop.eup")
+
+
+def _kernel_at(rev: str):
+    """hstu_attention's undecorated function as of git revision ``rev``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = subprocess.run(["git", "-C", root, "show", f"{rev}:kernels/hstu_attention.py"],
+                          check=True, capture_output=True, text=True).stdout
+    text = re.sub(r"\n@pt\.tunable\(.*?\)\n", "\n", text, flags=re.S)
+    text = re.sub(r"\nhstu_attention = pt\.tunable\(.*", "\n", text, flags=re.S)
+    path = os.path.join(_DUMP, f"hstu_attention_{rev}.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location(f"hstu_attention_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.hstu_attention
+
+
+def _ops(name: str) -> tuple[int, collections.Counter]:
+    files = sorted(glob.glob(f"{_DUMP}/jf/*{name}.1-01-final_bundles.txt"), key=os.path.getmtime)
+    if not files:
+        return 0, collections.Counter()
+    text = open(files[-1], encoding="utf-8").read()
+    if os.environ.get("HSTU_PROFILE_KEEP"):
+        import shutil
+        shutil.copy(files[-1], os.environ["HSTU_PROFILE_KEEP"])
+    for f in glob.glob(f"{_DUMP}/jf/*"):
+        os.remove(f)  # The next compile of the same name must not be mistaken for this one.
+    ops = collections.Counter(re.findall(r"= ([a-z][a-z0-9_.]*)", text))
+    if os.environ.get("HSTU_PROFILE_ALL_OPS"):
+        print("   ", dict(ops.most_common(40)))
+    bundles = len(re.findall(r"^\s*0x[0-9a-f]+", text, flags=re.M))
+    return bundles, collections.Counter({k: sum(n for op, n in ops.items() if op.startswith(k))
+                                         for k in KINDS})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rev", help="also profile kernels/hstu_attention.py at this git revision")
+    p.add_argument("--seqs", type=int, nargs="+", default=[2048])
+    p.add_argument("--configs", nargs="+", default=["2048x2048", "1024x1024", "512x512"])
+    a = p.parse_args()
+    if not _compile.libtpu_available():
+        print("libtpu is not installed: nothing to estimate.")
+        return
+    from pallas_tune.kernels.hstu_attention import hstu_attention
+
+    versions = [("working tree", hstu_attention.fn)]
+    if a.rev:
+        versions.insert(0, (a.rev, _kernel_at(a.rev)))
+    print(f"{'version':>14s} {'S':>5s} {'bq x bkv':>10s} {'cycles':>9s} {'us':>7s} "
+          f"{'roofline':>8s} {'bundles':>7s} " + " ".join(f"{k:>12s}" for k in KINDS))
+    for s in a.seqs:
+        b = BATCH.get(s, 1)
+        x = jax.ShapeDtypeStruct((b, 4, s, 128), jnp.bfloat16)
+        bias = jax.ShapeDtypeStruct((s,), jnp.float32)
+        flop_us = 4.0 * b * 4 * s * (s + 1) / 2 * 128 / PEAK_FLOPS * 1e6
+        byte_us = (4 * b * 4 * s * 128 * 2 + 4 * s) / PEAK_BYTES * 1e6
+        floor_us = max(flop_us, byte_us)
+        print(f"# HSTU attention, DLRM-HSTU {b}x4x{s}x128, causal, bf16; v6e compiler "
+              f"ESTIMATES; roofline {floor_us:.1f} us (FLOPs {flop_us:.1f}, HBM {byte_us:.1f})",
+              flush=True)
+        for label, fn in versions:
+            for cfg in a.configs:
+                bq, bkv = map(int, cfg.split("x"))
+                r = _compile.compile_deviceless(fn, [x, x, x, bias], dict(bq=bq, bkv=bkv),
+                                                chip="tpu_v6e")
+                if not r.ok or not r.estimated_cycles:
+                    print(f"{label:>14s} {s:5d} {cfg:>10s} no estimate ({r.kind}: "
+                          f"{r.message[:200]})", flush=True)
+                    continue
+                cycles = sum(r.estimated_cycles)
+                us = cycles / CLOCK * 1e6
+                bundles, ops = _ops(f"hstu_attention_{min(bq, s)}x{min(bkv, s)}")
+                print(f"{label:>14s} {s:5d} {cfg:>10s} {cycles:9d} {us:7.1f} "
+                      f"{floor_us / us:8.1%} {bundles:7d} "
+                      + " ".join(f"{ops[k]:12d}" for k in KINDS), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
