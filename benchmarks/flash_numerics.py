@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from flash_profile import _kernel_at  # noqa: E402
+from llo_profile import kernel_at  # noqa: E402
 
 from pallas_tune.kernels.flash_attention import (  # noqa: E402
     flash_attention, flash_attention_reference)
@@ -35,7 +35,7 @@ def main() -> int:
     a = p.parse_args()
     versions = [("working tree", flash_attention.fn)]
     if a.rev:
-        versions.insert(0, (a.rev, _kernel_at(a.rev)))
+        versions.insert(0, (a.rev, kernel_at(a.rev, "flash_attention")))
     print("# flash attention, bf16 inputs vs an f32 reference, Pallas interpret mode (CPU)")
     print(f"{'version':>14s} {'scale':>5s} {'causal':>6s} {'bq x bkv':>9s} {'max err':>8s} "
           f"{'mean err':>9s} {'NaN':>4s}")

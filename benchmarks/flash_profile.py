@@ -15,21 +15,11 @@ Every figure is a COMPILER ESTIMATE on a CPU host, not a measurement.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import importlib.util
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
-_DUMP = tempfile.mkdtemp(prefix="flash-profile-")
-os.environ["LIBTPU_INIT_ARGS"] = (f"--xla_jf_dump_static_llo_profile_to={_DUMP}/sp "
-                                  f"--xla_jf_dump_to={_DUMP}/jf "
-                                  "--xla_jf_dump_llo_pass_label_regex=final_bundles")
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llo_profile  # noqa: E402 - before JAX: it sets what libtpu reads when it loads.
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -39,35 +29,6 @@ from pallas_tune.feasibility import compile as _compile  # noqa: E402
 PEAK_FLOPS, CLOCK = 918e12, 1.75e9
 KINDS = ("vmatmul", "vpop.f32.mrf", "vld", "vst", "vadd.f32", "vmax.f32", "vmul.f32", "vsub.f32",
          "vexp2", "vpack", "vunpack", "vsel", "vpop.eup")
-
-
-def _kernel_at(rev: str):
-    """flash_attention's undecorated function as of git revision ``rev``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = subprocess.run(["git", "-C", root, "show", f"{rev}:kernels/flash_attention.py"],
-                          check=True, capture_output=True, text=True).stdout
-    text = re.sub(r"\nflash_attention = pt\.tunable\(.*", "\n", text, flags=re.S)
-    path = os.path.join(_DUMP, f"flash_attention_{rev}.py")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    spec = importlib.util.spec_from_file_location(f"flash_attention_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.flash_attention
-
-
-def _ops(bq: int, bkv: int) -> tuple[int, collections.Counter]:
-    files = sorted(glob.glob(f"{_DUMP}/jf/*flash_attention_{bq}x{bkv}.1-01-final_bundles.txt"),
-                   key=os.path.getmtime)
-    if not files:
-        return 0, collections.Counter()
-    text = open(files[-1], encoding="utf-8").read()
-    for f in glob.glob(f"{_DUMP}/jf/*"):
-        os.remove(f)  # The next compile of the same name must not be mistaken for this one.
-    ops = collections.Counter(re.findall(r"= ([a-z][a-z0-9_.]*)", text))
-    bundles = len(re.findall(r"^\s*0x[0-9a-f]+", text, flags=re.M))
-    return bundles, collections.Counter({k: sum(n for op, n in ops.items() if op.startswith(k))
-                                         for k in KINDS})
 
 
 def main() -> None:
@@ -84,7 +45,7 @@ def main() -> None:
 
     versions = [("working tree", flash_attention.fn)]
     if a.rev:
-        versions.insert(0, (a.rev, _kernel_at(a.rev)))
+        versions.insert(0, (a.rev, llo_profile.kernel_at(a.rev, "flash_attention")))
     s = a.seq  # Llama-3.1-8B: 32 query heads, 8 KV heads, head_dim 128, causal, batch 1.
     q = jax.ShapeDtypeStruct((1, 32, s, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 8, s, 128), jnp.bfloat16)
@@ -103,7 +64,7 @@ def main() -> None:
                 continue
             cycles = sum(r.estimated_cycles)
             us = cycles / CLOCK * 1e6
-            bundles, ops = _ops(bq, bkv)
+            bundles, ops = llo_profile.op_counts(f"flash_attention_{bq}x{bkv}", KINDS)
             print(f"{label:>14s} {cfg:>10s} {cycles:9d} {us:7.1f} {floor_us / us:8.1%} "
                   f"{bundles:7d} " + " ".join(f"{ops[k]:12d}" for k in KINDS), flush=True)
 

@@ -20,21 +20,11 @@ measurement.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import importlib.util
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
-_DUMP = tempfile.mkdtemp(prefix="hstu-profile-")
-os.environ["LIBTPU_INIT_ARGS"] = (f"--xla_jf_dump_static_llo_profile_to={_DUMP}/sp "
-                                  f"--xla_jf_dump_to={_DUMP}/jf "
-                                  "--xla_jf_dump_llo_pass_label_regex=final_bundles")
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llo_profile  # noqa: E402 - before JAX: it sets what libtpu reads when it loads.
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -45,40 +35,6 @@ PEAK_FLOPS, PEAK_BYTES, CLOCK = 918e12, 1.64e12, 1.75e9
 BATCH = {2048: 4, 4096: 2, 8192: 1}  # search_spaces/hstu_attention.toml: ~8k tokens a batch.
 KINDS = ("vmatmul", "vpop.f32.mrf", "vld", "vst", "vadd", "vmul", "vsel", "vpack", "vrot",
          "vtanh", "vpow2", "vrcp", "vpop.eup")
-
-
-def _kernel_at(rev: str):
-    """hstu_attention's undecorated function as of git revision ``rev``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    text = subprocess.run(["git", "-C", root, "show", f"{rev}:kernels/hstu_attention.py"],
-                          check=True, capture_output=True, text=True).stdout
-    text = re.sub(r"\n@pt\.tunable\(.*?\)\n", "\n", text, flags=re.S)
-    text = re.sub(r"\nhstu_attention = pt\.tunable\(.*", "\n", text, flags=re.S)
-    path = os.path.join(_DUMP, f"hstu_attention_{rev}.py")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    spec = importlib.util.spec_from_file_location(f"hstu_attention_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.hstu_attention
-
-
-def _ops(name: str) -> tuple[int, collections.Counter]:
-    files = sorted(glob.glob(f"{_DUMP}/jf/*{name}.1-01-final_bundles.txt"), key=os.path.getmtime)
-    if not files:
-        return 0, collections.Counter()
-    text = open(files[-1], encoding="utf-8").read()
-    if os.environ.get("HSTU_PROFILE_KEEP"):
-        import shutil
-        shutil.copy(files[-1], os.environ["HSTU_PROFILE_KEEP"])
-    for f in glob.glob(f"{_DUMP}/jf/*"):
-        os.remove(f)  # The next compile of the same name must not be mistaken for this one.
-    ops = collections.Counter(re.findall(r"= ([a-z][a-z0-9_.]*)", text))
-    if os.environ.get("HSTU_PROFILE_ALL_OPS"):
-        print("   ", dict(ops.most_common(40)))
-    bundles = len(re.findall(r"^\s*0x[0-9a-f]+", text, flags=re.M))
-    return bundles, collections.Counter({k: sum(n for op, n in ops.items() if op.startswith(k))
-                                         for k in KINDS})
 
 
 def main() -> None:
@@ -94,7 +50,7 @@ def main() -> None:
 
     versions = [("working tree", hstu_attention.fn)]
     if a.rev:
-        versions.insert(0, (a.rev, _kernel_at(a.rev)))
+        versions.insert(0, (a.rev, llo_profile.kernel_at(a.rev, "hstu_attention")))
     print(f"{'version':>14s} {'S':>5s} {'bq x bkv':>10s} {'cycles':>9s} {'us':>7s} "
           f"{'roofline':>8s} {'bundles':>7s} " + " ".join(f"{k:>12s}" for k in KINDS))
     for s in a.seqs:
@@ -118,7 +74,10 @@ def main() -> None:
                     continue
                 cycles = sum(r.estimated_cycles)
                 us = cycles / CLOCK * 1e6
-                bundles, ops = _ops(f"hstu_attention_{min(bq, s)}x{min(bkv, s)}")
+                bundles, ops = llo_profile.op_counts(
+                    f"hstu_attention_{min(bq, s)}x{min(bkv, s)}", KINDS,
+                    keep=os.environ.get("HSTU_PROFILE_KEEP"),
+                    show_all=bool(os.environ.get("HSTU_PROFILE_ALL_OPS")))
                 print(f"{label:>14s} {s:5d} {cfg:>10s} {cycles:9d} {us:7.1f} "
                       f"{floor_us / us:8.1%} {bundles:7d} "
                       + " ".join(f"{ops[k]:12d}" for k in KINDS), flush=True)
