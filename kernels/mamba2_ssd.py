@@ -137,59 +137,57 @@ def heads_per_block_for(requested: int, *, heads: int, groups: int, head_dim: in
     return max(below) if below else min(ok)
 
 
-def _kernel(a_ref, d_ref, x_ref, dt_ref, acs_ref, acst_ref, b_ref, c_ref, o_ref, state_ref,
-            cb_ref, *, seq, chunk, hb, p, heads_per_group):
-    ci, hi = pl.program_id(1), pl.program_id(2)
+def _kernel(a_ref, d_ref, x_ref, acs_ref, acst_ref, dtt_ref, b_ref, c_ref, o_ref, state_ref,
+            cb_ref, *, seq, chunk, hb, p):
+    """One (batch row, chunk, group, head block) step, transposed: every per-head quantity is a
+    row block of 64 sublanes with per-position factors as (1, chunk) rows, so no lane selects.
+
+    yᵀ_h = (dt ⊙ x_h)ᵀ Wᵀ_h with Wᵀ_h = (B Cᵀ) ⊙ exp(segsum)ᵀ the MXU's (chunk, chunk) weights
+    and the 64-row xᵀ streamed; the state is kept transposed, Sᵀ (hb * p, d_state).
+    """
+    ci, gi, hj = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     f32 = jnp.float32
+    nblk = pl.num_programs(3)
+    blk = gi * nblk + hj
     rows_ok = ci * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < seq
     bm = jnp.where(rows_ok, b_ref[...], jnp.zeros_like(b_ref))  # Ragged tail: may hold NaN.
     cm = jnp.where(rows_ok, c_ref[...], jnp.zeros_like(c_ref))
 
     @pl.when(ci == 0)
     def _init():
-        state_ref[hi] = jnp.zeros(state_ref.shape[1:], f32)
+        state_ref[blk] = jnp.zeros(state_ref.shape[1:], f32)
 
-    @pl.when((hi * hb) % heads_per_group == 0)  # First head block of a group: its C Bᵀ.
+    @pl.when(hj == 0)  # First head block of a group: its (B Cᵀ)[s, l], shared by the group.
     def _cb():
-        cb_ref[...] = lax.dot_general(cm, bm, (((1,), (1,)), ((), ())),
+        cb_ref[...] = lax.dot_general(bm, cm, (((1,), (1,)), ((), ())),
                                       preferred_element_type=f32)
 
-    width = hb * p
-    lane_head = lax.broadcasted_iota(jnp.int32, (1, width), 1) // p  # Head of each lane.
-    heads_lane = lax.broadcasted_iota(jnp.int32, (1, dt_ref.shape[1]), 1)
-    tri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0) >= lax.broadcasted_iota(
-        jnp.int32, (chunk, chunk), 1)
-    dt_blk, acs_blk = dt_ref[...], acs_ref[...]
-    dt_exp = jnp.zeros((chunk, width), f32)
-    acs_exp = jnp.zeros((chunk, width), f32)
-    tot = jnp.zeros((1, width), f32)
-    dcoef = jnp.zeros((1, width), f32)
-    weights = []
-    for i in range(hb):  # Static: per-head decay masks, and lane-expanded per-head columns.
-        head = hi * hb + i
-        sel = heads_lane == head
-        dt_col = jnp.sum(jnp.where(sel, dt_blk, 0.0), axis=1, keepdims=True)
-        acs_col = jnp.sum(jnp.where(sel, acs_blk, 0.0), axis=1, keepdims=True)
-        acs_row = acst_ref[pl.ds(head, 1), :]
-        weights.append(cb_ref[...] * jnp.exp(jnp.where(tri, acs_col - acs_row, -jnp.inf)))
-        mine = lane_head == i
-        dt_exp = jnp.where(mine, dt_col, dt_exp)
-        acs_exp = jnp.where(mine, acs_col, acs_exp)
-        tot = jnp.where(mine, acs_row[:, chunk - 1:], tot)
-        dcoef = jnp.where(mine, d_ref[head], dcoef)
-    xf = jnp.where(rows_ok, x_ref[...], jnp.zeros_like(x_ref)).astype(f32)
-    xdt = xf * dt_exp
-    xin = xdt.astype(x_ref.dtype)
-    y = jnp.zeros((chunk, width), f32)
-    for i, w in enumerate(weights):  # Full-width products (the MXU is 256 wide), own lanes kept.
-        y = jnp.where(lane_head == i, jnp.dot(w.astype(x_ref.dtype), xin,
-                                              preferred_element_type=f32), y)
-    prev = state_ref[hi]
-    y = y + jnp.dot(cm, prev.astype(cm.dtype), preferred_element_type=f32) * jnp.exp(acs_exp)
-    o_ref[...] = (y + dcoef * xf).astype(o_ref.dtype)
-    upd = (xdt * jnp.exp(tot - acs_exp)).astype(x_ref.dtype)
-    state_ref[hi] = prev * jnp.exp(tot) + lax.dot_general(
-        bm, upd, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+    # Wᵀ[s, l] is nonzero for l >= s: key position s on sublanes, query position l on lanes.
+    tri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1) >= lax.broadcasted_iota(
+        jnp.int32, (chunk, chunk), 0)
+    xt = jnp.where(rows_ok, x_ref[...], jnp.zeros_like(x_ref)).astype(f32).T  # (hb*p, chunk)
+    prev = state_ref[blk]  # Sᵀ (hb*p, d_state)
+    inter = lax.dot_general(prev.astype(cm.dtype), cm, (((1,), (1,)), ((), ())),
+                            preferred_element_type=f32)  # (C S)ᵀ: (hb*p, chunk)
+    heads_lane = lax.broadcasted_iota(jnp.int32, (1, acs_ref.shape[1]), 1)
+    acs_blk = acs_ref[...]
+    ys, upds, decays = [], [], []
+    for i in range(hb):  # Static: head i owns rows [i*p, (i+1)*p).
+        head = blk * hb + i
+        rows = slice(i * p, (i + 1) * p)
+        acs_row = acst_ref[pl.ds(head, 1), :]  # (1, chunk)
+        acs_col = jnp.sum(jnp.where(heads_lane == head, acs_blk, 0.0), axis=1, keepdims=True)
+        tot = acs_row[:, chunk - 1:]
+        wt = cb_ref[...] * jnp.exp(jnp.where(tri, acs_row - acs_col, -jnp.inf))
+        xdt = xt[rows] * dtt_ref[pl.ds(head, 1), :]
+        y = jnp.dot(xdt.astype(x_ref.dtype), wt.astype(x_ref.dtype), preferred_element_type=f32)
+        ys.append(y + inter[rows] * jnp.exp(acs_row) + d_ref[head] * xt[rows])
+        upds.append((xdt * jnp.exp(tot - acs_row)).astype(x_ref.dtype))
+        decays.append(jnp.broadcast_to(jnp.exp(tot), (p, 1)))
+    o_ref[...] = jnp.concatenate(ys, axis=0).T.astype(o_ref.dtype)
+    upd = jnp.concatenate(upds, axis=0)  # (hb*p, chunk)
+    state_ref[blk] = prev * jnp.concatenate(decays, axis=0) + jnp.dot(
+        upd, bm, preferred_element_type=f32)
 
 
 def _standin(args, kwargs, config):
@@ -224,25 +222,25 @@ def mamba2_ssd(x, dt, A, B, C, D, *, groups: int = 1, chunk: int, heads_per_bloc
     acs = jnp.cumsum((dtp * A.astype(f32)).reshape(b, nc, L, h), axis=2).reshape(b, nc * L, h)
     acst = jnp.swapaxes(acs, 1, 2)
     if groups == 1:
-        bc_spec = pl.BlockSpec((None, L, n), lambda bi, ci, hi: (bi, ci, 0))
+        bc_spec = pl.BlockSpec((None, L, n), lambda bi, ci, gi, hj: (bi, ci, 0))
     else:
         B = jnp.swapaxes(B.reshape(b, t, groups, n), 1, 2)
         C = jnp.swapaxes(C.reshape(b, t, groups, n), 1, 2)
-        hpg = h // groups
-        bc_spec = pl.BlockSpec((None, None, L, n), lambda bi, ci, hi: (bi, hi * hb // hpg, ci, 0))
+        bc_spec = pl.BlockSpec((None, None, L, n), lambda bi, ci, gi, hj: (bi, gi, ci, 0))
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    xspec = pl.BlockSpec((None, L, hb * p), lambda bi, ci, hi: (bi, ci, hi))
-    cols = pl.BlockSpec((None, L, h), lambda bi, ci, hi: (bi, ci, 0))
-    kernel = functools.partial(_kernel, seq=t, chunk=L, hb=hb, p=p, heads_per_group=h // groups)
+    nblk = h // groups // hb  # Head blocks per group.
+    xspec = pl.BlockSpec((None, L, hb * p), lambda bi, ci, gi, hj: (bi, ci, gi * nblk + hj))
+    cols = pl.BlockSpec((None, L, h), lambda bi, ci, gi, hj: (bi, ci, 0))
+    rows = pl.BlockSpec((None, h, L), lambda bi, ci, gi, hj: (bi, 0, ci))
+    kernel = functools.partial(_kernel, seq=t, chunk=L, hb=hb, p=p)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        grid=(b, nc, h // hb),
-        in_specs=[smem, smem, xspec, cols, cols,
-                  pl.BlockSpec((None, h, L), lambda bi, ci, hi: (bi, 0, ci)), bc_spec, bc_spec],
+        grid=(b, nc, groups, nblk),
+        in_specs=[smem, smem, xspec, cols, rows, rows, bc_spec, bc_spec],
         out_specs=xspec,
-        scratch_shapes=[pltpu.VMEM((h // hb, n, hb * p), f32), pltpu.VMEM((L, L), f32)],
+        scratch_shapes=[pltpu.VMEM((h // hb, hb * p, n), f32), pltpu.VMEM((L, L), f32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+            dimension_semantics=("parallel", "arbitrary", "arbitrary", "arbitrary")),
         name=f"mamba2_ssd_{L}x{hb}",
-    )(A.astype(f32), D.astype(f32), x, dtp, acs, acst, B, C)
+    )(A.astype(f32), D.astype(f32), x, acs, acst, jnp.swapaxes(dtp, 1, 2), B, C)
