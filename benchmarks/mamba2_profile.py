@@ -14,6 +14,11 @@ group, bf16 x/B/C, f32 dt). Every figure is a COMPILER ESTIMATE on a CPU host, n
 measurement.
 
     python benchmarks/mamba2_profile.py [--rev 04131b1] [--shapes 4x2048 2x4096] [--configs 256x4 ...]
+    python benchmarks/mamba2_profile.py --rev 04131b1 --errors   # numerics, interpret mode
+
+``--errors`` instead runs each version in interpret mode on the CPU at a small shape (1 x 1000,
+8 heads of 64, d_state 128; ragged for every chunk) and prints the largest absolute error
+against the f32 step-by-step recurrence (``mamba2_ssd_scan``), for f32 and bf16 inputs.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import llo_profile  # noqa: E402 - before JAX: it sets what libtpu reads when it
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import pallas_tune as pt  # noqa: E402
 from pallas_tune.feasibility import compile as _compile  # noqa: E402
 
 PEAK_FLOPS, PEAK_BYTES, CLOCK = 918e12, 1.64e12, 1.75e9
@@ -49,7 +55,10 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=["4x2048"], help="batch x seq")
     p.add_argument("--configs", nargs="+", default=["256x4", "128x4", "256x2"],
                    help="chunk x heads_per_block")
+    p.add_argument("--errors", action="store_true", help="numerics instead of estimates")
     a = p.parse_args()
+    if a.errors:
+        return _errors(a)
     if not _compile.libtpu_available():
         print("libtpu is not installed: nothing to estimate.")
         return
@@ -88,6 +97,39 @@ def main() -> None:
                 print(f"{label:>14s} {shape:>7s} {cfg:>7s} {cycles:9d} {us:7.1f} "
                       f"{floor_us / us:8.1%} {bundles:7d} "
                       + " ".join(f"{ops[k]:12d}" for k in KINDS), flush=True)
+
+
+def _errors(a) -> None:
+    import numpy as np
+
+    from pallas_tune.kernels.mamba2_ssd import mamba2_ssd, mamba2_ssd_scan
+
+    versions = [("working tree", mamba2_ssd.fn)]
+    if a.rev:
+        versions.insert(0, (a.rev, llo_profile.kernel_at(a.rev, "mamba2_ssd")))
+    rng = np.random.default_rng(0)
+    b, t, h, hd, n = 1, 1000, 8, 64, 128
+    f = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
+    x, B, C = f(b, t, h * hd), f(b, t, n) / np.sqrt(n), f(b, t, n) / np.sqrt(n)
+    dt = np.log1p(np.exp(f(b, t, h) - 1.0))  # softplus, as Mamba-2's dt
+    A, D = -np.exp(rng.uniform(0.0, 2.5, h)).astype(np.float32), f(h)
+    print(f"# max |y - recurrence| in interpret mode (CPU), {b}x{t}, {h} heads x {hd}, "
+          f"d_state {n}; inputs rounded to the dtype first, the oracle in f32")
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xs, Bs, Cs = (jnp.asarray(v).astype(dtype) for v in (x, B, C))
+        ref = np.asarray(mamba2_ssd_scan(xs.astype(jnp.float32), jnp.asarray(dt), jnp.asarray(A),
+                                         Bs.astype(jnp.float32), Cs.astype(jnp.float32),
+                                         jnp.asarray(D)))
+        for label, fn in versions:
+            for cfg in a.configs:
+                chunk, hb = map(int, cfg.split("x"))
+                with pt.interpret_mode():
+                    y = fn(xs, jnp.asarray(dt), jnp.asarray(A), Bs, Cs, jnp.asarray(D),
+                           chunk=chunk, heads_per_block=hb)
+                y = np.asarray(y.astype(jnp.float32))
+                print(f"{label:>14s} {jnp.dtype(dtype).name:>8s} {cfg:>7s} finite "
+                      f"{bool(np.isfinite(y).all())} max abs err {np.abs(y - ref).max():.3e} "
+                      f"(|ref| max {np.abs(ref).max():.2f})", flush=True)
 
 
 if __name__ == "__main__":
