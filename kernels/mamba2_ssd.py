@@ -15,12 +15,19 @@ state::
 Layouts are the ones Mamba-2 produces before its reshapes, which on TPU are not free: x is
 (batch, seq, heads * head_dim), dt (batch, seq, heads), B and C (batch, seq, groups * d_state).
 
-Grid (batch, chunks, head blocks): the chunk axis is "arbitrary" and comes before the head
-blocks, so per chunk the dt, cumsum, B and C blocks are fetched once and C Bᵀ is computed once
-for all heads of a group; the (d_state, heads * head_dim) f32 state of every head stays in VMEM.
-A head block of ``heads_per_block`` heads runs its state update and inter-chunk product as one
-matmul of width heads_per_block * head_dim (head_dim 64 fills a quarter of v6e's 256-wide MXU
-per head). The in-chunk cumulative sums of dt·A are computed in the wrapper (a small XLA op).
+Grid (batch, chunks, groups, head blocks of the group): the chunk axis is "arbitrary" and comes
+before the heads, so per chunk the cumsum rows, B and C blocks are fetched once and C Bᵀ is
+computed once per group (on the group's first head block: a plain program-id comparison, which
+libtpu's static estimate follows per step); the f32 state of every head stays in VMEM.
+
+The kernel works transposed (benchmarks/results/mamba2_profile.txt): a head block's xᵀ is
+(heads_per_block * head_dim, L), so every head owns a row block and every per-position factor
+(dt, decays) is a (1, L) row: no lane selects. The in-chunk product is yᵀ = (dt ⊙ x)ᵀ Wᵀ with
+the (L, L) Wᵀ as the MXU's weights and head_dim 64 rows streamed; Wᵀ's diagonal 128x128 tiles
+are built elementwise (exp2 of the masked segment sums), the tiles above them factor through
+the group's C Bᵀ with a row scaling on either side (see ``_intra``). The state is kept as Sᵀ
+(head_dim rows per head, d_state). The in-chunk cumulative sums of dt·A (in log2 units, for
+exp2) and the transposed dt and cumsum rows are computed in the wrapper (small XLA ops).
 
 Every sequence length is accepted: a ragged last chunk is masked in the kernel.
 ``heads_per_block`` is lowered to the nearest head count that divides the heads of a group and
@@ -43,6 +50,7 @@ import pallas_tune as pt
 __all__ = ["mamba2_ssd", "mamba2_ssd_reference", "mamba2_ssd_scan"]
 
 _LANES = 128
+_LOG2E = 1.4426950408889634
 
 
 def _split(x, dt, A, B, C, D, groups):
@@ -137,59 +145,83 @@ def heads_per_block_for(requested: int, *, heads: int, groups: int, head_dim: in
     return max(below) if below else min(ok)
 
 
-def _kernel(a_ref, d_ref, x_ref, dt_ref, acs_ref, acst_ref, b_ref, c_ref, o_ref, state_ref,
-            cb_ref, *, seq, chunk, hb, p, heads_per_group):
-    ci, hi = pl.program_id(1), pl.program_id(2)
+def _intra(xdt, cb_ref, cbm_ref, acs_row, acs_col, *, chunk, dtype):
+    """yᵀ[:, l] = Σ_{s <= l} xdt[:, s] (B Cᵀ)[s, l] 2^(acs_l - acs_s) for one head, in column
+    strips of 128 (xdt (rows, chunk) f32; acs in log2 units, non-increasing along the chunk).
+
+    Only the diagonal 128x128 tile of a strip builds the decay mask elementwise (16 vregs, exp2
+    per element). The strip's earlier rows s < l0 = j * 128 factor through m = acs_{l0 - 1}:
+    2^(acs_l - acs_s) = 2^(acs_l - m) 2^(m - acs_s), both factors <= 1 (no overflow; where one
+    underflows the product is below it; this needs dt·A <= 0, as Mamba-2's dt > 0 and A < 0
+    give), so that part is ((xdt ⊙ 2^(m - acs_s)) (B Cᵀ)) ⊙
+    2^(acs_l - m): the group's B Cᵀ itself is the MXU's weights, no per-head mask at all.
+    """
+    bs = _LANES if chunk % _LANES == 0 else chunk
+    tri = lax.broadcasted_iota(jnp.int32, (bs, bs), 1) >= lax.broadcasted_iota(
+        jnp.int32, (bs, bs), 0)
+    strips = []
+    for j in range(chunk // bs):
+        lo, lj = j * bs, slice(j * bs, (j + 1) * bs)
+        seg = jnp.where(tri, acs_row[:, lj] - acs_col[lj], -jnp.inf)
+        w = (cb_ref[lj, lj] * jnp.exp2(seg)).astype(dtype)
+        acc = jnp.dot(xdt[:, lj].astype(dtype), w, preferred_element_type=jnp.float32)
+        if j:
+            m = acs_row[:, lo - 1:lo]
+            scaled = (xdt[:, :lo] * jnp.exp2(m - acs_row[:, :lo])).astype(dtype)
+            acc = acc + jnp.dot(scaled, cbm_ref[:lo, lj], preferred_element_type=jnp.float32
+                                ) * jnp.exp2(acs_row[:, lj] - m)
+        strips.append(acc)
+    return strips[0] if len(strips) == 1 else jnp.concatenate(strips, axis=1)
+
+
+def _kernel(a_ref, d_ref, x_ref, acs_ref, acst_ref, dtt_ref, b_ref, c_ref, o_ref, state_ref,
+            cb_ref, cbm_ref, *, seq, chunk, hb, p):
+    """One (batch row, chunk, group, head block) step, transposed: head i owns rows
+    [i*p, (i+1)*p) of xᵀ, (C S)ᵀ and yᵀ, and its per-position factors are (1, chunk) rows, so
+    there are no lane selects; the state is kept transposed, Sᵀ (hb * p, d_state).
+    """
+    ci, gi, hj = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     f32 = jnp.float32
-    rows_ok = ci * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < seq
-    bm = jnp.where(rows_ok, b_ref[...], jnp.zeros_like(b_ref))  # Ragged tail: may hold NaN.
-    cm = jnp.where(rows_ok, c_ref[...], jnp.zeros_like(c_ref))
+    nblk = pl.num_programs(3)
+    blk = gi * nblk + hj
+
+    def valid(v):  # A ragged last chunk's padding rows may hold NaN; whole chunks are kept.
+        if seq % chunk == 0:
+            return v
+        rows_ok = ci * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < seq
+        return jnp.where(rows_ok, v, jnp.zeros_like(v))
+
+    bm, cm = valid(b_ref[...]), valid(c_ref[...])
 
     @pl.when(ci == 0)
     def _init():
-        state_ref[hi] = jnp.zeros(state_ref.shape[1:], f32)
+        state_ref[blk] = jnp.zeros(state_ref.shape[1:], f32)
 
-    @pl.when((hi * hb) % heads_per_group == 0)  # First head block of a group: its C Bᵀ.
+    @pl.when(hj == 0)  # First head block of a group: its (B Cᵀ)[s, l], shared by the group.
     def _cb():
-        cb_ref[...] = lax.dot_general(cm, bm, (((1,), (1,)), ((), ())),
-                                      preferred_element_type=f32)
+        cb = lax.dot_general(bm, cm, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+        cb_ref[...] = cb
+        cbm_ref[...] = cb.astype(cbm_ref.dtype)
 
-    width = hb * p
-    lane_head = lax.broadcasted_iota(jnp.int32, (1, width), 1) // p  # Head of each lane.
-    heads_lane = lax.broadcasted_iota(jnp.int32, (1, dt_ref.shape[1]), 1)
-    tri = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0) >= lax.broadcasted_iota(
-        jnp.int32, (chunk, chunk), 1)
-    dt_blk, acs_blk = dt_ref[...], acs_ref[...]
-    dt_exp = jnp.zeros((chunk, width), f32)
-    acs_exp = jnp.zeros((chunk, width), f32)
-    tot = jnp.zeros((1, width), f32)
-    dcoef = jnp.zeros((1, width), f32)
-    weights = []
-    for i in range(hb):  # Static: per-head decay masks, and lane-expanded per-head columns.
-        head = hi * hb + i
-        sel = heads_lane == head
-        dt_col = jnp.sum(jnp.where(sel, dt_blk, 0.0), axis=1, keepdims=True)
-        acs_col = jnp.sum(jnp.where(sel, acs_blk, 0.0), axis=1, keepdims=True)
-        acs_row = acst_ref[pl.ds(head, 1), :]
-        weights.append(cb_ref[...] * jnp.exp(jnp.where(tri, acs_col - acs_row, -jnp.inf)))
-        mine = lane_head == i
-        dt_exp = jnp.where(mine, dt_col, dt_exp)
-        acs_exp = jnp.where(mine, acs_col, acs_exp)
-        tot = jnp.where(mine, acs_row[:, chunk - 1:], tot)
-        dcoef = jnp.where(mine, d_ref[head], dcoef)
-    xf = jnp.where(rows_ok, x_ref[...], jnp.zeros_like(x_ref)).astype(f32)
-    xdt = xf * dt_exp
-    xin = xdt.astype(x_ref.dtype)
-    y = jnp.zeros((chunk, width), f32)
-    for i, w in enumerate(weights):  # Full-width products (the MXU is 256 wide), own lanes kept.
-        y = jnp.where(lane_head == i, jnp.dot(w.astype(x_ref.dtype), xin,
-                                              preferred_element_type=f32), y)
-    prev = state_ref[hi]
-    y = y + jnp.dot(cm, prev.astype(cm.dtype), preferred_element_type=f32) * jnp.exp(acs_exp)
-    o_ref[...] = (y + dcoef * xf).astype(o_ref.dtype)
-    upd = (xdt * jnp.exp(tot - acs_exp)).astype(x_ref.dtype)
-    state_ref[hi] = prev * jnp.exp(tot) + lax.dot_general(
-        bm, upd, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+    xt = valid(x_ref[...]).astype(f32).T  # (hb*p, chunk)
+    prev = state_ref[blk]  # Sᵀ (hb*p, d_state)
+    inter = lax.dot_general(prev.astype(cm.dtype), cm, (((1,), (1,)), ((), ())),
+                            preferred_element_type=f32)  # (C S)ᵀ: (hb*p, chunk)
+    ys, upds, decays = [], [], []
+    for i in range(hb):  # Static: head i owns rows [i*p, (i+1)*p).
+        head = blk * hb + i
+        rows = slice(i * p, (i + 1) * p)
+        acs_row = acst_ref[pl.ds(head, 1), :]  # (1, chunk)
+        acs_col = acs_ref[:, i:i + 1]  # (chunk, 1)
+        tot = acs_row[:, chunk - 1:]
+        xdt = xt[rows] * dtt_ref[pl.ds(head, 1), :]
+        y = _intra(xdt, cb_ref, cbm_ref, acs_row, acs_col, chunk=chunk, dtype=x_ref.dtype)
+        ys.append(y + inter[rows] * jnp.exp2(acs_row) + d_ref[head] * xt[rows])
+        upds.append((xdt * jnp.exp2(tot - acs_row)).astype(x_ref.dtype))
+        decays.append(jnp.broadcast_to(jnp.exp2(tot), (p, 1)))
+    o_ref[...] = jnp.concatenate(ys, axis=0).T.astype(o_ref.dtype)
+    state_ref[blk] = prev * jnp.concatenate(decays, axis=0) + jnp.dot(
+        jnp.concatenate(upds, axis=0), bm, preferred_element_type=f32)
 
 
 def _standin(args, kwargs, config):
@@ -221,28 +253,31 @@ def mamba2_ssd(x, dt, A, B, C, D, *, groups: int = 1, chunk: int, heads_per_bloc
     pad = nc * L - t
     f32 = jnp.float32
     dtp = jnp.pad(dt.astype(f32), ((0, 0), (0, pad), (0, 0)))
-    acs = jnp.cumsum((dtp * A.astype(f32)).reshape(b, nc, L, h), axis=2).reshape(b, nc * L, h)
-    acst = jnp.swapaxes(acs, 1, 2)
+    # In-chunk cumulative sums of dt·A in log2 units (the kernel's exponentials are exp2).
+    acs = jnp.cumsum((dtp * (A.astype(f32) * _LOG2E)).reshape(b, nc, L, h), axis=2)
+    acst = jnp.swapaxes(acs.reshape(b, nc * L, h), 1, 2)  # (b, h, t): rows per head.
+    acs = jnp.swapaxes(acs.reshape(b, nc * L, h // hb, hb), 1, 2)  # (b, blocks, t, hb): columns.
     if groups == 1:
-        bc_spec = pl.BlockSpec((None, L, n), lambda bi, ci, hi: (bi, ci, 0))
+        bc_spec = pl.BlockSpec((None, L, n), lambda bi, ci, gi, hj: (bi, ci, 0))
     else:
         B = jnp.swapaxes(B.reshape(b, t, groups, n), 1, 2)
         C = jnp.swapaxes(C.reshape(b, t, groups, n), 1, 2)
-        hpg = h // groups
-        bc_spec = pl.BlockSpec((None, None, L, n), lambda bi, ci, hi: (bi, hi * hb // hpg, ci, 0))
+        bc_spec = pl.BlockSpec((None, None, L, n), lambda bi, ci, gi, hj: (bi, gi, ci, 0))
     smem = pl.BlockSpec(memory_space=pltpu.SMEM)
-    xspec = pl.BlockSpec((None, L, hb * p), lambda bi, ci, hi: (bi, ci, hi))
-    cols = pl.BlockSpec((None, L, h), lambda bi, ci, hi: (bi, ci, 0))
-    kernel = functools.partial(_kernel, seq=t, chunk=L, hb=hb, p=p, heads_per_group=h // groups)
+    nblk = h // groups // hb  # Head blocks per group.
+    xspec = pl.BlockSpec((None, L, hb * p), lambda bi, ci, gi, hj: (bi, ci, gi * nblk + hj))
+    cols = pl.BlockSpec((None, None, L, hb), lambda bi, ci, gi, hj: (bi, gi * nblk + hj, ci, 0))
+    rows = pl.BlockSpec((None, h, L), lambda bi, ci, gi, hj: (bi, 0, ci))
+    kernel = functools.partial(_kernel, seq=t, chunk=L, hb=hb, p=p)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        grid=(b, nc, h // hb),
-        in_specs=[smem, smem, xspec, cols, cols,
-                  pl.BlockSpec((None, h, L), lambda bi, ci, hi: (bi, 0, ci)), bc_spec, bc_spec],
+        grid=(b, nc, groups, nblk),
+        in_specs=[smem, smem, xspec, cols, rows, rows, bc_spec, bc_spec],
         out_specs=xspec,
-        scratch_shapes=[pltpu.VMEM((h // hb, n, hb * p), f32), pltpu.VMEM((L, L), f32)],
+        scratch_shapes=[pltpu.VMEM((h // hb, hb * p, n), f32), pltpu.VMEM((L, L), f32),
+                        pltpu.VMEM((L, L), x.dtype)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+            dimension_semantics=("parallel", "arbitrary", "arbitrary", "arbitrary")),
         name=f"mamba2_ssd_{L}x{hb}",
-    )(A.astype(f32), D.astype(f32), x, dtp, acs, acst, B, C)
+    )(A.astype(f32), D.astype(f32), x, acs, acst, jnp.swapaxes(dtp, 1, 2), B, C)
