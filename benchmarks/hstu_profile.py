@@ -66,21 +66,11 @@ def main() -> None:
         for label, fn in versions:
             for cfg in a.configs:
                 bq, bkv = map(int, cfg.split("x"))
-                r = _compile.compile_deviceless(fn, [x, x, x, bias], dict(bq=bq, bkv=bkv),
-                                                chip="tpu_v6e")
-                if not r.ok or not r.estimated_cycles:
-                    print(f"{label:>14s} {s:5d} {cfg:>10s} no estimate ({r.kind}: "
-                          f"{r.message[:200]})", flush=True)
-                    continue
-                cycles = sum(r.estimated_cycles)
-                us = cycles / CLOCK * 1e6
-                bundles, ops = llo_profile.op_counts(
-                    f"hstu_attention_{min(bq, s)}x{min(bkv, s)}", KINDS,
-                    keep=os.environ.get("HSTU_PROFILE_KEEP"),
-                    show_all=bool(os.environ.get("HSTU_PROFILE_ALL_OPS")))
-                print(f"{label:>14s} {s:5d} {cfg:>10s} {cycles:9d} {us:7.1f} "
-                      f"{floor_us / us:8.1%} {bundles:7d} "
-                      + " ".join(f"{ops[k]:12d}" for k in KINDS), flush=True)
+                row = llo_profile.profile_row(
+                    fn, [x, x, x, bias], dict(bq=bq, bkv=bkv), kinds=KINDS, floor_us=floor_us,
+                    program=f"hstu_attention_{min(bq, s)}x{min(bkv, s)}", clock=CLOCK,
+                    env="HSTU_PROFILE")
+                print(f"{label:>14s} {s:5d} {cfg:>10s} {row}", flush=True)
 
 
 if __name__ == "__main__":

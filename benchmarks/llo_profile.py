@@ -66,3 +66,22 @@ def op_counts(program: str, kinds: Sequence[str], *, keep: str | None = None,
     bundles = len(re.findall(r"^\s*0x[0-9a-f]+", text, flags=re.MULTILINE))
     return bundles, collections.Counter({k: sum(n for op, n in ops.items() if op.startswith(k))
                                          for k in kinds})
+
+
+def profile_row(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *,
+                program: str, kinds: Sequence[str], floor_us: float, clock: float,
+                env: str) -> str:
+    """One table row's figures for ``fn(*args, **kwargs)`` compiled deviceless for v6e: cycles,
+    microseconds, fraction of the ``floor_us`` roofline, bundles and op counts of ``program``;
+    or why there is no estimate. ``{env}_KEEP`` / ``{env}_ALL_OPS`` as in :func:`op_counts`."""
+    from pallas_tune.feasibility import compile as _compile
+
+    r = _compile.compile_deviceless(fn, list(args), kwargs, chip="tpu_v6e")
+    if not r.ok or not r.estimated_cycles:
+        return f"no estimate ({r.kind}: {r.message[:200]})"
+    cycles = sum(r.estimated_cycles)
+    us = cycles / clock * 1e6
+    bundles, ops = op_counts(program, kinds, keep=os.environ.get(f"{env}_KEEP"),
+                             show_all=bool(os.environ.get(f"{env}_ALL_OPS")))
+    return (f"{cycles:9d} {us:7.1f} {floor_us / us:8.1%} {bundles:7d} "
+            + " ".join(f"{ops[k]:12d}" for k in kinds))

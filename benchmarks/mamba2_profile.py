@@ -82,21 +82,11 @@ def main() -> None:
         for label, fn in versions:
             for cfg in a.configs:
                 chunk, hb = map(int, cfg.split("x"))
-                r = _compile.compile_deviceless(fn, args, dict(chunk=chunk, heads_per_block=hb),
-                                                chip="tpu_v6e")
-                if not r.ok or not r.estimated_cycles:
-                    print(f"{label:>14s} {shape:>7s} {cfg:>7s} no estimate ({r.kind}: "
-                          f"{r.message[:200]})", flush=True)
-                    continue
-                cycles = sum(r.estimated_cycles)
-                us = cycles / CLOCK * 1e6
-                bundles, ops = llo_profile.op_counts(
-                    f"mamba2_ssd_{min(chunk, t)}x{hb}", KINDS,
-                    keep=os.environ.get("MAMBA2_PROFILE_KEEP"),
-                    show_all=bool(os.environ.get("MAMBA2_PROFILE_ALL_OPS")))
-                print(f"{label:>14s} {shape:>7s} {cfg:>7s} {cycles:9d} {us:7.1f} "
-                      f"{floor_us / us:8.1%} {bundles:7d} "
-                      + " ".join(f"{ops[k]:12d}" for k in KINDS), flush=True)
+                row = llo_profile.profile_row(
+                    fn, args, dict(chunk=chunk, heads_per_block=hb), kinds=KINDS,
+                    floor_us=floor_us, program=f"mamba2_ssd_{min(chunk, t)}x{hb}", clock=CLOCK,
+                    env="MAMBA2_PROFILE")
+                print(f"{label:>14s} {shape:>7s} {cfg:>7s} {row}", flush=True)
 
 
 def _errors(a) -> None:
