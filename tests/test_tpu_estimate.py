@@ -10,7 +10,7 @@ import pytest
 
 import pallas_tune as pt
 from conftest import subprocess_env
-from pallas_tune.measure.estimate import Estimator, shrink_parallel
+from pallas_tune.measure.estimate import Estimator, _memory_limit, shrink_parallel
 from pallas_tune.kernels.matmul import matmul
 
 SEM = ("parallel", "parallel", "arbitrary")
@@ -21,6 +21,16 @@ def test_shrink_parallel_keeps_enough_steps():
     blocks, scale = shrink_parallel([16, 16], 16, target_steps=128)
     assert blocks[0] * blocks[1] * 16 >= 128 and scale == 16 * 16 * 16 / (blocks[0] * blocks[1] * 16)
     assert shrink_parallel([2, 2], 8) == ([2, 2], 1.0)  # Small problems stay whole.
+
+
+def test_worker_memory_cap_leaves_a_single_compile_most_of_the_host():
+    gib = 1 << 30
+    # One worker on a 24 GiB host: 21 GiB of address space (a 1x8192 Mamba-2 compile maps 12.3 GB,
+    # which the old cap of half the host failed); two share it; small hosts keep 4 GiB each.
+    assert _memory_limit(1, -1, total=24 * gib) == 21 * gib
+    assert _memory_limit(2, -1, total=24 * gib) == 21 * gib // 2
+    assert _memory_limit(8, -1, total=8 * gib) == 4 * gib
+    assert _memory_limit(1, 3 * gib) == 3 * gib and _memory_limit(1, None) is None  # As asked.
 
 
 @pytest.mark.libtpu

@@ -6,9 +6,10 @@ whole kernel, every grid step, DMA/compute overlap modelled (notes/libtpu-static
 flag adds 1.4-4 ms of compile time per grid step and must be set before libtpu initialises, so
 estimates run in worker processes of their own (:mod:`.pool`, each with its own dump directory
 and ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``), in parallel, leaving the calling process's libtpu
-untouched. Each worker's address space is capped (default: host memory / (workers + 1)), so a
-runaway compile (seen: a (2048, 2048) f32 attention tile at S=8192 grew past 24 GB) fails in its
-worker, which is replaced, instead of taking the host down.
+untouched. Each worker's address space is capped (default: host memory less a reserve, split
+between the workers; see ``_memory_limit``), so a runaway compile (seen: a (2048, 2048) f32
+attention tile at S=8192 grew past 24 GB) fails in its worker, which is replaced, instead of
+taking the host down.
 
 Cost control: a kernel may declare ``standin=`` on ``@tunable``: a function returning a smaller
 problem with the same tiles (fewer steps along parallel grid axes) and the factor to scale its
@@ -245,14 +246,21 @@ class EstimateSession:
                         standin)
 
 
-def _memory_limit(workers: int, limit: int | None) -> int | None:
+def _memory_limit(workers: int, limit: int | None, total: int | None = None) -> int | None:
+    """Each worker's RLIMIT_AS: ``limit`` unless it is -1 (the default), then the host's memory
+    less a reserve for the parent and the system (an eighth, at least 2 GiB), split between the
+    workers. The cap counts address space, not resident memory: a libtpu compile reserves about
+    2 GB more than it touches (measured: 12.3 GB mapped at 10.6 GB resident, Mamba-2 SSD at
+    1x8192), so a cap of half a 24 GiB host failed compiles that fit in it."""
     if limit != -1:
         return limit
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    return max(4 << 30, total // (workers + 1))
+    if total is None:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    reserve = max(2 << 30, total // 8)
+    return max(4 << 30, (total - reserve) // max(1, workers))
 
 
 def _estimate_pool(args: tuple[Any, ...], *, workers: int, main_path: str | None,
