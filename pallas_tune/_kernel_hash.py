@@ -32,8 +32,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-__all__ = ["FIELD", "code_fingerprint", "recorded", "source_fingerprint", "state",
-           "version_fingerprint"]
+__all__ = ["FIELD", "code_fingerprint", "recorded", "source_changed", "source_fingerprint",
+           "state", "version_fingerprint"]
 
 FIELD: Final = "kernel_fingerprint"  # The provenance field.
 LENGTH: Final = 16
@@ -101,6 +101,23 @@ def code_fingerprint(fn: Callable[..., Any]) -> str | None:
             return None  # fn was not compiled from this module's file (exec, a notebook).
         return source_fingerprint(inspect.getsource(module))
     except Exception:  # noqa: BLE001 - OSError, SyntaxError, RecursionError...: unknown.
+        return None
+
+
+def source_changed(fn: Callable[..., Any], fingerprint: str) -> str | None:
+    """The path of the module file that defines ``fn`` if that file, read from disk now, holds
+    other code than ``fingerprint``; else None (unchanged, or not readable: nothing to say).
+
+    Worker processes import the kernel's module afresh, so an edit saved while a shape is
+    being tuned splits its trials between two versions of the code."""
+    try:
+        module = sys.modules.get(getattr(inspect.unwrap(fn), "__module__", None) or "")
+        path = inspect.getsourcefile(module) if module is not None else None
+        if not path:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return path if source_fingerprint(f.read()) != fingerprint else None
+    except Exception:  # noqa: BLE001 - unreadable or unparsable now: not a verdict.
         return None
 
 

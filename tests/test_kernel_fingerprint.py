@@ -238,9 +238,11 @@ def test_sweep_records_skips_current_and_retunes_stale_in_a_new_study(cache_dir,
     [row] = [e for e in json.loads(capsys.readouterr().out)["entries"] if e["key"] == KEY]
     assert row["code"] == "current"
 
-    # The kernel's code changes (as if toy_kernels.py were edited): the entry is stale.
+    # The kernel's code changes (as if toy_kernels.py were edited): the entry is stale. (The
+    # file itself stays as it is: its on-disk check is test_an_edit_during_tuning_writes_nothing.)
     changed = "fedcba9876543210"
     monkeypatch.setattr(kernel, "_fingerprint", changed)
+    monkeypatch.setattr("pallas_tune.tuning.finish.source_changed", lambda fn, fp: None)
     assert main(["show", "--format", "json", "--kernel", "toy_kernels.scale"]) == 0
     [row] = [e for e in json.loads(capsys.readouterr().out)["entries"] if e["key"] == KEY]
     assert row["code"] == "stale"
@@ -272,3 +274,25 @@ def test_sweep_keeps_entries_of_unknown_code_as_done(cache_dir, fresh, capsys):
     assert row["code"] == "unknown"
     assert main(["check", str(cache_dir)]) == 0
     assert "(kernel code: 1 unknown)" in capsys.readouterr().out
+
+
+def test_an_edit_during_tuning_writes_nothing(tmp_path, monkeypatch, cache_dir, capsys):
+    """Workers import the kernel's module afresh: a file saved while a shape is being tuned
+    splits its trials between two versions, so that shape fails and no entry is written."""
+    from pallas_tune.cli import main
+
+    kern = _load(tmp_path, monkeypatch, "fp_edited")
+    before = kern.fingerprint  # The code the sweep starts on...
+    (tmp_path / "fp_edited.py").write_text(_MODULE.format(  # ...then the file is saved anew.
+        doc="one", comment="c", factor=3, extra="", body="return _kernel(x, b=b)"))
+    assert _kernel_hash.source_changed(kern.fn, before) == str(tmp_path / "fp_edited.py")
+    rc = main(["sweep", "fp_edited:kern", "--path", str(tmp_path), "--shapes", SHAPES,
+               "--trials", "2", "--repeats", "1"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "fp_edited.py changed while" in err and "Nothing was written" in err
+    assert not list(cache_dir.rglob("fp_edited*.json"))
+    # A comment-only save is no change of code: nothing to refuse.
+    (tmp_path / "fp_edited.py").write_text(_MODULE.format(
+        doc="two", comment="other", factor=2, extra="", body="return _kernel(x, b=b)"))
+    assert _kernel_hash.source_changed(kern.fn, before) is None
+

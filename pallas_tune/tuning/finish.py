@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pallas_tune._kernel_hash import FIELD as FINGERPRINT_FIELD
-from pallas_tune.errors import NoFeasibleConfigError
+from pallas_tune._kernel_hash import source_changed
+from pallas_tune.errors import MeasurementError, NoFeasibleConfigError
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.records import Outcome, spread
 from pallas_tune.tuning.log import TrialLog
@@ -77,6 +78,12 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
         prov[FINGERPRINT_FIELD] = fingerprint
         if getattr(kernel, "version", None) is not None:
             prov["kernel_version"] = kernel.version
+        elif (path := source_changed(kernel.fn, fingerprint)) is not None:
+            raise MeasurementError(
+                f"{path} changed while {kernel.name!r} was being tuned for {plan.key!r}: worker "
+                "processes load the kernel's code afresh, so these trials may mix two versions "
+                "of it. Nothing was written for this shape; run the sweep again on the code "
+                "you mean to ship.")
     if ranking:
         prov["retimed_interleaved"] = ranking
     return TuningResult(kernel=kernel.name, chip=chip, key=plan.key, records=tuple(log.records),
