@@ -246,7 +246,10 @@ def _progress(args: argparse.Namespace, kernel: Any, options: Any, label: str) -
 
 
 def _interrupted(args: argparse.Namespace, key: str) -> None:
-    command = "pallas-tune " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "the same command"
+    # Without --fresh-study: with it, the same command would start this shape's study over
+    # instead of resuming it.
+    argv = [a for a in sys.argv[1:] if a != "--fresh-study"]
+    command = "pallas-tune " + shlex.join(argv) if argv else "the same command"
     if args.storage:
         print(f"pallas-tune sweep: interrupted at {key}; finished trials are saved in "
               f"{args.storage}; to resume, run again: {command}", file=sys.stderr, flush=True)
