@@ -133,7 +133,8 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq,
 
         mask: apply the causal mask by absolute positions (a block that straddles the
         diagonal); diagonal=a: a static triangle instead, key r visible to column lo + c when
-        r <= a + c (the keys start at query lo - a); tail: valid keys of a ragged last block."""
+        r <= a + c (the keys start at query lo - a); tail: valid keys of a ragged last block;
+        last: ignored here (``update`` writes these columns' output after this step)."""
         q = (q_ref[lo:hi, :].astype(jnp.float32) * c).astype(q_ref.dtype)
         s = lax.dot_general(k_ref[:rows, :], q, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # (rows, hi - lo)
