@@ -9,7 +9,8 @@ of each kind the program holds (static counts: loop bodies once, not per iterati
 
 Every figure is a COMPILER ESTIMATE on a CPU host, not a measurement.
 
-    python benchmarks/flash_profile.py [--rev 84e6923] [--seq 2048] [--configs 2048x2048 ...]
+    python benchmarks/flash_profile.py [--rev 84e6923] [--seq 2048] [--heads 32 --kv-heads 8]
+        [--no-causal] [--configs 2048x2048 ...]
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rev", help="also profile kernels/flash_attention.py at this git revision")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32, help="query heads (Llama-3.1-8B: 32)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (Llama-3.1-8B: 8)")
+    p.add_argument("--no-causal", action="store_true", help="full attention, not causal")
     p.add_argument("--configs", nargs="+", default=["2048x2048", "1024x2048", "1024x1024",
                                                      "512x512"])
     a = p.parse_args()
@@ -46,18 +50,20 @@ def main() -> None:
     versions = [("working tree", flash_attention.fn)]
     if a.rev:
         versions.insert(0, (a.rev, llo_profile.kernel_at(a.rev, "flash_attention")))
-    s = a.seq  # Llama-3.1-8B: 32 query heads, 8 KV heads, head_dim 128, causal, batch 1.
-    q = jax.ShapeDtypeStruct((1, 32, s, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 8, s, 128), jnp.bfloat16)
-    floor_us = 4.0 * 32 * s * (s + 1) / 2 * 128 / PEAK_FLOPS * 1e6
-    print(f"# flash attention, Llama-3.1-8B, S={s}, causal, bf16; v6e compiler ESTIMATES; "
+    s, h, causal = a.seq, a.heads, not a.no_causal  # Llama-3.1-8B: head_dim 128, batch 1.
+    q = jax.ShapeDtypeStruct((1, h, s, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, a.kv_heads, s, 128), jnp.bfloat16)
+    pairs = s * (s + 1) / 2 if causal else s * s  # Useful FLOPs only: the lower triangle.
+    floor_us = 4.0 * h * pairs * 128 / PEAK_FLOPS * 1e6
+    print(f"# flash attention, Llama-3.1-8B, S={s}, {h} q heads, {a.kv_heads} KV heads, "
+          f"{'causal' if causal else 'not causal'}, bf16; v6e compiler ESTIMATES; "
           f"roofline {floor_us:.1f} us")
     print(f"{'version':>14s} {'bq x bkv':>10s} {'cycles':>9s} {'us':>7s} {'roofline':>8s} "
           f"{'bundles':>7s} " + " ".join(f"{k:>12s}" for k in KINDS))
     for label, fn in versions:
         for cfg in a.configs:
             bq, bkv = map(int, cfg.split("x"))
-            r = _compile.compile_deviceless(fn, [q, kv, kv], dict(causal=True, bq=bq, bkv=bkv),
+            r = _compile.compile_deviceless(fn, [q, kv, kv], dict(causal=causal, bq=bq, bkv=bkv),
                                             chip="tpu_v6e")
             if not r.ok or not r.estimated_cycles:
                 print(f"{label:>14s} {cfg:>10s} no estimate ({r.kind}: {r.message[:100]})")

@@ -7,7 +7,9 @@ cdiv(kv_len, bkv)), the KV axis last and "arbitrary". The kernel works transpose
 with the softmax denominator in its extra rows, all in f32 VMEM scratch. With ``causal=True``
 (queries and keys aligned at position 0), KV blocks entirely above the diagonal are skipped: no
 compute, and their index map repeats the last needed block, so no DMA; a block on the diagonal
-runs as a staircase of query strips, each against only the keys it can see.
+runs as a staircase of query strips, each against only the keys it can see, and (q_len <=
+kv_len) each strip writes its output at once: no later key is visible to its queries. Whole
+blocks run as column strips too; the strips are software-pipelined in program order.
 
 Any q_len and kv_len: a ragged last query block computes rows that are dropped on store (each row
 is independent, so nothing leaks into valid rows); when no bkv divides kv_len, the last KV step
@@ -36,6 +38,8 @@ DTYPES = (jnp.float32, jnp.bfloat16)
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _STRIP = 256  # Query columns per stair of the diagonal staircase (best of 128-1024 by the
 #                v6e estimate at S=2048: 197,002 cycles against 209,066 / 217,930 / 245,898).
+_LAG = 5  # Parts between a part's q kᵀ and its softmax in program order (best of 0-6 by the
+#           v6e estimate at S=2048/4096/8192, causal, 2048x2048; see flash_profile.txt).
 _SUM_ROWS = 8  # Rows of ones below vᵀ: the MXU sums pᵀ (one sublane tile).
 
 
@@ -78,8 +82,12 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
         def kv_index(bi, h, i, j):
             return (bi, h // group, j, 0)
 
+    # Causal with bkv dividing bq: every query column is complete after its strip of the
+    # diagonal block (no later key is visible to it), so the strip writes its output there.
+    # Only when every query block has a diagonal block (q_len <= kv_len).
+    early = causal and _staircase_ok(bq, bkv, sk % bkv) and sq <= sk
     kernel = functools.partial(_kernel, sm_scale=scale, causal=causal, bq=bq, bkv=bkv,
-                               kv_tail=sk % bkv)
+                               kv_tail=sk % bkv, early=early)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -101,7 +109,7 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
 
 
 def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq, bkv,
-            kv_tail):
+            kv_tail, early):
     """Works on transposed scores, sᵀ = k qᵀ (bkv, bq), and a transposed accumulator oᵀ (d, bq).
 
     On a 256x256 MXU a head_dim of 128 fills half of it in q kᵀ whichever way round; but in
@@ -119,13 +127,14 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq,
         m_ref[...] = jnp.full_like(m_ref, _MASK_VALUE)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def scores(mask=False, tail=0, lo=0, hi=bq, rows=bkv, diagonal=None):
+    def scores(mask=False, tail=0, lo=0, hi=bq, rows=bkv, diagonal=None, last=False):
         """sᵀ for the queries in columns [lo, hi) of this block against its first ``rows``
         keys (static bounds: the queries outside see none of the others).
 
         mask: apply the causal mask by absolute positions (a block that straddles the
         diagonal); diagonal=a: a static triangle instead, key r visible to column lo + c when
-        r <= a + c (the keys start at query lo - a); tail: valid keys of a ragged last block."""
+        r <= a + c (the keys start at query lo - a); tail: valid keys of a ragged last block;
+        last: ignored here (``update`` writes these columns' output after this step)."""
         q = (q_ref[lo:hi, :].astype(jnp.float32) * c).astype(q_ref.dtype)
         s = lax.dot_general(k_ref[:rows, :], q, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # (rows, hi - lo)
@@ -142,9 +151,13 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq,
         return s
 
     def update(*parts):
-        """One online-softmax step for each part (``scores``' keywords; disjoint columns), in
-        phases: every part's q kᵀ, then every softmax, then every p v, so that the MXU has the
-        next part's work while the VPU does this one's softmax."""
+        """One online-softmax step for each part (``scores``' keywords; disjoint columns); a
+        whole unmasked block is cut into column strips of ``_STRIP`` queries. Software-
+        pipelined in program order: each part's q kᵀ is emitted ``_LAG`` parts ahead of its
+        softmax and p v, so that the MXU has the next parts' work while the VPU does this
+        one's softmax (libtpu's scheduler keeps much of the program order)."""
+        if not parts and bq % _STRIP == 0:
+            parts = tuple(dict(lo=a, hi=a + _STRIP) for a in range(0, bq, _STRIP))
         parts = parts or ({},)
         tail = parts[0].get("tail", 0)
         v = v_ref[...]
@@ -153,22 +166,35 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq,
         # [vᵀ; 1] pᵀ: the rows below vᵀ are ones, so the MXU also sums pᵀ over keys (the
         # softmax denominator) in f32, instead of the VPU widening and adding every p.
         lhs = jnp.concatenate([v.T, jnp.ones((_SUM_ROWS, v.shape[0]), v.dtype)], axis=0)
-        ss = [scores(**part) for part in parts]
-        probs = []
-        for s, part in zip(ss, parts):
-            cols = pl.ds(part.get("lo", 0), part.get("hi", bq) - part.get("lo", 0))
+
+        def softmax_pv(s, lo=0, hi=bq, rows=bkv, last=False, **_):
+            cols = pl.ds(lo, hi - lo)
             m_prev = m_ref[:, cols]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
             m_ref[:, cols] = m_new
             # The exponent in f32, then p rounded to the MXU's input dtype. On bf16 inputs
             # this is also the faster form by the v6e estimate (S=2048, causal, 2048²: 177,930
             # cycles against 197,002 for exp2 of a bf16 argument), and the more exact one.
-            probs.append((cols, jnp.exp2(s - m_new).astype(v_ref.dtype),
-                          jnp.exp2(m_prev - m_new)))
-        for (cols, p, alpha), part in zip(probs, parts):
-            pv = jnp.dot(lhs[:, :part.get("rows", bkv)], p,
+            p = jnp.exp2(s - m_new).astype(v_ref.dtype)
+            pv = jnp.dot(lhs[:, :rows], p,
                          preferred_element_type=jnp.float32)  # (d + _SUM_ROWS, hi - lo)
-            acc_ref[:, cols] = acc_ref[:, cols] * alpha + pv
+            acc = acc_ref[:, cols] * jnp.exp2(m_prev - m_new) + pv
+            if last:  # No later key for these queries: write their output now.
+                write_out(acc, lo, hi)
+            else:
+                acc_ref[:, cols] = acc
+
+        ss = {}
+        for t in range(len(parts) + _LAG):
+            if t < len(parts):
+                ss[t] = scores(**parts[t])
+            if t >= _LAG:
+                softmax_pv(ss.pop(t - _LAG), **parts[t - _LAG])
+
+    def write_out(acc, lo, hi):
+        """o for query rows [lo, hi) from their accumulator oᵀ (with the sums below it)."""
+        d = o_ref.shape[-1]
+        o_ref[lo:hi, :] = (acc[:d, :] * (1.0 / acc[d:d + 1, :])).T.astype(o_ref.dtype)
 
     # Every query row sees a valid key in KV block 0 (key 0), so l > 0 at the end: even the rows
     # of a ragged last query block, which are dropped on store, never divide by zero.
@@ -176,18 +202,20 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq,
     if not (causal or kv_tail):
         update()
     else:
-        _dispatch(update, i, j, causal=causal, bq=bq, bkv=bkv, kv_tail=kv_tail)
+        _dispatch(update, i, j, causal=causal, bq=bq, bkv=bkv, kv_tail=kv_tail, early=early)
 
-    @pl.when(j == pl.num_programs(3) - 1)
-    def _finish():
-        d = o_ref.shape[-1]
-        o_ref[...] = (acc_ref[:d, :] / acc_ref[d:d + 1, :]).T.astype(o_ref.dtype)
+    if not early:
+        pl.when(j == pl.num_programs(3) - 1)(lambda: write_out(acc_ref[...], 0, bq))
 
 
-def _dispatch(update, i, j, *, causal, bq, bkv, kv_tail):
+def _staircase_ok(bq, bkv, kv_tail):
+    return bq % bkv == 0 and bkv % 128 == 0 and not kv_tail
+
+
+def _dispatch(update, i, j, *, causal, bq, bkv, kv_tail, early):
     """Runs ``update`` on the blocks that need it, masked only where a mask changes something."""
-    if causal and bq % bkv == 0 and bkv % 128 == 0 and not kv_tail:
-        return _dispatch_diagonal(update, i, j, bq=bq, bkv=bkv)
+    if causal and _staircase_ok(bq, bkv, kv_tail):
+        return _dispatch_diagonal(update, i, j, bq=bq, bkv=bkv, early=early)
     true, false = jnp.bool_(True), jnp.bool_(False)
     run = j * bkv <= i * bq + bq - 1 if causal else true  # Skip blocks above the diagonal.
     below = j * bkv + bkv - 1 <= i * bq if causal else true  # Wholly below it: no mask.
@@ -202,7 +230,7 @@ def _dispatch(update, i, j, *, causal, bq, bkv, kv_tail):
                                                                         tail=kv_tail)))
 
 
-def _dispatch_diagonal(update, i, j, *, bq, bkv):
+def _dispatch_diagonal(update, i, j, *, bq, bkv, early):
     """Causal, with bkv dividing bq: a KV block on the diagonal starts at query column
     ``t * bkv`` of the query block for some static t, so each t gets its own branch that skips
     the columns before it and masks a static triangle; blocks below the diagonal run whole."""
@@ -213,16 +241,16 @@ def _dispatch_diagonal(update, i, j, *, bq, bkv):
     pl.when(first_key < first_query)(update)  # Wholly below the diagonal.
     for start in range(bq // bkv):
         pl.when(first_key == first_query + start * bkv)(
-            functools.partial(_staircase, update, start * bkv, bq=bq, bkv=bkv))
+            functools.partial(_staircase, update, start * bkv, bq=bq, bkv=bkv, early=early))
 
 
-def _staircase(update, lo, *, bq, bkv):
+def _staircase(update, lo, *, bq, bkv, early):
     """A KV block whose first key is query column ``lo``: the diagonal square as column strips,
     each against only the keys up to its last query, then the columns past the square whole.
     Each strip's query columns (the weights of q kᵀ) go through the MXU once, and the strips
     are independent, so one strip's softmax can overlap the next one's matmuls."""
     width = math.gcd(bkv, _STRIP)
-    parts = [dict(lo=lo + a, hi=lo + a + width, rows=a + width, diagonal=a)
+    parts = [dict(lo=lo + a, hi=lo + a + width, rows=a + width, diagonal=a, last=early)
              for a in range(0, bkv, width)]
     if lo + bkv < bq:
         parts.append(dict(lo=lo + bkv))

@@ -73,6 +73,23 @@ def test_ragged_lengths_match_reference(causal, hq, hkv, sq, sk, d, bq, bkv):
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("causal,sq,sk,bq,bkv", [
+    (True, 384, 512, 256, 128),    # Staircase writing each strip's output; ragged last q block.
+    (True, 640, 512, 256, 128),    # q_len > kv_len: no diagonal block for the last queries.
+    (True, 1024, 1024, 512, 256),  # Blocks below the diagonal cut into column strips.
+    (False, 512, 512, 512, 512),   # A whole block in strips, software-pipelined.
+])
+def test_strips_and_early_output_match_reference(causal, sq, sk, bq, bkv):
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (1, 2, sq, 128), jnp.float32) * 3
+    k = jax.random.normal(ks[1], (1, 1, sk, 128), jnp.float32)
+    v = jax.random.normal(ks[2], (1, 1, sk, 128), jnp.float32)
+    out = np.asarray(flash_attention(q, k, v, causal=causal, bq=bq, bkv=bkv))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, oracle(flash_attention_reference, q, k, v, causal=causal),
+                               atol=2e-5, rtol=2e-5)
+
+
 def test_bad_dtype_is_a_clear_error():
     q, k, v = _qkv(1, 2, 2, 128, 128, jnp.float16)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
