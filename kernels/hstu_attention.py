@@ -21,7 +21,8 @@ What the kernel does per step, from the v6e compiler's static profile
   last needed block, so no DMA either. Blocks wholly below it run unmasked. When bkv divides bq
   and the sequence, a block on the diagonal runs as a staircase of 256-column query strips,
   each against only the keys it can see, with a static triangle mask; the others (ragged
-  sequences) mask by absolute positions.
+  sequences) mask by absolute positions. Blocks wholly below it run as 256-column strips too
+  when bkv >= 1024.
 - Software pipelining: strip n's q kᵀ is emitted with strip n-2's bias and SiLU and strip
   n-4's vᵀ pᵀ, so that the MXU has work while the VPU runs.
 - alpha is applied to the (bq, d) query block, not to the scores; norm to the output.
@@ -29,7 +30,10 @@ What the kernel does per step, from the v6e compiler's static profile
   128-lane-aligned slice of the table, broadcast to 128 rows and rotated with a per-row stride
   (``pltpu.roll(..., stride=1)``); every 128-key chunk of every strip is then a lane-aligned
   slice of that one rotated array. No gather, and one rotate per vreg of a (128, bq + bkv)
-  array rather than per vreg of the block.
+  array rather than per vreg of the block. Where it fits in VMEM (``_ROTATED_BYTES``) the
+  whole table is rotated once outside the kernel instead (``_rotated``, a tile and a reshape)
+  and stays resident: every bias part is then a lane-aligned load, with no rotates and no
+  block-wide bias value to spill in the kernel.
 
 Every sequence length is accepted: keys past the end of a ragged last block get zero weight
 and their values are zeroed, so padding garbage cannot reach the output; queries past the end
@@ -53,6 +57,7 @@ __all__ = ["hstu_attention", "hstu_attention_reference"]
 
 _LANES = 128
 _STRIP = 256  # Query columns per stair of a diagonal block (as in flash_attention).
+_ROTATED_BYTES = 8 << 20  # VMEM for the resident rotated bias table (``_rotated``), at most.
 _LAG = 2  # Software pipelining of ``update``'s parts (best of 0-3 by the v6e estimate).
 
 
@@ -88,7 +93,7 @@ def _bias_rows(tab_ref, base, *, rows: int, cols: int):
     return pltpu.roll(jnp.broadcast_to(line, (r, width)), width - r, 1, stride=1, stride_axis=0)
 
 
-def _bias_part(wide, *, rows: int, lo: int, hi: int, nrows: int):
+def _bias_part(wide, lo: int, hi: int, nrows: int, *, rows: int):
     """Rows [0, nrows) and columns [lo, hi) of the bias block of ``_bias_rows``."""
     r = wide.shape[0]
     n = rows // r
@@ -96,8 +101,17 @@ def _bias_part(wide, *, rows: int, lo: int, hi: int, nrows: int):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
+def _bias_slice(rot_ref, base, lo: int, hi: int, nrows: int, *, rows: int):
+    """``_bias_part`` loaded straight from the rotated table of ``_rotated`` (rows a multiple of
+    128): RW[:, m] = rot[:, base + m], so no rotate in the kernel and no block-wide value."""
+    n = rows // _LANES
+    parts = [rot_ref[:, pl.ds(base + (n - 1 - k) * _LANES + lo, hi - lo)]
+             for k in range(nrows // _LANES)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+
 def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, seq, pad, alpha,
-            norm):
+            norm, rotated):
     """Works on transposed scores sᵀ = k qᵀ (bkv, bq) and accumulates oᵀ = vᵀ pᵀ (dv, bq).
 
     On the 256x256 MXU an attention dim of 128 fills half of it in q kᵀ whichever way round;
@@ -125,7 +139,7 @@ def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, se
 
         mask: causal and sequence-end mask by absolute positions; diagonal=a: a static triangle
         instead (key r visible to column lo + c when r <= a + c)."""
-        s = s + _bias_part(wide, rows=bkv, lo=lo, hi=hi, nrows=rows)
+        s = s + wide(lo, hi, rows)
         # f32: sigmoid is one EUP op (and an add), as cheap as tanh; in bf16 it crashes
         # libtpu 0.0.50.1's LLO type check, and bf16 tanh was no faster by the estimate.
         p = s * jax.nn.sigmoid(s)
@@ -151,8 +165,12 @@ def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, se
         # The bias of the whole block, once (q_start - k_start is static on the diagonal).
         off = parts[0].get("off", q_start - k_start)
         base = off - bkv + pad
-        wide = _bias_rows(tab_ref, base if isinstance(base, int) else pl.multiple_of(base, _LANES),
-                          rows=bkv, cols=bq)
+        base = base if isinstance(base, int) else pl.multiple_of(base, _LANES)
+        if rotated:  # tab_ref holds the rotated table: slices of it are the block's bias.
+            wide = functools.partial(_bias_slice, tab_ref, base, rows=bkv)
+        else:
+            wide = functools.partial(_bias_part, _bias_rows(tab_ref, base, rows=bkv, cols=bq),
+                                     rows=bkv)
         ss, ps = {}, {}
         for n in range(len(parts) + 2 * _LAG):  # Part n's q kᵀ, n - LAG's SiLU, n - 2 LAG's vᵀ pᵀ.
             if n < len(parts):
@@ -169,7 +187,12 @@ def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, se
     # them per grid step, but with a floor division in them it charged every step with the
     # branch of step 0 (benchmarks/results/hstu_profile.txt).
     if bq % bkv == 0 and bkv % _LANES == 0 and not tail:
-        _when(k_start + bkv <= q_start, update)  # Wholly below the diagonal.
+        # Wholly below the diagonal: for bkv >= 1024, 256-column strips software-pipelined like
+        # the staircase's (v6e estimate, 2048x2048: S=4096 149,096 cycles against 151,109 as
+        # one part; at 2048x256 they cost 10% more: benchmarks/results/hstu_profile.txt).
+        strips = [{"lo": c, "hi": c + _STRIP} for c in range(0, bq, _STRIP)]
+        _when(k_start + bkv <= q_start, functools.partial(
+            update, *(strips if bq % _STRIP == 0 and bkv >= 1024 else [])))
         for start in range(0, bq, bkv):
             _when(k_start == q_start + start,
                   functools.partial(_staircase, update, start, bq=bq, bkv=bkv))
@@ -222,6 +245,19 @@ def _table(rel_bias, *, pad: int, length: int):
     return jnp.concatenate([jnp.zeros((pad,), jnp.float32), body, rest])[None, :]
 
 
+def _rotated(table):
+    """rot[ρ, y] = tab[y - ρ + 128] (0 where y - ρ + 128 is past the end): the table of
+    ``_bias_rows`` rotated once for every block, (128, len) and resident in VMEM."""
+    n = table.shape[1]
+    # ext[i] = tab[i + 128] for -128 <= i < n - 128 (indices mod len(ext)), zero past the end;
+    # row r of ext tiled and read with a row length one shorter than ext is ext[y - r], so
+    # rot[r, y] = tab[y - r + 128]. No gather: a tile, a reshape and slices.
+    ext = jnp.concatenate([table[0, _LANES:], jnp.zeros((_LANES,), table.dtype),
+                           table[0, :_LANES]])
+    e = ext.shape[0]
+    return jnp.tile(ext, _LANES)[:_LANES * (e - 1)].reshape(_LANES, e - 1)[:, :n]
+
+
 def _blocks(seq: int, bq: int, bkv: int) -> tuple[int, int]:
     bq, bkv = min(bq, seq), min(bkv, seq)
     for name, b in (("bq", bq), ("bkv", bkv)):
@@ -267,19 +303,29 @@ def hstu_attention(q, k, v, rel_bias, *, alpha: float | None = None, norm: float
     # nq * bq + pad + 128.
     pad = pl.cdiv(bq + bkv, _LANES) * _LANES + bkv % _LANES
     table = _table(rel_bias, pad=pad, length=pl.cdiv(nq * bq + pad + _LANES, _LANES) * _LANES)
+    # The table rotated once outside the kernel and resident in VMEM where it fits (at 4096
+    # tokens, 2048x2048, 8,321 fewer estimated cycles in the kernel, 4,700 more outside it);
+    # else each step rotates its own slice (``_bias_rows``).
+    # Not for one block per sequence: one rotation per (batch, head) costs less in the kernel
+    # (S=2048, 2048x2048: 77,269 cycles against 80,111).
+    rotated = (bkv % _LANES == 0 and nq * nk > 1
+               and _LANES * table.shape[1] * 4 <= _ROTATED_BYTES)
+    if rotated:
+        table = _rotated(table)
 
     def kv_index(bi, hi, i, j):
         last = (i * bq + bq - 1) // bkv  # Repeat the last needed block: no DMA when skipped.
         return (bi, hi, jnp.minimum(j, last), 0)
 
     kernel = functools.partial(_kernel, bq=bq, bkv=bkv, nq=nq, nk=nk, seq=s, pad=pad,
-                               alpha=alpha, norm=norm)
+                               alpha=alpha, norm=norm, rotated=rotated)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(v.shape[:3] + (v.shape[-1],), q.dtype),
         grid=(b, h, nq, nk),
         in_specs=[
-            pl.BlockSpec(table.shape, lambda bi, hi, i, j: (0, 0)),
+            pl.BlockSpec(table.shape, lambda bi, hi, i, j: (0, 0),
+                         pipeline_mode=pl.Buffered(1)),  # Fetched once: one buffer.
             pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j: (bi, hi, i, 0)),
             pl.BlockSpec((None, None, bkv, d), kv_index),
             pl.BlockSpec((None, None, bkv, v.shape[-1]), kv_index),

@@ -63,6 +63,9 @@ def cases(draw):
 @example(case=((1, 1, 1100, 64, 128, 2203), jnp.bfloat16, 4), config=dict(bq=512, bkv=512))
 @example(case=((1, 1, 300, 64, 128, 7), jnp.bfloat16, 1), config=dict(bq=128, bkv=128))
 @example(case=((2, 1, 100, 8, 8, 1), jnp.float32, 2), config=dict(bq=2048, bkv=128))
+# A block wholly below the diagonal with bkv >= 1024: 256-column strips, and the bias from the
+# table rotated outside the kernel (short table: its last bucket for far distances).
+@example(case=((1, 1, 2048, 128, 128, 300), jnp.bfloat16, 8), config=dict(bq=1024, bkv=1024))
 def test_matches_reference(case, config):
     shape, dtype, seed = case
     q, k, v, bias = _inputs(*shape, dtype, seed)
