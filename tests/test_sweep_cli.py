@@ -278,3 +278,32 @@ def test_the_resume_line_drops_fresh_study(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "to resume, run again: pallas-tune sweep --space matmul --force --trials 4" in err
     assert "--fresh-study" not in err
+
+
+def test_check_space_names_every_shape_without_an_entry(cache_dir, tmp_path, capsys):
+    """--space/--chip: a shape of the set with no entry is a problem naming the sweep that
+    fills it; once it is tuned the same check passes."""
+    space = tmp_path / "toy_set.toml"
+    space.write_text('kernel = "toy_kernels:scale"\n[params]\nbr = [8, 16]\nbc = [128]\n'
+                     'buffering = [1]\n[[shapes]]\nx = "64x256:float32"\n'
+                     '[[shapes]]\nx = "32x128:float32"\nfactor = 3.0\n')
+    rc, _, err = _main(capsys, "sweep", "--space", str(space), "--shapes", SHAPES, "--trials",
+                       "2", "--repeats", "1", "-q", "--no-storage")
+    assert rc == 0, err
+    rc, out, err = _main(capsys, "check", str(cache_dir), "--space", str(space), "--chip", "cpu")
+    missing = "x=32x128:float32,factor=3.0"
+    assert rc == 1, out + err
+    assert f"no cpu entry for '{missing}'" in out and "--shapes" in out, out
+    assert "1 of 2 shapes have an entry (1 measured, 1 current)" in out, out
+    rc, _, err = _main(capsys, "sweep", "--space", str(space), "--trials", "2", "--repeats",
+                       "1", "-q", "--no-storage")
+    assert rc == 0, err
+    rc, out, err = _main(capsys, "check", str(cache_dir), "--space", str(space), "--chip", "cpu")
+    assert rc == 0 and "2 of 2 shapes have an entry" in out and ": OK" in out, out + err
+    # An empty root holds no entry for any shape; --space without --chip is a usage error.
+    (tmp_path / "empty").mkdir()
+    rc, out, _ = _main(capsys, "check", str(tmp_path / "empty"), "--space", str(space),
+                       "--chip", "cpu")
+    assert rc == 1 and out.count("problem:") == 2 and "0 of 2 shapes" in out, out
+    rc, _, err = _main(capsys, "check", str(cache_dir), "--space", str(space))
+    assert rc == 2 and "--space needs --chip" in err, err

@@ -5,6 +5,7 @@
     pallas-tune sweep --from-record misses.jsonl   # the shapes production met (PALLAS_TUNE_RECORD)
     pallas-tune show [--kernel matmul] [--chip v6e] [--format table|json|csv] [--trials]
     pallas-tune check [PATH ...]                # non-zero exit on a problem (for a library's CI)
+    pallas-tune check [PATH ...] --space NAME --chip v6e   # ... or on a shape without an entry
     pallas-tune merge OUT.json IN.json ...      # combine cache files several hosts wrote
     pallas-tune report --kernel matmul [--key KEY] [--out DIR]
 

@@ -26,6 +26,11 @@ def add_parsers(sub: Any) -> None:
     c.add_argument("--fail-stale", action="store_true",
                    help="count entries tuned on other code of their kernel (stale kernel "
                         "fingerprint) as problems, not notes")
+    c.add_argument("--space", action="append", metavar="NAME",
+                   help="also check that the cache holds an entry for every shape of this "
+                        "search_spaces/ file on --chip (repeatable); a shape without one is a "
+                        "problem, named with the sweep command that fills it")
+    c.add_argument("--chip", help="the chip whose entries --space looks for (e.g. v6e)")
     c.set_defaults(func=cmd_check)
     m = sub.add_parser("merge", help="merge cache files written by several hosts into one cache")
     m.add_argument("inputs", nargs="+", metavar="FILE", help="winners files (<chip>/<kernel>.json)")
@@ -162,6 +167,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         malformed, stale_here = _fingerprints(wf, kernel, path, states)
         problems += malformed
         stale += stale_here
+    summaries = _coverage(args, problems, stale)
     if args.fail_stale:
         problems += stale
     else:
@@ -170,6 +176,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"note: {line}")
     for line in problems:
         print(f"problem: {line}")
+    for line in summaries:
+        print(line)
     if not n_files:
         print(f"pallas-tune check: no cache files under {', '.join(paths)}", file=sys.stderr)
         return 1
@@ -179,6 +187,24 @@ def cmd_check(args: argparse.Namespace) -> int:
     code = f" (kernel code: {code})" if code else ""
     print(f"pallas-tune check: {n_files} file(s), {n_entries} entries{code}: {verdict}")
     return 1 if problems else 0
+
+
+def _coverage(args: argparse.Namespace, problems: list[str], stale: list[str]) -> list[str]:
+    """--space: a problem per shape without an entry; stale entries join ``stale``."""
+    if not args.space:
+        return []
+    if not args.chip:
+        raise CLIUsageError("--space needs --chip: the chip whose entries to look for")
+    from pallas_tune.cli.coverage import space_coverage
+
+    summaries = []
+    for cov in space_coverage(args.space, args.chip, args.paths, args.path or []):
+        problems += [f"{cov.space}: no {cov.chip} entry for {key!r}; tune it: {cmd}"
+                     for key, cmd in cov.missing]
+        said = {line.partition(": stale")[0] for line in stale}  # Found by the file walk too.
+        stale += [line for line in cov.stale if line.partition(": stale")[0] not in said]
+        summaries.append(cov.summary())
+    return summaries
 
 
 def _better(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
