@@ -78,6 +78,8 @@ def test_ragged_lengths_match_reference(causal, hq, hkv, sq, sk, d, bq, bkv):
     (True, 640, 512, 256, 128),    # q_len > kv_len: no diagonal block for the last queries.
     (True, 1024, 1024, 512, 256),  # Blocks below the diagonal cut into column strips.
     (False, 512, 512, 512, 512),   # A whole block in strips, software-pipelined.
+    (True, 4400, 4400, 4096, 4096),  # The largest blocks at a length no block divides.
+    (True, 4400, 4400, 4096, 2048),
 ])
 def test_strips_and_early_output_match_reference(causal, sq, sk, bq, bkv):
     ks = jax.random.split(jax.random.key(5), 3)

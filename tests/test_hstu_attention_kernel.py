@@ -66,6 +66,9 @@ def cases(draw):
 # A block wholly below the diagonal with bkv >= 1024: 256-column strips, and the bias from the
 # table rotated outside the kernel (short table: its last bucket for far distances).
 @example(case=((1, 1, 2048, 128, 128, 300), jnp.bfloat16, 8), config=dict(bq=1024, bkv=1024))
+# The largest blocks (4096, the model shapes' winners) at a length no block divides: a full
+# diagonal staircase of 16 strips, then a ragged second block row and column.
+@example(case=((1, 1, 4400, 128, 128, 4400), jnp.float32, 9), config=dict(bq=4096, bkv=4096))
 def test_matches_reference(case, config):
     shape, dtype, seed = case
     q, k, v, bias = _inputs(*shape, dtype, seed)
