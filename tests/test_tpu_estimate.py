@@ -148,3 +148,23 @@ def test_a_full_compile_that_dies_leaves_the_standin_in_use_and_labelled():
         "config": cfg, "scale": 4.0, "relative_error": 0.0291, "trusted": True})
     far = EstimateResult(ok=True, kind="ok", cycles=1200)
     assert standin_verdict(cfg, 4.0, scaled, far)[0] is False
+
+
+@pytest.mark.libtpu
+def test_estimate_sweeps_warm_start_from_neighbours_and_the_roofline(cache_dir):
+    """The estimate workers rank warm starts too: a nearby shape's winner is the first
+    candidate after the default (it was dropped when the estimate session had no roofline
+    method: every estimate sweep then started from the default alone)."""
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    nx, ny = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1024, 1536), (1536, 1024)))
+    winner = dict(bm=512, bn=256, bk=1024, buffering=2, semantics=SEM)
+    matmul.cache.write("tpu_v6e", matmul.name, matmul.cache_key(nx, ny),
+                       {"config": winner, "median_ms": 0.01})
+    res = matmul.tune(x, x, trials=3, timer="tpu-estimate", chip="v6e", write=False, workers=1)
+    tried = res.trials.sort_values("number").head(3).to_dict("records")
+    tiles = [(t["bm"], t["bn"], t["bk"]) for t in tried]
+    default = matmul.space.default
+    assert tiles[0] == (default["bm"], default["bn"], default["bk"]), tiles
+    assert tiles[1] == (512, 256, 1024), tiles
+    # The third is the roofline model's pick: big tiles, not a sampler's random point.
+    assert tiles[2][0] * tiles[2][1] >= 512 * 512, tiles

@@ -181,6 +181,14 @@ class EstimateSession:
 
         return chips.target(self.chip, abstract_mesh=True)
 
+    def roofline(self, config: Mapping[str, Any], chip: str, channel: Any = None
+                 ) -> float | None:
+        """The roofline model's time of ``config``: the tuner ranks warm starts with it (the
+        neighbours' winners, then the space), as it does with a measuring session's."""
+        del channel  # Unused.
+        assert self.parts is not None
+        return cand.roofline_time(self.parts, self.args, self.kwargs, config, chip)
+
     def evaluate(self, number: int, config: Mapping[str, Any], best_ms: float, channel: Any
                  ) -> tuple[TrialRecord, None]:
         del best_ms  # Unused: estimates are not timed.
