@@ -332,3 +332,21 @@ def test_the_tuner_never_measures_what_the_declared_constraints_refuse(cache_dir
     assert all("square_tiles" in r.error for r in refused)
     assert all(r.config["bm"] == r.config["bn"] for r in result.records if r.outcome.timed)
     assert result.best["bm"] == result.best["bn"]
+
+
+def test_a_retune_warm_starts_from_the_entry_it_may_replace(cache_dir):
+    """--force re-tunes a cached key: its own winner is measured first after the default, so a
+    short re-tune cannot end on a worse config without having measured the old one."""
+    from pallas_tune.tuning.loop import warm_start_configs
+
+    @pt.tunable(a=list(range(12)), b=list(range(12)), name="own_entry")
+    def own(x, *, a, b):
+        return x
+
+    here = jnp.ones((512, 128))
+    own.cache.write("cpu", own.name, own.cache_key(here), {"config": {"a": 7, "b": 3},
+                                                            "median_ms": 1.0})
+    own.cache.write("cpu", own.name, own.cache_key(jnp.ones((256, 128))),
+                    {"config": {"a": 1, "b": 1}, "median_ms": 1.0})
+    picks = warm_start_configs(own, (here,), {}, "cpu", own.cache_key(here))
+    assert picks[1:3] == [{"a": 7, "b": 3}, {"a": 1, "b": 1}], picks

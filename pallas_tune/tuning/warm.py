@@ -18,7 +18,8 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
                        key: str, *, limit: int = 6, rank: Ranker | None = None
                        ) -> list[dict[str, Any]]:
     """Configs worth measuring first: the declared default, the winners of the nearest tuned
-    shapes (same kernel and chip, by key distance; only those valid here), then for TPU chips
+    shapes (same kernel and chip, by key distance; only those valid here; the key's own entry
+    first, so that a re-tune measures the config it may replace), then for TPU chips
     the roofline model's best picks. Deduplicated, at most ``limit``.
 
     ``rank(configs, chip)`` gives each config's roofline time, None where it is invalid here
@@ -42,7 +43,7 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
     if kernel.key_fn is None:
         for other, entry, _ in kernel.cache.entries(chip, kernel.name):
             d = keys.key_distance(key, other)
-            if other != key and math.isfinite(d):
+            if math.isfinite(d):  # The key's own entry too (a re-tune): distance 0, first.
                 near.append((d, other, entry))
     winners = []
     for _, _, entry in sorted(near, key=lambda t: (t[0], t[1]))[:limit]:
