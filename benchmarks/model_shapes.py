@@ -277,7 +277,7 @@ def _combine(paths, out) -> None:
     first = parts[0]
     header = ("# Model shapes on TPU v6e: compiler ESTIMATES, not measurements\n\n"
               f"{first['date']}, jax {first['jax']}, libtpu {first['libtpu']}, on a shared "
-              f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs side by side: {runs}; "
+              f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs of the same code: {runs}; "
               "combined with `--combine`. Times are libtpu's static cycle estimates at 1.75 GHz; "
               "roofline: 918 TFLOP/s bf16, 1.64 TB/s HBM; † marks a tuned estimate faster than "
               "the HBM roofline (the compiler's HBM model is optimistic: see "
