@@ -151,10 +151,15 @@ def test_a_full_compile_that_dies_leaves_the_standin_in_use_and_labelled():
 
 
 @pytest.mark.libtpu
-def test_estimate_sweeps_warm_start_from_neighbours_and_the_roofline(cache_dir):
+def test_estimate_sweeps_warm_start_from_neighbours_and_the_roofline(cache_dir, monkeypatch):
     """The estimate workers rank warm starts too: a nearby shape's winner is the first
     candidate after the default (it was dropped when the estimate session had no roofline
     method: every estimate sweep then started from the default alone)."""
+    from pallas_tune.cache import store
+
+    # Only this test's entry: the shipped v6e caches hold this very shape, whose own entry
+    # would rightly come first.
+    monkeypatch.setattr(store, "_DEFAULT", store.TuningCache(str(cache_dir), use_shipped=False))
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     nx, ny = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1024, 1536), (1536, 1024)))
     winner = dict(bm=512, bn=256, bk=1024, buffering=2, semantics=SEM)
