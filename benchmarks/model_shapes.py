@@ -210,6 +210,9 @@ def main() -> None:
     p.add_argument("--only", nargs="+", help="space files of SETS (e.g. mamba2_ssd llama3_matmul)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--max-shapes", type=int, default=None)
+    p.add_argument("--all-shapes", action="store_true",
+                   help="every shape of each set, not only the picks of SETS (e.g. the 8192-token "
+                        "matmuls, with --skip-xla for them)")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
     p.add_argument("--rows-out", default=None, help="save this run's rows (JSON) here")
     p.add_argument("--skip-xla", nargs="*", default=(),
@@ -227,6 +230,7 @@ def main() -> None:
     command = ("JAX_PLATFORMS=cpu python benchmarks/model_shapes.py"
                + (" --only " + " ".join(a.only) if a.only else "")
                + (f" --max-shapes {a.max_shapes}" if a.max_shapes else "")
+               + (" --all-shapes" if a.all_shapes else "")
                + (f" --rows-out {a.rows_out}" if a.rows_out else "")
                + (" --skip-xla " + " ".join(a.skip_xla) if a.skip_xla else ""))
     rows = []
@@ -237,7 +241,7 @@ def main() -> None:
             name = kernel.fn.__name__
             if a.only and space_name not in a.only:
                 continue
-            shapes = loaded["shapes"] if picks is None else [loaded["shapes"][i] for i in picks]
+            shapes = loaded["shapes"] if picks is None or a.all_shapes else [loaded["shapes"][i] for i in picks]
             for shape in shapes[: a.max_shapes]:
                 row = _row(est, name, kernel, cli._spec_items(shape), clock,
                            skip_xla=space_name in a.skip_xla)
