@@ -307,3 +307,18 @@ def test_check_space_names_every_shape_without_an_entry(cache_dir, tmp_path, cap
     assert rc == 1 and out.count("problem:") == 2 and "0 of 2 shapes" in out, out
     rc, _, err = _main(capsys, "check", str(cache_dir), "--space", str(space))
     assert rc == 2 and "--space needs --chip" in err, err
+
+
+def test_check_finds_shipped_adapters_by_their_own_names(capsys):
+    """The upstream adapters are registered as ``jax.ops.gpu.softmax`` etc., which no import
+    path spells: check must still find them and check their configs, not only the format."""
+    from pallas_tune.cli.check import kernel_by_name
+
+    memo: dict = {}
+    softmax = kernel_by_name("jax.ops.gpu.softmax", [], memo)
+    assert softmax is not None and softmax.name == "jax.ops.gpu.softmax"
+    assert kernel_by_name("jax.ops.gpu.no_such_kernel", [], memo) is None
+    shipped = os.path.join(os.path.dirname(__file__), os.pardir, "caches", "nvidia_h100")
+    rc, out, err = _main(capsys, "check", shipped)
+    assert rc == 0, out + err
+    assert "not importable" not in out, out

@@ -82,8 +82,28 @@ def kernel_by_name(name: str, paths: Sequence[str], memo: dict[str, Any]) -> Any
         except CLIUsageError:
             module, _, head = module.rpartition(".")
             attr = f"{head}.{attr}"
-    memo[name] = found
-    return found
+    memo[name] = found if found is not None else _shipped_by_name(name)
+    return memo[name]
+
+
+def _shipped_by_name(name: str) -> Any:
+    """A shipped kernel registered under a name of its own (the upstream adapters, e.g.
+    ``jax.ops.gpu.attention.mha``), which no import path spells; None if there is none."""
+    import importlib
+    import pkgutil
+
+    import pallas_tune.kernels as shipped
+    from pallas_tune.tunable import TunableKernel
+
+    for info in pkgutil.iter_modules(shipped.__path__):
+        try:
+            module = importlib.import_module(f"{shipped.__name__}.{info.name}")
+        except Exception:  # noqa: BLE001 - e.g. an adapter whose upstream JAX lacks an op.
+            continue
+        for value in vars(module).values():
+            if isinstance(value, TunableKernel) and value.name == name:
+                return value
+    return None
 
 
 def _check_entries(wf: Any, kernel: Any, path: str) -> list[str]:
