@@ -282,12 +282,16 @@ def _combine(paths, out) -> None:
     header = ("# Model shapes on TPU v6e: compiler ESTIMATES, not measurements\n\n"
               f"{first['date']}, jax {first['jax']}, libtpu {first['libtpu']}, on a shared "
               f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs of the same code: {runs}; "
-              "combined with `--combine`. Times are libtpu's static cycle estimates at 1.75 GHz; "
+              "combined with `--combine` (a shape in several runs: the first run's row). Times are libtpu's static cycle estimates at 1.75 GHz; "
               "roofline: 918 TFLOP/s bf16, 1.64 TB/s HBM; † marks a tuned estimate faster than "
               "the HBM roofline (the compiler's HBM model is optimistic: see "
               "notes/libtpu-static-cost.md, 2.3-3.4 TB/s in its copy estimates). See the "
               "module docstring for each column.")
-    rows = [r for p in parts for r in p["rows"]]
+    rows, seen = [], set()
+    for r in (r for p in parts for r in p["rows"]):  # A shape in several parts: the first's row.
+        if (r.get("set"), r["shape"]) not in seen:
+            seen.add((r.get("set"), r["shape"]))
+            rows.append(r)
     order = {name: i for i, (name, _) in enumerate(SETS)}
     rows.sort(key=lambda r: order.get(r.get("set", ""), 99))
     table = render(rows, header)
