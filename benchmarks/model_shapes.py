@@ -241,7 +241,8 @@ def main() -> None:
             name = kernel.fn.__name__
             if a.only and space_name not in a.only:
                 continue
-            shapes = loaded["shapes"] if picks is None or a.all_shapes else [loaded["shapes"][i] for i in picks]
+            shapes = (loaded["shapes"] if picks is None or a.all_shapes
+                      else [loaded["shapes"][i] for i in picks])
             for shape in shapes[: a.max_shapes]:
                 row = _row(est, name, kernel, cli._spec_items(shape), clock,
                            skip_xla=space_name in a.skip_xla)
@@ -282,7 +283,8 @@ def _combine(paths, out) -> None:
     header = ("# Model shapes on TPU v6e: compiler ESTIMATES, not measurements\n\n"
               f"{first['date']}, jax {first['jax']}, libtpu {first['libtpu']}, on a shared "
               f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs of the same code: {runs}; "
-              "combined with `--combine` (a shape in several runs: the first run's row). Times are libtpu's static cycle estimates at 1.75 GHz; "
+              "combined with `--combine` (a shape in several runs: the first run's row). Times "
+              "are libtpu's static cycle estimates at 1.75 GHz; "
               "roofline: 918 TFLOP/s bf16, 1.64 TB/s HBM; † marks a tuned estimate faster than "
               "the HBM roofline (the compiler's HBM model is optimistic: see "
               "notes/libtpu-static-cost.md, 2.3-3.4 TB/s in its copy estimates). See the "
