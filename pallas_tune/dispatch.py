@@ -10,7 +10,8 @@ Resolution order for a call whose tuned keywords are not all given (the first co
    key and the reason;
 2. ``PALLAS_TUNE_MODE=strict`` raises :class:`CacheMissError`; ``=tune`` tunes now and caches;
 3. the winners of the nearest tuned shapes (by key distance; at most three distinct configs are
-   traced, whatever the cache's size);
+   traced, whatever the cache's size), then those of keys with the call's shapes and other
+   static values (fewest differing first);
 4. the declared ``default=``;
 5. the fastest valid config of the space by the roofline cost model
    (:func:`pallas_tune.feasibility.roofline.roofline_calls`; a model, not a measurement).
@@ -30,7 +31,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from pallas_tune import _settings
+from pallas_tune import _settings, keys
 from pallas_tune.cache import Hit
 from pallas_tune.errors import CacheMissError, InvalidConfig, NoFeasibleConfigError
 from pallas_tune.space import Config, _freeze
@@ -197,6 +198,38 @@ def _nearest(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
         if not problems:
             return Config(config, source="nearest", origin=hit.key)
         notes.append(f"the config of the tuned shape {hit.key!r} {config} ({problems[0]})")
+    return _same_shapes(kernel, chip, key, args, kwargs, notes, tried)
+
+
+def _same_shapes(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+                 kwargs: Mapping[str, Any], notes: list[str], tried: set[tuple[Any, ...]]
+                 ) -> Config | None:
+    """The entry of a key with the call's shapes but other static values (fewest differing
+    statics first): a miss on a static value (``alpha=3`` tuned, ``alpha=4`` called) reuses the
+    tiles tuned for the same arrays. Scans the kernel's keys once per missed key (slow path)."""
+    arrays, statics = keys.split_statics(key)
+    if not statics:
+        return None
+    ranked = []
+    for other, entry, path in kernel.cache.entries(chip, kernel.name):
+        o_arrays, o_statics = keys.split_statics(other)
+        if o_arrays == arrays and o_statics.keys() == statics.keys() and other != key:
+            differ = sum(o_statics[n] != v for n, v in statics.items())
+            ranked.append((differ, other, entry))
+    for _, other, entry in sorted(ranked, key=lambda t: t[:2]):
+        if len(tried) >= NEAREST_TRACES:
+            break
+        if entry_problems(kernel, entry):
+            continue
+        config = _frozen(entry["config"])
+        marker = tuple(sorted(config.items()))
+        if marker in tried:
+            continue
+        tried.add(marker)
+        problems, _ = check(kernel, config, args, kwargs)
+        if not problems:
+            return Config(config, source="nearest", origin=other)
+        notes.append(f"the config of the tuned key {other!r} {config} ({problems[0]})")
     return None
 
 

@@ -43,8 +43,9 @@ class TunableKernel:
     """A kernel function with a declared search space. Create it with :func:`tunable`."""
 
     def __init__(self, fn: Callable[..., Any], space: SearchSpace, *, name: str | None,
-                 key: Callable[..., Any] | None, reference: Callable[..., Any] | None,
-                 inputs: Callable[..., Any] | None, cache: TuningCache | None = None,
+                 key: Callable[..., Any] | Sequence[str] | None,
+                 reference: Callable[..., Any] | None, inputs: Callable[..., Any] | None,
+                 cache: TuningCache | None = None,
                  vmem_estimate: Callable[..., int] | None = None,
                  standin: Callable[..., Any] | None = None, version: str | None = None):
         space.check_function(fn)
@@ -54,6 +55,10 @@ class TunableKernel:
         self.name = name if name is not None else _default_name(fn)
         if not isinstance(self.name, str) or not self.name.strip():
             raise SearchSpaceError(f"name={name!r} must be a non-empty string.")
+        self.key_names: frozenset[str] | None = None
+        if key is not None and not callable(key):
+            self.key_names = _key_names(fn, key, frozenset(space.names))
+            key = None
         self.key_fn = key
         self.reference = reference
         self.inputs = inputs
@@ -140,7 +145,7 @@ class TunableKernel:
         kwargs = {k: v for k, v in kwargs.items() if k not in self._tuned}
         if self.key_fn is not None:
             return keys.custom_key(self.key_fn(*args, **kwargs))
-        return keys.call_key(self._sig, self._tuned, args, kwargs)
+        return keys.call_key(self._sig, self._tuned, args, kwargs, self.key_names)
 
     def config_for(self, *args: Any, **kwargs: Any) -> Config:
         """The config a call with these arguments would use, with ``.source`` saying why.
@@ -238,6 +243,21 @@ class TunableKernel:
             return fut.result()
 
 
+def _key_names(fn: Callable[..., Any], names: Any, tuned: frozenset[str]) -> frozenset[str]:
+    """Validates ``key=[...]``: names of the function's non-tuned parameters."""
+    params = inspect.signature(fn).parameters
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise SearchSpaceError(f"key={names!r} must be a callable or a list of parameter names, "
+                               "e.g. key=[\"x\", \"y\", \"causal\"].")
+    bad = [n for n in names if n not in params or n in tuned]
+    if bad or not names:
+        raise SearchSpaceError(
+            f"key={list(names)!r}: {bad or 'no names'} {'are' if len(bad) != 1 else 'is'} not "
+            f"non-tuned parameters of {getattr(fn, '__qualname__', fn)}; name some of "
+            f"{[n for n in params if n not in tuned]}.")
+    return frozenset(names)
+
+
 def _default_name(fn: Callable[..., Any]) -> str:
     qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "")
     module = getattr(fn, "__module__", None) or ""
@@ -266,7 +286,7 @@ def tunable(
     *,
     default: Mapping[str, Any] | None = None,
     name: str | None = None,
-    key: Callable[..., Any] | None = None,
+    key: Callable[..., Any] | Sequence[str] | None = None,
     reference: Callable[..., Any] | None = None,
     space: SearchSpace | str | None = None,
     inputs: Callable[..., Any] | None = None,
@@ -296,7 +316,9 @@ def tunable(
       name: cache name of the kernel (default: ``module.qualname``; required for kernels
         defined inside a function or as lambdas, whose qualified names are not unique).
       key: maps the call's arguments to the cache key (default: shapes and dtypes of array
-        arguments plus the values of static non-tuned arguments, see :mod:`pallas_tune.keys`).
+        arguments plus the values of static non-tuned arguments, see :mod:`pallas_tune.keys`),
+        or, like Triton's ``key=``, a list of the argument names that make the key (the
+        others, e.g. a scale factor, do not change which config is best).
       reference: a function with the kernel's signature (minus tuned parameters) whose output
         each candidate must match while tuning (default: the output of the default config).
       space: a :class:`SearchSpace` or the name of a file under ``search_spaces/``; keyword

@@ -35,6 +35,26 @@ def _chromium():
     return webdriver.Chrome(options=options, service=Service(driver))
 
 
+def _wait_until_drawn(driver, *, expected, timeout):
+    """Wait until every figure has drawn (not until the first element exists: find_elements
+    returns as soon as one does, and under load the page takes ~9 s to draw all of them).
+    Returns (figure divs, drawn svgs) as found when all had drawn or the time ran out."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def counts(d):
+        figures = d.find_elements("css selector", ".plotly-graph-div")
+        drawn = [f for f in figures if f.find_elements("css selector", ".main-svg")]
+        return figures, drawn
+
+    try:
+        WebDriverWait(driver, timeout, poll_frequency=0.25).until(
+            lambda d: len(counts(d)[1]) >= expected)
+    except TimeoutException:
+        pass  # The assertion below names the counts.
+    return counts(driver)
+
+
 def _cli(args, cache_dir):
     return subprocess.run([sys.executable, "-m", "pallas_tune", *args], capture_output=True,
                           text=True, timeout=600,
@@ -56,9 +76,7 @@ def test_report_renders_in_chromium(cache_dir, tmp_path):
     driver = _chromium()
     try:
         driver.get((out / "index.html").as_uri())
-        driver.implicitly_wait(10)
-        figures = driver.find_elements("css selector", ".plotly-graph-div")
-        drawn = driver.find_elements("css selector", ".plotly-graph-div .main-svg")
+        figures, drawn = _wait_until_drawn(driver, expected=5, timeout=120)
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         title = driver.title
         shot = tmp_path / "screenshot.png"
