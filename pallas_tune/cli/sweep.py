@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import math
 import shlex
 import sys
 import time
@@ -204,6 +205,8 @@ def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
                 progress.close()
         counts = result.trials["outcome"].value_counts().to_dict()
         label = " (compiler estimate)" if kind == "estimate" else ""
+        if math.isfinite(result.speedup):  # Both from the final re-ranking: like with like.
+            label += f", default {result.default_ms:.4g} ms ({result.speedup:.2f}x)"
         _say(args, f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
                    f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
                    f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")

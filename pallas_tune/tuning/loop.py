@@ -90,7 +90,7 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
             search.release()  # Ctrl-C, a crash: our running trials go back to the queue.
             raise
         search.close()
-        ranking = finish.rerank(evaluator, log, options)
+        ranking = finish.rerank(evaluator, log, options, finish.default_config(kernel.space))
         extra.update(strategy=search.strategy, evaluator=evaluator.kind)
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,
                                      device=evaluator.device, study=search.study, extra=extra)
