@@ -77,7 +77,7 @@ def test_report_renders_in_chromium(cache_dir, tmp_path):
                                                 "importances", "outcomes")], pngs
     page = (out / "index.html").read_text()
     assert "<script src=" not in page  # Self-contained: plotly.js is inline.
-    assert "ms, wall clock (interpret mode" in page  # Axes say what the numbers are.
+    assert "ms, wall clock (interpret mode)" in page  # Axes say what the numbers are.
     ledger = json.loads((cache_dir / "cpu" / "toy_kernels.scale.trials.jsonl").read_text()
                         .splitlines()[-1])
     ranking = ledger["provenance"]["retimed_interleaved"]

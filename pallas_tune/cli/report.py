@@ -220,7 +220,7 @@ def unit_label(prov: dict[str, Any]) -> str:
         chip = str(prov.get("chip", "TPU")).replace("tpu_", "")
         return f"ms, {chip} compiler estimate"
     if prov.get("interpret"):
-        return "ms, wall clock (interpret mode on CPU: grid steps, not TPU speed)"
+        return "ms, wall clock (interpret mode)"  # The receipts' timing_note says more.
     return f"ms, {prov.get('timer') or 'wall clock'} on {prov.get('device_kind') or '?'}"
 
 
