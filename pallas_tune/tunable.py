@@ -147,6 +147,20 @@ class TunableKernel:
             return keys.custom_key(self.key_fn(*args, **kwargs))
         return keys.call_key(self._sig, self._tuned, args, kwargs, self.key_names)
 
+    def call_space(self, *args: Any, **kwargs: Any) -> tuple[SearchSpace, dict[str, int]]:
+        """The space of distinct effective configs for a call with these arguments, and the
+        dimension each clamped parameter is capped at (see :mod:`pallas_tune.effective`)."""
+        from pallas_tune import effective
+
+        dims = effective.clamp_dims(self.space, effective.call_env(self._sig, args, kwargs))
+        return effective.call_space(self.space, dims), dims
+
+    def effective(self, config: Mapping[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """What ``config`` runs as for a call with these arguments (clamped values capped)."""
+        from pallas_tune import effective
+
+        return effective.effective(config, self.call_space(*args, **kwargs)[1])
+
     def config_for(self, *args: Any, **kwargs: Any) -> Config:
         """The config a call with these arguments would use, with ``.source`` saying why.
 
@@ -281,6 +295,36 @@ def _library_cache(cache: Any) -> TuningCache | None:
     return TuningCache(library_roots=[os.fspath(d) for d in dirs])
 
 
+def _declared_space(f: Callable[..., Any], space: Any, choices: Mapping[str, Sequence[Any]],
+                    default: Mapping[str, Any] | None, constraints: Any,
+                    clamp: Mapping[str, Any] | None) -> SearchSpace:
+    """The space ``@tunable`` declares: a space file's (or object's) parameters, default,
+    constraints and clamps, with the decorator's own added on top."""
+    extra = {c.name: c for c in as_constraints(constraints)}
+    base: dict[str, Sequence[Any]] = {}
+    base_default = None
+    base_constraints: dict[str, Any] = {}
+    base_clamps: dict[str, Any] = {}
+    if isinstance(space, str | SearchSpace):
+        loaded = load_space(space)["space"] if isinstance(space, str) else space
+        base = {p.name: p.choices for p in loaded.params}
+        base_default = loaded.default
+        base_constraints = {c.name: c for c in loaded.constraints}
+        base_clamps = dict(loaded.clamps)
+    elif space is not None:
+        raise SearchSpaceError(f"space={space!r} must be a SearchSpace or a file name.")
+    merged = {**base, **choices}
+    if not merged:
+        raise SearchSpaceError(
+            f"@tunable on {getattr(f, '__qualname__', f)} declares no parameters; pass e.g. "
+            "bm=[128, 256]."
+        )
+    return SearchSpace.from_choices(
+        merged, default=default if default is not None else base_default,
+        constraints=tuple({**base_constraints, **extra}.values()),
+        clamps={**base_clamps, **(clamp or {})})
+
+
 def tunable(
     fn: Callable[..., Any] | None = None,
     *,
@@ -293,6 +337,7 @@ def tunable(
     vmem_estimate: Callable[..., int] | None = None,
     standin: Callable[..., Any] | None = None,
     constraints: Mapping[str, str | Callable[..., Any]] | Sequence[Constraint] | None = None,
+    clamp: Mapping[str, str | Callable[..., Any]] | None = None,
     cache: TuningCache | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     version: str | None = None,
     **choices: Sequence[Any],
@@ -334,6 +379,10 @@ def tunable(
         mapping name → expression string or callable (see :mod:`pallas_tune.constraints`), e.g.
         ``{"bk_divides_k": "x.shape[1] % bk == 0"}``; added to those of a ``space=`` file. A
         config that breaks one is never measured nor served.
+      clamp: tuned parameter name → expression (or callable) of the dimension the kernel caps
+        it at, e.g. ``{"bm": "x.shape[0]"}`` for ``bm = min(bm, M)``; added to a space file's
+        ``[clamp]``. Tuning then searches one config per distinct program, and results and
+        caches show the effective config (see :mod:`pallas_tune.effective`).
       cache: where this kernel's tuned configs are looked up besides the user cache: a
         directory (or several) of ``<chip>/<kernel>.json`` files that a library ships in its
         wheel, e.g. ``cache=importlib.resources.files("mylib") / "caches"``. They rank after
@@ -352,28 +401,8 @@ def tunable(
         choice list is empty or unhashable.
     """
 
-    extra = {c.name: c for c in as_constraints(constraints)}
-
     def wrap(f: Callable[..., Any]) -> TunableKernel:
-        base: dict[str, Sequence[Any]] = {}
-        base_default = None
-        base_constraints: dict[str, Any] = {}
-        if isinstance(space, str | SearchSpace):
-            loaded = load_space(space)["space"] if isinstance(space, str) else space
-            base = {p.name: p.choices for p in loaded.params}
-            base_default = loaded.default
-            base_constraints = {c.name: c for c in loaded.constraints}
-        elif space is not None:
-            raise SearchSpaceError(f"space={space!r} must be a SearchSpace or a file name.")
-        merged = {**base, **choices}
-        if not merged:
-            raise SearchSpaceError(
-                f"@tunable on {getattr(f, '__qualname__', f)} declares no parameters; pass e.g. "
-                "bm=[128, 256]."
-            )
-        s = SearchSpace.from_choices(
-            merged, default=default if default is not None else base_default,
-            constraints=tuple({**base_constraints, **extra}.values()))
+        s = _declared_space(f, space, choices, default, constraints, clamp)
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
                              vmem_estimate=vmem_estimate, standin=standin,
                              cache=_library_cache(cache), version=version)

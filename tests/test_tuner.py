@@ -95,6 +95,36 @@ def test_each_program_is_measured_once(cache_dir, fresh):
     assert len(values) == 10 and all(math.isfinite(v) for v in values)
 
 
+def test_declared_clamps_search_effective_configs(cache_dir, fresh):
+    """With its clamp declared, the same kernel is searched over its 4 distinct effective
+    configs at 16 rows (b in {8, 16} x buffering), not 10; the result and the cache entry
+    say what the winner runs as (issue 26.1)."""
+    x = fresh.ones((16, 128))
+    k = fresh.clamped_declared
+    space, dims = k.call_space(x)
+    assert dims == {"b": 16} and space.size == 4 and k.space.size == 10
+    assert [p.choices for p in space.params] == [(8, 16), (1, 2)]
+    res = k.tune(x, trials=32, seed=0, repeats=1)
+    assert len(res.trials) == 4 and res.provenance["strategy"] == "exhaustive"
+    assert res.provenance["space"] == {"declared": 10, "distinct_for_call": 4}
+    assert res.best in space and res.effective is None  # 8 and 16 run as themselves.
+    # At 20 rows b=32 is kept as the representative of everything >= 20 and runs as 20.
+    y = fresh.ones((20, 128))
+    space20, _ = k.call_space(y)
+    assert space20.params[0].choices == (8, 16, 32)
+    assert k.effective({"b": 128, "buffering": 2}, y) == {"b": 20, "buffering": 2}
+    res = k.tune(y, trials=32, seed=0, repeats=1, write=False)
+    assert len(res.trials) == 6
+    runs_as = k.effective(res.best, y)
+    assert res.effective == (runs_as if runs_as != res.best else None)
+    assert res.to_entry().get("effective") == res.effective
+    entry = k.cache.lookup("cpu", k.name, k.cache_key(x))[0]
+    assert entry["config"]["b"] in (8, 16) and "effective" not in entry
+    for bad in ({"nope": "x.shape[0]"}, {"b": 3}, {"b": "x.shape["}):
+        with pytest.raises(pt.SearchSpaceError):
+            pt.tunable(b=[8], clamp=bad, name="t")(lambda x, *, b: x)
+
+
 @pytest.mark.parametrize("sampler", ["gp", "tpe"])
 def test_no_config_or_program_is_measured_twice(cache_dir, fresh, sampler):
     res = fresh.scale.tune(fresh.ones(), trials=12, seed=3, repeats=1, sampler=sampler,

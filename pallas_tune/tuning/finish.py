@@ -90,7 +90,8 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
             f"{first.error if first else 'n/a'}")
     best_ms = best.median_ms
     best_spread = best.measurement.spread_ms if best.measurement else 0.0
-    base = _default_record(log, default_config(kernel.space))
+    space = extra.get("space", kernel.space)
+    base = _default_record(log, default_config(space))
     default_ms = base.median_ms if base is not None else math.nan
     if ranking:
         best = log.records[ranking[0]["trial"]]
@@ -100,6 +101,8 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
                           math.nan)
     roofline_used = any("roofline" in r.detail for r in log.records if r.outcome.timed)
     prov = provenance(plan, chip, options, device, {**extra, "roofline_used": roofline_used})
+    if space is not kernel.space:  # Clamped: one point per distinct effective config.
+        prov["space"] = {"declared": kernel.space.size, "distinct_for_call": space.size}
     prov.update(ranked_by="interleaved re-ranking" if ranking else "search median",
                 strategy=extra.get("strategy"), counts=log.counts(),
                 trials_measured=log.timed, tuning_s=round(log.progress().elapsed_s, 3))
@@ -119,7 +122,16 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
     return TuningResult(kernel=kernel.name, chip=chip, key=plan.key, records=tuple(log.records),
                         best_record=best, best_ms=best_ms, best_spread_ms=best_spread,
                         ranking=tuple(ranking or ()), provenance=prov, options=options,
-                        study=study, default_ms=default_ms)
+                        study=study, default_ms=default_ms,
+                        effective=_effective(best.config, extra.get("dims") or {}))
+
+
+def _effective(config: Mapping[str, Any], dims: Mapping[str, int]) -> dict[str, Any] | None:
+    """What the winner runs as, when that differs from its config (clamped values)."""
+    from pallas_tune import effective
+
+    runs_as = effective.effective(config, dims)
+    return runs_as if runs_as != dict(config) else None
 
 
 def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str, Any],

@@ -50,7 +50,8 @@ class TuningResult:
     ``provenance``: how the figures were obtained (chip, timer, versions, counts, ...).
     ``default_ms``: the default config's median in the same re-ranking as ``best_ms`` (the
     declared default, else the space's first point; NaN when it did not run), so ``speedup``
-    (default over best) compares like with like.
+    (default over best) compares like with like. ``effective``: what ``best`` runs as for
+    the call's shapes, where the kernel clamps values larger than a dimension (else None).
     """
 
     kernel: str
@@ -66,10 +67,12 @@ class TuningResult:
     study: Any = None
     cache_path: str | None = None
     default_ms: float = math.nan
+    effective: dict[str, Any] | None = None  # What ``best`` runs as, where clamped; else None.
 
     def __repr__(self) -> str:
         speed = f", {self.speedup:.2f}x the default" if math.isfinite(self.speedup) else ""
-        return (f"TuningResult({self.kernel} {self.key} on {self.chip}: best {self.best} "
+        best = self.effective or self.best
+        return (f"TuningResult({self.kernel} {self.key} on {self.chip}: best {best} "
                 f"{self.best_ms:.4g} ms{speed}; {len(self.records)} trials, "
                 f"{self.provenance.get('timer', '?')})")
 
@@ -119,6 +122,7 @@ class TuningResult:
             "spread_ms": self.best_spread_ms,
             "search_median_ms": self.best_record.median_ms,
             **({"default_ms": self.default_ms} if math.isfinite(self.default_ms) else {}),
+            **({"effective": self.effective} if self.effective else {}),
             "provenance": self.provenance,
             "trials": [r.to_json() for r in self.records],
         }
