@@ -389,3 +389,16 @@ def test_a_retune_warm_starts_from_the_entry_it_may_replace(cache_dir):
                     {"config": {"a": 1, "b": 1}, "median_ms": 1.0})
     picks = warm_start_configs(own, (here,), {}, "cpu", own.cache_key(here))
     assert picks[1:3] == [{"a": 7, "b": 3}, {"a": 1, "b": 1}], picks
+
+
+def test_one_error_for_every_first_candidate_stops_the_run(cache_dir):
+    """int8 operands fail every matmul config at trace time with one error: the run stops
+    after FAIL_FAST candidates and says so, instead of spending 20 trials (issue 26.6)."""
+    from pallas_tune.kernels.matmul import matmul
+    from pallas_tune.tuning.loop import FAIL_FAST
+
+    x = jnp.ones((256, 256), jnp.int8)
+    with pytest.raises(pt.NoFeasibleConfigError,
+                       match=rf"first {FAIL_FAST} candidates all failed the same way.*int8"):
+        matmul.tune(x, x, trials=20, repeats=1, write=False)
+    assert not list((cache_dir).glob("**/*.json"))  # Nothing written.

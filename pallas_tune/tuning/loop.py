@@ -29,6 +29,7 @@ __all__ = ["run", "tune", "warm_start_configs"]
 # The stand-in check estimates at most this many candidates' stand-in scales.
 STANDIN_SCAN = 512
 WAIT_S = 0.5  # Poll interval while other workers finish the study's last trials.
+FAIL_FAST = 5  # Stop when this many first candidates all failed with one same error.
 
 
 def tune(kernel: Any, *args: Any, options: TuneOptions | None = None, **kwargs: Any
@@ -124,6 +125,28 @@ def _search_loop(search: Search, log: TrialLog, evaluator: Evaluator, kernel: An
         finally:  # Interrupted mid-batch: what was measured is still told (and saved).
             _tell(search, log, asked, {number for number, _ in fresh})      # tell
         evaluator.learn(log.adopt(search.finished()))  # Other hosts on the same study.
+        _fail_fast(kernel, log)
+
+
+def _fail_fast(kernel: Any, log: TrialLog) -> None:
+    """Stops a run whose first ``FAIL_FAST`` candidates all failed with one and the same
+    error: the call's arguments (a dtype the kernel refuses, say), not the configs, are then
+    the problem, and the rest of the budget would fail the same way."""
+    done = [r for r in log.records if r.duplicate_of is None]
+    if len(done) < FAIL_FAST or any(r.outcome.timed for r in done):
+        return
+    errors = {(r.outcome, r.error) for r in done}
+    if len(errors) != 1:
+        return
+    outcome, error = errors.pop()
+    if not error:
+        return
+    from pallas_tune.errors import NoFeasibleConfigError
+
+    raise NoFeasibleConfigError(
+        f"{kernel.name}: the first {len(done)} candidates all failed the same way "
+        f"({outcome.value}), so the call's arguments, not the configs, are the problem; "
+        f"stopped before spending the rest of the budget. The error: {error.strip()[:2000]}")
 
 
 def _tell(search: Search, log: TrialLog, asked: Sequence[tuple[Any, dict[str, Any]]],
