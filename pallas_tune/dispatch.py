@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import shlex
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -301,5 +302,40 @@ def tune_hint(kernel: TunableKernel, key: str) -> str:
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     if kernel.key_fn is None and obj is kernel:
-        return f"pallas-tune sweep {module}:{qualname} --shapes '{key}'"
+        root = _path_needed(module)
+        path = f" --path {shlex.quote(root)}" if root else ""
+        shapes = shlex.quote(key) if "'" in key else f"'{key}'"
+        return f"pallas-tune sweep {module}:{qualname}{path} --shapes {shapes}"
     return f"{kernel.name}.tune(...) with these arguments"
+
+
+def _path_needed(module: str) -> str | None:
+    """The directory ``pallas-tune sweep --path`` needs to import ``module``, or None when a
+    console script finds it as it is (installed, or an editable install's finder). A script
+    run as ``python script.py`` sees its own directory and the working directory, which
+    ``pallas-tune`` does not."""
+    import importlib.machinery
+    import os
+    import sys
+
+    top = module.split(".")[0]
+    for finder in sys.meta_path:
+        if finder is importlib.machinery.PathFinder or not hasattr(finder, "find_spec"):
+            continue
+        if finder in (importlib.machinery.BuiltinImporter, importlib.machinery.FrozenImporter):
+            continue
+        try:
+            if finder.find_spec(top, None) is not None:
+                return None  # An editable install's (or another) finder: found anywhere.
+        except Exception:  # noqa: BLE001, S112  A broken finder: try the others.
+            continue
+    local = {"", os.getcwd(), os.path.dirname(os.path.abspath(sys.argv[0] or "."))}
+    seen = [p for p in sys.path if p not in local and os.path.abspath(p or ".") not in local]
+    if importlib.machinery.PathFinder.find_spec(top, seen) is not None:
+        return None
+    spec = getattr(sys.modules.get(top), "__spec__", None)
+    origin = getattr(spec, "origin", None)
+    if not origin:
+        return None
+    parent = os.path.dirname(origin)
+    return os.path.dirname(parent) if os.path.basename(origin) == "__init__.py" else parent
