@@ -225,10 +225,36 @@ def test_progress_shows_done_outcomes_best_vs_default_and_eta(mode):
         p.callback(r, _progress(n, *bests[n]))
     p.close()
     text = out.getvalue()
-    assert "2/3" in text and "1 infeasible" in text and "2 ok" in text, text
+    # One vocabulary (issue 26.2): the same tally as the final line, show and the report.
+    assert "2/3" in text and "3 trials: 2 timed, 1 infeasible" in text, text
     assert "vs default 4 ms (4.00x)" in text, text
     if mode == "lines":
         assert text.count("\n") == 3 and "ETA" in text
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_live_progress_row_reads_at_narrow_widths(width, monkeypatch):
+    """The fixed columns (done/total, elapsed, ETA) never collapse to '1…'; the long key is
+    on its own line and the status is cut with an ellipsis (issue 26.8)."""
+    pytest.importorskip("rich")
+    from pallas_tune.cli.progress import SweepProgress
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    out = io.StringIO()
+    label = "[1/1] " + "x=4096x4096:bfloat16," * 4
+    p = SweepProgress(label=label, total=32, default={"b": 1}, mode="live", stream=out)
+    bests = [(4.0, {"b": 1}), (1.0, {"b": 2}), (1.0, {"b": 2})]
+    for n, r in enumerate(_records()):
+        p.callback(r, _progress(n, *bests[n]))
+    p.close()
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert all(len(ln) <= width for ln in lines), lines
+    row = next(ln for ln in lines if "/32" in ln)
+    assert "2/32" in row and "ETA" in row and "0:00:0" in row, lines
+    status = "".join(lines[lines.index(row) + 1:])
+    assert "best 1 ms vs default 4 ms (4.00x); 3 trials: 2 timed, 1 infeasible" in status, lines
+    assert label in "".join(lines[:lines.index(row)]), lines  # The key whole, above.
 
 
 def test_show_never_cuts_a_key(cache_dir, capsys):

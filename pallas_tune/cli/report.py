@@ -323,6 +323,7 @@ def _entries(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 def cmd_report(args: argparse.Namespace) -> int:
     plt, optuna = _need()
     from pallas_tune.cache.inventory import trial_history
+    from pallas_tune.measure.records import describe_tally, tally
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     kernel = None
@@ -356,7 +357,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             parts.append(fig.to_html(full_html=False, include_plotlyjs=first))
             first = False
         ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
-        timed = sum(1 for t in trials if t.get("duplicate_of") is None)
+        counted = describe_tally(tally((str(t.get("outcome")), t.get("duplicate_of") is not None)
+                                       for t in trials))
         missing = [n for n in ("default", "reference") if n not in compare]
         note = (f"<p class=note>not shown: {', '.join(missing)} (the default when it was "
                 "re-timed in the final ranking beside the winner; the reference when "
@@ -366,7 +368,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             f"<section><h2>{html.escape(r.kernel or '?')} on {html.escape(r.chip)}: "
             f"<code>{html.escape(e.key)}</code></h2><p>best "
             f"<code>{html.escape(json.dumps(e.config))}</code> at {ms} {html.escape(unit)}"
-            f" from {timed} distinct programs of {len(trials)} trials</p>{note}{notes}"
+            f" ({html.escape(counted)})</p>{note}{notes}"
             f"{_receipts(prov)}<div class=plots>" + "".join(parts)
             + "</div><details><summary>PNG figures</summary>"
             + "".join(_img(x) for x in p) + "</details></section>")

@@ -21,6 +21,7 @@ from typing import Any
 
 from pallas_tune.cli.options import tune_options
 from pallas_tune.cli.shapes import CLIUsageError, build_call, check_specs, read_shapes, spec_items
+from pallas_tune.measure.records import describe_tally
 
 __all__ = ["cmd_sweep", "import_path", "load_kernel", "read_record"]
 
@@ -203,12 +204,11 @@ def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
         finally:
             if progress:
                 progress.close()
-        counts = result.trials["outcome"].value_counts().to_dict()
         label = " (compiler estimate)" if kind == "estimate" else ""
         if math.isfinite(result.speedup):  # Both from the final re-ranking: like with like.
             label += f", default {result.default_ms:.4g} ms ({result.speedup:.2f}x)"
         _say(args, f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
-                   f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
+                   f"({describe_tally(result.tally)}; "
                    f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
     return failures
 

@@ -94,6 +94,14 @@ class TuningResult:
         return dict(self.provenance.get("counts", {}))
 
     @property
+    def tally(self) -> dict[str, int]:
+        """The trials counted as everywhere else (timed, infeasible, failed, duplicates; see
+        :func:`pallas_tune.measure.records.tally`)."""
+        from pallas_tune.measure.records import tally
+
+        return tally((r.outcome.value, r.duplicate_of is not None) for r in self.records)
+
+    @property
     def trials(self) -> pd.DataFrame:
         """One row per trial: the parameters, ``outcome``, ``median_ms``, ``error`` and more."""
         import pandas as pd
