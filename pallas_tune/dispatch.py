@@ -135,6 +135,12 @@ def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
             "or unset PALLAS_TUNE_MODE to run on a fallback config."
         )
     if mode == "tune":
+        from pallas_tune.errors import warn
+
+        # This call waits for a whole tuning run: say so before it starts, not after.
+        warn(f"pallas-tune: PALLAS_TUNE_MODE=tune: tuning {kernel.name!r} for {key!r} on "
+             f"{chip!r} now; this call waits for it (unset PALLAS_TUNE_MODE, or tune ahead "
+             f"with: {tune_hint(kernel, key)})")
         result = kernel._tune_from_trace(args, kwargs)
         return Config(result.best, source="tuned", origin=key)
     notes: list[str] = []

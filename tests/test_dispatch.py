@@ -128,7 +128,9 @@ def test_strict_mode_miss_names_key_and_command(cache_dir, fresh, monkeypatch):
 def test_tune_mode_tunes_on_miss_under_jit(cache_dir, fresh, monkeypatch):
     monkeypatch.setenv("PALLAS_TUNE_MODE", "tune")
     x = fresh.ones((32, 256))
-    out = jax.jit(fresh.add)(x, x)  # Tunes inside the trace (on abstract inputs) and caches.
+    with pytest.warns(pt.PallasTuneWarning, match="PALLAS_TUNE_MODE=tune: tuning .* now; "
+                      "this call waits"):  # Said before the wait, not after (issue 26.9).
+        out = jax.jit(fresh.add)(x, x)  # Tunes inside the trace (abstract inputs); caches.
     np.testing.assert_allclose(out, 2 * x)
     assert fresh.add.cache.lookup("cpu", fresh.add.name, fresh.add.cache_key(x, x)) is not None
     fresh.add._memo.clear()

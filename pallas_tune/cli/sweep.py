@@ -209,7 +209,8 @@ def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
             label += f", default {result.default_ms:.4g} ms ({result.speedup:.2f}x)"
         _say(args, f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
                    f"({describe_tally(result.tally)}; "
-                   f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
+                   f"{time.perf_counter() - t0:.1f}s) -> "
+                   f"{result.cache_path or 'not written (--no-write)'}")
     return failures
 
 

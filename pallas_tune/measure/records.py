@@ -133,7 +133,10 @@ def tally(trials: Any) -> dict[str, int]:
 
 
 def describe_tally(t: dict[str, int]) -> str:
-    """``12 trials: 6 timed, 1 infeasible, 1 failed, 4 duplicates`` (zero counts left out)."""
-    parts = [f"{t[k]} {k}" for k in TALLY_ORDER if t.get(k)]
-    return f"{t.get('trials', 0)} trials" + (": " + ", ".join(parts) if parts else "")
+    """``12 trials: 6 timed, 1 infeasible, 1 failed, 4 duplicates`` (zero counts left out;
+    ``1 trial: 1 duplicate``)."""
+    parts = [f"{t[k]} {k[:-1] if k.endswith('s') and t[k] == 1 else k}" for k in TALLY_ORDER
+             if t.get(k)]
+    n = t.get("trials", 0)
+    return f"{n} trial{'' if n == 1 else 's'}" + (": " + ", ".join(parts) if parts else "")
 
