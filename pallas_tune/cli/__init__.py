@@ -6,7 +6,7 @@
     pallas-tune show [--kernel matmul] [--chip v6e] [--format table|json|csv] [--trials]
     pallas-tune check [PATH ...]                # non-zero exit on a problem (for a library's CI)
     pallas-tune check [PATH ...] --space NAME --chip v6e   # ... or on a shape without an entry
-    pallas-tune merge OUT.json IN.json ...      # combine cache files several hosts wrote
+    pallas-tune merge FILE ... [--into ROOT]    # merge cache files other hosts wrote into yours
     pallas-tune report --kernel matmul [--key KEY] [--out DIR]
 
 Exit status: 0 success, 1 a failure (a shape that failed to tune, a cache problem found by
