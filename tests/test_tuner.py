@@ -23,6 +23,7 @@ def test_tune_writes_cache_and_returns_result(cache_dir, fresh):
         df.columns)
     assert res.counts["timed"] == 6  # Search path: space of 16 > 6 trials; 6 programs timed.
     assert res.provenance["strategy"] == "gp"
+    assert res.study.metric_names == ["median_ms"]  # Named in Optuna's plots and dashboard.
     # The winner is the first of the interleaved re-ranking of the 3 fastest, and best_ms is
     # its median there; the search-phase median stays in its row.
     table = res.provenance["retimed_interleaved"]

@@ -137,6 +137,7 @@ class Search:
         search = cls(study, codec, strategy=strategy)
         if created:
             study.set_user_attr("constant_params", codec.constants)
+            _name_metric(study)
         else:
             _storage.fail_dead(study)  # A resume after kill -9: this host's dead trials.
         if created or not search.running():  # Loaders top up a queue only when nobody runs.
@@ -293,6 +294,19 @@ class Search:
         self._seen.add(trial.number)
         self._active.pop(trial._trial_id, None)
         self.study.tell(trial, record.median_ms if record.outcome.timed else math.inf)
+
+
+def _name_metric(study: Any) -> None:
+    """Names the objective for Optuna's plots and optuna-dashboard ("median_ms", not
+    "Objective Value")."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ExperimentalWarning on some Optuna versions.
+        try:
+            study.set_metric_names(["median_ms"])
+        except (AttributeError, NotImplementedError):  # Optuna without metric names.
+            pass
 
 
 def _stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:
