@@ -131,3 +131,39 @@ def test_a_directory_named_like_a_winners_file_fails_check(cache_dir, capsys):
     assert any("not a regular file" in m for m in messages), messages
     rc, out = _check(capsys, cache_dir)
     assert rc == 1 and "not a regular file" in out, out
+
+
+def _line(key, br):
+    return f'{json.dumps(key)}: {json.dumps({"config": {"br": br, "bc": 128}})}'
+
+
+@pytest.mark.parametrize("body", [
+    ["A8", "}}", "A16"],  # An entry after the closing line.
+    ["A8", "}}", "A16", "}}"],  # An early closing line: a damaged line, the rest serves.
+    ["A8", "}}", "B16", "}}", "junk"],
+    ["A8", "A16"],  # Truncated: no closing line.
+    ["A8", "}}x", "A16", "}}"],
+    ["A8,", "A16", "}}", "", "  "],  # Blank lines after the closing line are no damage.
+])
+def test_the_fast_lookup_and_the_index_agree_on_every_key(tmp_path, body):
+    from pallas_tune.cache import files
+
+    keys = {"A": "x=16x384:float32", "B": "x=8x384:float32"}
+    lines = [_line(keys[b[0]], int(b[1:].rstrip(","))) + ("," if b.endswith(",") else "")
+             if b[:1] in keys else b for b in body]
+    head = json.dumps({"schema": 2, "kernel": dk.rowsum.name, "chip": "cpu", "kind": "measured"})
+    raw = (head[:-1] + ', "entries": {\n' + "\n".join(lines) + "\n").encode()
+    path = tmp_path / "f.json"
+    path.write_bytes(raw)
+    st = os.stat(path)
+    for key in keys.values():
+        fast = files.parse_winners(raw, str(path), st).find(key)  # The first lookup's way.
+        indexed = files.parse_winners(raw, str(path), st)
+        listed = key in indexed.keys()  # Every line looked at first: the tools' way.
+        assert (fast is not None) == listed, (key, fast)
+        assert fast == indexed.find(key), key
+    damaged = files.parse_winners(raw, str(path), st)
+    after = [i for i, b in enumerate(body) if b == "}}"]
+    junk_after = bool(after) and any(b.strip() for b in body[after[-1] + 1:])
+    assert bool(damaged.damage) == (not after or junk_after or body.count("}}") > 1
+                                    or "}}x" in body), damaged.damage

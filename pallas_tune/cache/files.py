@@ -84,8 +84,9 @@ class WinnersFile:
 
     A file in the canonical layout is kept as bytes: a lookup finds its key's line with one
     ``bytes.rfind`` and parses that line only (the last line of a key wins, as in a whole-file
-    parse). The search stops at the closing ``}}`` line: a line after it is damage, ignored by
-    every reader (the index, ``check``, ``show``), so the fast search must not serve it either.
+    parse). The search stops at the closing ``}}`` line (the last one: see
+    :func:`_closing_line`): a line after it is damage, ignored by every reader (the index,
+    ``check``, ``show``), so the fast search must not serve it either.
     The key index (every line's key) is built only when something needs it: listing keys,
     neighbours, a key not found by the fast search, a line that does not parse, and at once
     when the file does not end at its closing line (so that the damage is reported by the call
@@ -223,16 +224,17 @@ class WinnersFile:
 
 
 def _closing_line(raw: bytes, start: int) -> tuple[int, bool]:
-    """(offset of the first line that closes the entries, as :func:`_index_lines_slowly` finds
-    it, or the file's length if none does; whether the file ends there, but for whitespace).
-    One C-speed search over bytes already in memory."""
-    at = start - 1
-    while (at := raw.find(b"\n}}", at)) >= 0:
+    """(offset of the line that closes the entries: the last line that is ``}}`` and blanks, or
+    the file's length if none is; whether only blanks follow it). Searched from the end, so a
+    file of ours costs a few bytes' look, whatever its size; an earlier ``}}`` line is a
+    damaged line like any other (the entries after it still serve)."""
+    hi = len(raw)
+    while (at := raw.rfind(b"\n}}", start - 1, hi)) >= 0:
         end = raw.find(b"\n", at + 3)
         end = len(raw) if end < 0 else end
         if not raw[at + 3:end].strip():
             return at + 1, not raw[end:].strip()
-        at += 3
+        hi = at + 2  # Not a closing line: look before it.
     return len(raw), False
 
 
@@ -278,6 +280,7 @@ def _index_lines(raw: bytes, pos: int) -> tuple[dict[str, tuple[int, int]], list
 def _index_lines_slowly(raw: bytes, pos: int) -> tuple[dict[str, tuple[int, int]], list[str]]:
     index: dict[str, tuple[int, int]] = {}
     damage: list[str] = []
+    close, _ = _closing_line(raw, pos)  # The same closing line as the fast search's.
     closed = False
     n, lineno = len(raw), 1
     while pos < n:
@@ -289,7 +292,7 @@ def _index_lines_slowly(raw: bytes, pos: int) -> tuple[dict[str, tuple[int, int]
         if closed:
             if raw[pos:end].strip():
                 damage.append(f"line {lineno} follows the closing `}}}}` and was ignored")
-        elif raw.startswith(b"}}", pos) and not raw[pos + 2: end].strip():
+        elif pos == close:
             closed = True
         elif key is not None:
             index[key] = m.span(2)  # type: ignore[union-attr]

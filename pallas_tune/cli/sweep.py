@@ -115,6 +115,10 @@ def _storage(args: argparse.Namespace) -> str | None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     jobs, skipped = _jobs(args)
+    if not jobs:  # Every recorded kernel was skipped (each said why): nothing to set up.
+        print(f"pallas-tune sweep: nothing tuned: all {skipped} recorded kernel(s) were "
+              "skipped", file=sys.stderr)
+        return 1
     for _, specs in jobs:
         check_specs(specs)
     from pallas_tune import chips
