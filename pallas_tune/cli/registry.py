@@ -115,6 +115,7 @@ class KernelRegistry:
         self._named: dict[str, Any] = {}
         self._memo: dict[str, tuple[Any, str | None]] = {}
         self._all_shipped: dict[str, Any] | None = None
+        self._declared: list[Any] | None = None
         for module in self._imports:
             try:
                 with import_path(self._paths):
@@ -159,18 +160,24 @@ class KernelRegistry:
         kernel = self._shipped_by_name().get(name)
         if kernel is not None:
             return kernel, None
-        guess = name.rpartition(".")[0] or name
+        guess = name.rpartition(".")[0] or name or "MODULE"
         return None, (f"kernel {name!r} is none of those pallas-tune may import (its name comes "
                       f"from a file, and importing a module runs it): pass --import MODULE, the "
                       f"module that defines it (e.g. --import {guess}), or --path DIR if it "
                       "lies in DIR")
 
-    def _from_entry_point(self, name: str) -> tuple[Any, str | None] | None:
-        from importlib.metadata import entry_points
+    def _entry_points(self) -> list[Any]:
+        """The declared entry points (listed once: a scan of every installed distribution)."""
+        if self._declared is None:
+            from importlib.metadata import entry_points
 
+            self._declared = list(entry_points(group=ENTRY_POINT_GROUP))
+        return self._declared
+
+    def _from_entry_point(self, name: str) -> tuple[Any, str | None] | None:
         from pallas_tune.tunable import TunableKernel
 
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
+        for ep in self._entry_points():
             if ep.name != name:
                 continue
             try:
@@ -236,14 +243,12 @@ class KernelRegistry:
     def ref_problem(self, ref: str) -> str | None:
         """Why the module of a record's ``MODULE:NAME`` may not be imported, naming the flag
         that allows it (None: it may)."""
-        from importlib.metadata import entry_points
-
         module = ref.partition(":")[0]
         if module in self._imports or module in _shipped_modules():
             return None
         if module and self._under_path(module.split(".")[0]):
             return None
-        if any(ep.module == module for ep in entry_points(group=ENTRY_POINT_GROUP)):
+        if any(ep.module == module for ep in self._entry_points()):
             return None
         return (f"its module is none of those pallas-tune may import (the record names it, "
                 f"and importing a module runs it): pass --import {module or 'MODULE'} to tune it")
