@@ -167,3 +167,20 @@ def test_the_fast_lookup_and_the_index_agree_on_every_key(tmp_path, body):
     junk_after = bool(after) and any(b.strip() for b in body[after[-1] + 1:])
     assert bool(damaged.damage) == (not after or junk_after or body.count("}}") > 1
                                     or "}}x" in body), damaged.damage
+
+
+def test_a_side_file_no_call_reads_fails_check_until_merged_back(cache_dir, capsys):
+    """A ``.recovered-<id>.json`` side file is never read by a call: check says so and names
+    the merge that brings its entries back; after that merge, the call serves them."""
+    from pallas_tune.cli import main
+
+    side = _file(cache_dir, _text([(KEY, GOOD)]), name=f"{dk.rowsum.name}.recovered-ab12.json")
+    assert _serve(cache_dir)[0].source != "cache"
+    rc, out = _check(capsys, cache_dir)
+    assert rc == 1 and f"pallas-tune merge {side}" in out, out
+    assert main(["merge", str(side), "--into", str(cache_dir)]) == 0, capsys.readouterr()
+    side.unlink()
+    config, _ = _serve(cache_dir)
+    assert config.source == "cache" and dict(config) == GOOD["config"]
+    rc, out = _check(capsys, cache_dir)
+    assert rc == 0 and ": OK" in out, out

@@ -71,13 +71,15 @@ def _is_winners(role_kind: tuple[str, str] | None) -> bool:
     return role_kind is not None and role_kind[0] != "ledger"
 
 
-def _read(path: str) -> tuple[Any, str | None]:
-    """(the file as a call would serve from it, None) or (None, why no call would)."""
+def _read(path: str, *, as_named: bool = True) -> tuple[Any, str | None]:
+    """(the file as a call would serve from it, None) or (None, why no call would). With
+    ``as_named=False``, any readable winners file, whatever its name (what merge takes: its
+    header says where its entries go)."""
     from pallas_tune.cache import reader
     from pallas_tune.errors import CacheFormatError
 
     try:
-        return reader.read_named(path), None
+        return (reader.read_named(path) if as_named else reader.read(path)), None
     except (OSError, CacheFormatError) as e:
         return None, str(e)
 
@@ -251,7 +253,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     skipped = 0
     for path, chip_dir in _winners_files(args.inputs):
-        wf, error = _read(path)
+        wf, error = _read(path, as_named=False)
         if wf is None:
             print(f"pallas-tune merge: skipped {path}: {error}", file=sys.stderr)
             skipped += 1
