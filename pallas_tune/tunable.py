@@ -187,6 +187,7 @@ class TunableKernel:
             hit = dispatch.resolve(self, chip, key, args, kwargs)
             if hit.source != "cache":  # A miss: PALLAS_TUNE_RECORD may want it.
                 _record.miss(self, chip, key, args, kwargs, hit.source)
+            _record.receipt(self, chip, key, hit)
             with self._lock:
                 self._memo[by_key] = hit
         return hit

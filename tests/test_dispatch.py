@@ -412,3 +412,31 @@ def test_check_returns_the_traced_calls_for_the_tuner(cache_dir, fresh):
     assert problems == [] and calls and calls[0].name == "scale"
     problems, calls = fresh.scale.check({"br": 8, "bc": 128}, (x,), {})
     assert problems == ["lacks parameter(s) ['buffering']"] and calls is None
+
+
+def test_receipts_say_what_each_call_ran(cache_dir, fresh, monkeypatch, tmp_path):
+    """PALLAS_TUNE_RECEIPTS=FILE: one line per (kernel, key) and process naming the config and
+    its source (the cache file for a hit), so "did the tuned kernel run?" needs no logs."""
+    import json
+
+    path = tmp_path / "ran.jsonl"
+    monkeypatch.setenv("PALLAS_TUNE_RECEIPTS", str(path))
+    x, y = fresh.ones(), fresh.ones((32, 256))
+    _seed_cache(fresh.scale, fresh.scale.cache_key(x), {"br": 32, "bc": 256, "buffering": 2})
+    for _ in range(3):
+        jax.jit(fresh.scale)(x)
+    with pytest.warns(pt.PallasTuneWarning):
+        fresh.scale(y)
+    fresh.scale(x, br=8, bc=128, buffering=1)  # Every keyword given: nothing resolved.
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["key"], r["source"]) for r in lines] == [
+        (fresh.scale.cache_key(x), "cache"), (fresh.scale.cache_key(y), "nearest")], lines
+    assert lines[1]["origin"] == fresh.scale.cache_key(x)  # The tuned key it borrowed from.
+    hit = lines[0]
+    assert hit["config"] == {"br": 32, "bc": 256, "buffering": 2}
+    assert hit["implementation"] == "pallas" and hit["kernel"] == fresh.scale.name
+    assert hit["origin"].endswith("toy_kernels.scale.json") and hit["pid"] > 0
+    monkeypatch.delenv("PALLAS_TUNE_RECEIPTS")
+    fresh.scale._memo.clear()
+    fresh.scale(x)
+    assert len(path.read_text().splitlines()) == 2  # Unset: nothing written.
