@@ -423,8 +423,8 @@ def test_receipts_say_what_each_call_ran(cache_dir, fresh, monkeypatch, tmp_path
     monkeypatch.setenv("PALLAS_TUNE_RECEIPTS", str(path))
     x, y = fresh.ones(), fresh.ones((32, 256))
     _seed_cache(fresh.scale, fresh.scale.cache_key(x), {"br": 32, "bc": 256, "buffering": 2})
-    for _ in range(3):
-        jax.jit(fresh.scale)(x)
+    for _ in range(3):  # Three traces (a new function each: no jit cache), one receipt.
+        jax.jit(lambda a: fresh.scale(a))(x)
     with pytest.warns(pt.PallasTuneWarning):
         fresh.scale(y)
     fresh.scale(x, br=8, bc=128, buffering=1)  # Every keyword given: nothing resolved.
