@@ -51,7 +51,8 @@ def receipt(kernel: Any, chip: str, key: str, config: Any) -> None:
     path = os.environ.get(RECEIPTS_ENV)
     if not path:
         return
-    record = {"kernel": kernel.name, "chip": chip, "key": key, "implementation": "pallas",
+    record = {"kernel": kernel.name, "chip": chip, "key": key,
+              "implementation": getattr(config, "implementation", "pallas"),
               "config": dict(config), "source": getattr(config, "source", "?"),
               "origin": getattr(config, "origin", ""), "pid": os.getpid(),
               "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}

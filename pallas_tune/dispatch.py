@@ -122,7 +122,9 @@ def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
         config, why = _vet(kernel, hit, args, kwargs)
         if config is not None:
             _check_fingerprint(kernel, key, hit)
-            return Config(config, source="cache", origin=hit.path)
+            xla = hit.entry.get("implementation") == "xla" and kernel.reference is not None
+            return Config(config, source="cache", origin=hit.path,
+                          implementation="xla" if xla else "pallas")
         cache.report(hit.path, key, why or "", fix=f"Re-tune it with: {tune_hint(kernel, key)}")
         refused.append(f"{hit.path}: {why}")
     mode = _settings.mode()
@@ -142,7 +144,8 @@ def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
              f"{chip!r} now; this call waits for it (unset PALLAS_TUNE_MODE, or tune ahead "
              f"with: {tune_hint(kernel, key)})")
         result = kernel._tune_from_trace(args, kwargs)
-        return Config(result.best, source="tuned", origin=key)
+        return Config(result.best, source="tuned", origin=key,
+                      implementation=result.implementation)
     notes: list[str] = []
     found = _nearest(kernel, chip, key, args, kwargs, notes)
     if found is None:

@@ -15,20 +15,11 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from pallas_tune.config import Config, _freeze
 from pallas_tune.constraints import Constraint, as_constraints
 from pallas_tune.errors import SearchSpaceError
 
 __all__ = ["Config", "Constraint", "Param", "SearchSpace", "TrialEncoder", "load_space"]
-
-_SOURCES = ("cache", "nearest", "default", "model", "explicit", "tuned")
-
-
-def _freeze(value: Any) -> Any:
-    """Turns lists (e.g. from TOML or JSON) into tuples, recursively, so values are hashable."""
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v) for v in value)
-    return value
-
 
 def typed_equal(a: Any, b: Any) -> bool:
     """Equality that also compares types: ``128.0``, ``True`` and ``128`` are three values."""
@@ -292,48 +283,6 @@ class TrialEncoder:
                 for p in self.params}
 
 
-class Config(Mapping[str, Any]):
-    """A frozen, hashable mapping of tunable parameter to value.
-
-    ``source`` says where it came from: ``"cache"`` (exact cache hit), ``"nearest"`` (the config of
-    the nearest tuned shape), ``"default"`` (declared default or first valid point of the space),
-    ``"explicit"`` (every parameter passed by the caller) or ``"tuned"`` (just tuned).
-    ``origin`` optionally names the cache key or file behind it.
-    """
-
-    __slots__ = ("_dict", "_items", "origin", "source")
-
-    def __init__(self, items: Mapping[str, Any], *, source: str = "default", origin: str = ""):
-        if source not in _SOURCES:
-            raise ValueError(f"source={source!r} must be one of {_SOURCES}")
-        self._dict = {k: _freeze(v) for k, v in items.items()}
-        self._items = tuple(sorted(self._dict.items()))
-        self.source = source
-        self.origin = origin
-
-    def __getitem__(self, key: str) -> Any:
-        return self._dict[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._dict)
-
-    def __len__(self) -> int:
-        return len(self._dict)
-
-    def __hash__(self) -> int:
-        return hash(self._items)
-
-    def __repr__(self) -> str:
-        body = ", ".join(f"{k}={v!r}" for k, v in self._dict.items())
-        return f"Config({body}; source={self.source!r})"
-
-    def replace(self, **updates: Any) -> Config:
-        return Config({**self._dict, **updates}, source=self.source, origin=self.origin)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self._dict)
-
-
 def _show(v: Any) -> str:
     shape = getattr(v, "shape", None)
     if shape is not None and hasattr(v, "dtype"):
@@ -377,7 +326,8 @@ def load_space(name_or_path: str) -> dict[str, Any]:
     The file holds ``[params]`` (name → list of choices), optionally ``default`` (a table),
     ``[constraints]`` (name → expression, see :mod:`pallas_tune.constraints`), ``[clamp]``
     (name → expression of the dimension the kernel caps it at, see
-    :mod:`pallas_tune.effective`), ``kernel``
+    :mod:`pallas_tune.effective`), ``fallback = "reference"`` (the kernel's reference is a
+    candidate implementation, see ``@tunable(fallback=)``), ``kernel``
     (``"module:attr"``) and ``[[shapes]]`` (argument name → ``"AxB:dtype"`` spec, plus static
     keyword values), used by ``pallas-tune sweep``.
 
@@ -428,6 +378,10 @@ def load_space(name_or_path: str) -> dict[str, Any]:
                                          constraints=as_constraints(constraints), clamps=clamp)
     except SearchSpaceError as e:
         raise SearchSpaceError(f"search-space file {path}: {e}") from None
+    fallback = data.get("fallback")
+    if fallback not in (None, "reference"):
+        raise SearchSpaceError(f"search-space file {path}: fallback = {fallback!r} must be "
+                               '"reference" (the kernel\'s reference is a candidate) or absent.')
     kernel = data.get("kernel")
     if kernel is not None and (not isinstance(kernel, str) or not _KERNEL_REF.match(kernel)):
         raise SearchSpaceError(
@@ -440,4 +394,5 @@ def load_space(name_or_path: str) -> dict[str, Any]:
     ):
         raise SearchSpaceError(
             f"search-space file {path}: `shapes` must be an array of tables of argument names.")
-    return {"space": space, "kernel": kernel, "shapes": shapes, "path": path}
+    return {"space": space, "kernel": kernel, "shapes": shapes, "path": path,
+            "fallback": fallback}

@@ -47,7 +47,8 @@ class TunableKernel:
                  reference: Callable[..., Any] | None, inputs: Callable[..., Any] | None,
                  cache: TuningCache | None = None,
                  vmem_estimate: Callable[..., int] | None = None,
-                 standin: Callable[..., Any] | None = None, version: str | None = None):
+                 standin: Callable[..., Any] | None = None, version: str | None = None,
+                 fallback: str | None = None):
         space.check_function(fn)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -68,6 +69,12 @@ class TunableKernel:
             raise SearchSpaceError(f"version={version!r} must be a non-empty string, e.g. "
                                    "version=\"2\".")
         self.version = version
+        if fallback not in (None, "reference"):
+            raise SearchSpaceError(f"fallback={fallback!r} must be None or \"reference\".")
+        if fallback is not None and reference is None:
+            raise SearchSpaceError("fallback=\"reference\" needs a reference= implementation "
+                                   "to fall back to.")
+        self.fallback = fallback
         self._fingerprint: Any = _UNSET
         self._cache = cache
         self._sig = inspect.signature(fn)
@@ -112,6 +119,8 @@ class TunableKernel:
             config = self._resolve(args, kwargs)
             if explicit:
                 config = {**config, **explicit}
+            elif config.implementation == "xla":  # Its cache entry: XLA wins at these shapes.
+                return self.reference(*args, **kwargs)  # type: ignore[misc]
         else:
             config = explicit
         if chips.should_interpret():
@@ -298,16 +307,22 @@ def _library_cache(cache: Any) -> TuningCache | None:
 
 def _declared_space(f: Callable[..., Any], space: Any, choices: Mapping[str, Sequence[Any]],
                     default: Mapping[str, Any] | None, constraints: Any,
-                    clamp: Mapping[str, Any] | None) -> SearchSpace:
+                    clamp: Mapping[str, Any] | None) -> tuple[SearchSpace, str | None]:
     """The space ``@tunable`` declares: a space file's (or object's) parameters, default,
-    constraints and clamps, with the decorator's own added on top."""
+    constraints and clamps, with the decorator's own added on top; and the file's
+    ``fallback``."""
     extra = {c.name: c for c in as_constraints(constraints)}
     base: dict[str, Sequence[Any]] = {}
     base_default = None
     base_constraints: dict[str, Any] = {}
     base_clamps: dict[str, Any] = {}
+    file_fallback = None
     if isinstance(space, str | SearchSpace):
-        loaded = load_space(space)["space"] if isinstance(space, str) else space
+        if isinstance(space, str):
+            data = load_space(space)
+            loaded, file_fallback = data["space"], data["fallback"]
+        else:
+            loaded = space
         base = {p.name: p.choices for p in loaded.params}
         base_default = loaded.default
         base_constraints = {c.name: c for c in loaded.constraints}
@@ -323,7 +338,7 @@ def _declared_space(f: Callable[..., Any], space: Any, choices: Mapping[str, Seq
     return SearchSpace.from_choices(
         merged, default=default if default is not None else base_default,
         constraints=tuple({**base_constraints, **extra}.values()),
-        clamps={**base_clamps, **(clamp or {})})
+        clamps={**base_clamps, **(clamp or {})}), file_fallback
 
 
 def tunable(
@@ -341,6 +356,7 @@ def tunable(
     clamp: Mapping[str, str | Callable[..., Any]] | None = None,
     cache: TuningCache | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     version: str | None = None,
+    fallback: str | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -395,6 +411,9 @@ def tunable(
         re-tunes it. Set it when the kernel's code spans several modules (a change elsewhere
         would go unseen), or to decide when caches go stale: bump it when a change may move
         the best tile sizes.
+      fallback: ``"reference"``: the reference (plain JAX, compiled by XLA) is a candidate
+        implementation: where a device measures, tuning times it beside the best configs and,
+        where it is faster, the cache entry says so and calls run it (``TuneOptions.xla``).
       **choices: parameter name → list of choices.
 
     Raises:
@@ -403,10 +422,11 @@ def tunable(
     """
 
     def wrap(f: Callable[..., Any]) -> TunableKernel:
-        s = _declared_space(f, space, choices, default, constraints, clamp)
+        s, file_fallback = _declared_space(f, space, choices, default, constraints, clamp)
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
                              vmem_estimate=vmem_estimate, standin=standin,
-                             cache=_library_cache(cache), version=version)
+                             cache=_library_cache(cache), version=version,
+                             fallback=fallback if fallback is not None else file_fallback)
 
     if fn is not None:
         if not callable(fn):

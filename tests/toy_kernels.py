@@ -166,6 +166,21 @@ def clamped_declared(x, *, b, buffering):
     return clamped.fn(x, b=b, buffering=buffering)
 
 
+CALLS = {"reference": 0}  # How often scale_or_xla's reference ran (the dispatch test).
+
+
+def counted_reference(x, *, factor=2.0):
+    CALLS["reference"] += 1
+    return x * factor
+
+
+@pt.tunable(br=[8, 16], bc=[128], reference=counted_reference, fallback="reference")
+def scale_or_xla(x, *, factor=2.0, br, bc):
+    """``scale`` with small tiles (many interpret-mode grid steps: slow) and its reference
+    declared as the alternative implementation (plain JAX: fast on a CPU)."""
+    return scale.fn(x, factor=factor, br=br, bc=bc, buffering=2)
+
+
 class ToySession:
     """A worker session for the pool's own tests (see test_evaluate.py)."""
 

@@ -73,11 +73,12 @@ class Evaluator(abc.ABC):
                 self._programs[r.fingerprint] = r.number
                 self._note(r)
 
-    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int
-               ) -> list[list[float]] | None:
+    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int, *,
+               reference: bool = False) -> list[list[float]] | None:
         """The configs re-timed interleaved (ms per run), or None where this evaluator cannot
-        (estimates) or re-timing failed."""
-        del configs, rounds  # Unused.
+        (estimates) or re-timing failed. ``reference``: the kernel's reference too, last
+        (absent from the result when the kernel has none)."""
+        del configs, rounds, reference  # Unused.
         return None
 
     @abc.abstractmethod
@@ -175,9 +176,9 @@ class InProcessEvaluator(Evaluator):
             out.append(record)
         return out
 
-    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int
-               ) -> list[list[float]] | None:
-        return self.session.rerank(configs, rounds)
+    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int, *,
+               reference: bool = False) -> list[list[float]] | None:
+        return self.session.rerank(configs, rounds, reference=reference)
 
     def roofline(self, configs: Sequence[Mapping[str, Any]], chip: str) -> list[float | None]:
         return [self.session.roofline(c, chip) for c in configs]
@@ -242,9 +243,10 @@ class PoolEvaluator(Evaluator):
         self._note(record)
         return record
 
-    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int
-               ) -> list[list[float]] | None:
-        reply = self.pool.call("rerank", [dict(c) for c in configs], rounds, phase="compile")
+    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int, *,
+               reference: bool = False) -> list[list[float]] | None:
+        reply = self.pool.call("rerank", [dict(c) for c in configs], rounds, reference,
+                               phase="compile")
         return reply.value if reply.kind == "done" else None
 
     def roofline(self, configs: Sequence[Mapping[str, Any]], chip: str) -> list[float | None]:

@@ -135,24 +135,42 @@ class MeasureSession:
 
     # ---- after the search -----------------------------------------------------------------
 
-    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int, channel: Any = None
-               ) -> list[list[float]]:
-        """The given (good) configs re-timed interleaved, ``rounds`` runs each, in ms."""
+    def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int,
+               reference: bool = False, channel: Any = None) -> list[list[float]]:
+        """The given (good) configs re-timed interleaved, ``rounds`` runs each, in ms; with
+        ``reference``, the kernel's reference (plain JAX: XLA) last, timed in the same rounds
+        by the same timer, so that Pallas and XLA compare like with like."""
         from pallas_tune.measure import fingerprint as fp
         from pallas_tune.measure.timing import interleave
 
         executables = []
-        arrays = None
+        arrays = fp.Traced.arrays_for(self.args)
         for config in configs:
             if channel is not None:
                 channel.phase("compile")
             with self._context():
                 traced = fp.trace(self.parts.fn, self.args, {**self.kwargs, **config})
                 executables.append(fp.lower(traced).compile())
-            arrays = traced.arrays_for(self.args)
+        if reference and self.parts.reference is not None:
+            executables.append(self._reference_program(arrays))
         if channel is not None:
             channel.phase("run")
-        return interleave(executables, arrays or [], rounds, timer=self.setup.timing.timer)
+        return interleave(executables, arrays, rounds, timer=self.setup.timing.timer)
+
+    def _reference_program(self, arrays: Sequence[Any]) -> Any:
+        """The reference compiled as a function of the same array leaves as the kernel."""
+        import jax
+
+        leaves, tree = jax.tree_util.tree_flatten(list(self.args))
+        is_array = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
+        reference, kwargs = self.parts.reference, self.kwargs
+
+        def program(*given: Any) -> Any:
+            it = iter(given)
+            full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
+            return reference(*jax.tree_util.tree_unflatten(tree, full), **kwargs)
+
+        return jax.jit(program).lower(*arrays).compile()
 
     def roofline(self, config: Mapping[str, Any], chip: str, channel: Any = None
                  ) -> float | None:

@@ -20,7 +20,7 @@ from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import Plan
 from pallas_tune.tuning.result import TuningResult
 
-__all__ = ["build_result", "default_config", "rerank", "versions", "write"]
+__all__ = ["build_result", "default_config", "rerank", "versions", "write", "xla_wanted"]
 
 logger = logging.getLogger("pallas_tune.tuning")
 
@@ -43,12 +43,26 @@ def _default_record(log: TrialLog, default: Mapping[str, Any] | None) -> Any:
     return None
 
 
+def xla_wanted(kernel: Any, options: TuneOptions, plan: Plan, device: Mapping[str, Any]
+               ) -> bool:
+    """Whether the final ranking also times the kernel's reference (XLA): see
+    ``TuneOptions.xla``. Never for estimates (no XLA estimate is made yet)."""
+    if getattr(kernel, "reference", None) is None or plan.estimating:
+        return False
+    if options.xla is not None:
+        return options.xla
+    return (getattr(kernel, "fallback", None) == "reference"
+            and not bool(device.get("interpret")))
+
+
 def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions,
-           default: Mapping[str, Any] | None = None) -> list[dict[str, Any]] | None:
+           default: Mapping[str, Any] | None = None, *, xla: bool = False
+           ) -> list[dict[str, Any]] | None:
     """The ``retime_top`` best, and the default when it ran, re-timed interleaved (A B C A B C
     ...), so that drift hits all alike; rows sorted by their median there, the default's
-    marked ``"default": True`` (its time compares like with like with the winner's). None with
-    fewer than two to compare."""
+    marked ``"default": True`` (its time compares like with like with the winner's). With
+    ``xla``, the kernel's reference is timed in the same rounds, as a row marked
+    ``"implementation": "xla"``. None with fewer than two to compare."""
     ok = sorted((r for r in log.records if r.outcome is Outcome.OK and r.duplicate_of is None),
                 key=lambda r: r.median_ms)
     top = ok[:options.retime_top]
@@ -57,8 +71,10 @@ def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions,
         top.append(base)
     if options.retime_top < 2 or len(top) < 2:
         return None
+    rounds = max(3, options.repeats)
     try:
-        times = evaluator.rerank([r.config for r in top], rounds=max(3, options.repeats))
+        times = (evaluator.rerank([r.config for r in top], rounds=rounds, reference=True)
+                 if xla else evaluator.rerank([r.config for r in top], rounds=rounds))
     except Exception:  # noqa: BLE001 - keep the search's ranking if re-timing fails.
         logger.warning("interleaved re-timing failed; keeping the search's ranking",
                        exc_info=True)
@@ -68,7 +84,11 @@ def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions,
     rows = [{"trial": r.number, "config": dict(r.config), "search_median_ms": r.median_ms,
              "median_ms": statistics.median(t), "spread_ms": spread(t), "times_ms": list(t),
              **({"default": True} if r is base else {})}
-            for r, t in zip(top, times, strict=True)]
+            for r, t in zip(top, times, strict=False)]
+    if xla and len(times) == len(top) + 1:
+        t = times[-1]
+        rows.append({"implementation": "xla", "median_ms": statistics.median(t),
+                     "spread_ms": spread(t), "times_ms": list(t)})
     return sorted(rows, key=lambda row: row["median_ms"])
 
 
@@ -93,9 +113,15 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
     space = extra.get("space", kernel.space)
     base = _default_record(log, default_config(space))
     default_ms = base.median_ms if base is not None else math.nan
+    xla_ms, implementation = math.nan, "pallas"
     if ranking:
-        best = log.records[ranking[0]["trial"]]
-        best_ms, best_spread = ranking[0]["median_ms"], ranking[0]["spread_ms"]
+        first = next(row for row in ranking if "trial" in row)  # The best Pallas config.
+        best = log.records[first["trial"]]
+        best_ms, best_spread = first["median_ms"], first["spread_ms"]
+        xla_row = next((row for row in ranking if row.get("implementation") == "xla"), None)
+        if xla_row is not None:
+            xla_ms = xla_row["median_ms"]
+            implementation = "xla" if xla_ms < best_ms else "pallas"
         # The default's figure from the same interleaved runs, never a search-phase one.
         default_ms = next((row["median_ms"] for row in ranking if row.get("default")),
                           math.nan)
@@ -122,7 +148,8 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
     return TuningResult(kernel=kernel.name, chip=chip, key=plan.key, records=tuple(log.records),
                         best_record=best, best_ms=best_ms, best_spread_ms=best_spread,
                         ranking=tuple(ranking or ()), provenance=prov, options=options,
-                        study=study, default_ms=default_ms,
+                        study=study, default_ms=default_ms, xla_ms=xla_ms,
+                        implementation=implementation,
                         effective=_effective(best.config, extra.get("dims") or {}))
 
 

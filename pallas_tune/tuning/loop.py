@@ -92,7 +92,8 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
             search.release()  # Ctrl-C, a crash: our running trials go back to the queue.
             raise
         search.close()
-        ranking = finish.rerank(evaluator, log, options, finish.default_config(space))
+        ranking = finish.rerank(evaluator, log, options, finish.default_config(space),
+                                xla=finish.xla_wanted(kernel, options, plan, evaluator.device))
         extra.update(strategy=search.strategy, evaluator=evaluator.kind, space=space,
                      dims=dims)
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,

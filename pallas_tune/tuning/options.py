@@ -63,6 +63,12 @@ class TuneOptions:
         the best so far, and record it as ``slow`` (2.0; None: never).
       retime_top: re-time this many of the best, interleaved, to choose the winner (3; 0 or 1:
         the search's best wins). ``best_ms`` is the median of that final re-ranking.
+      xla: also time the kernel's reference (plain JAX, compiled by XLA) in that final
+        re-ranking, with the same timer; where it is faster the cache entry says so and calls
+        run the reference. Default (None): on where a device measures (TPU, GPU) for kernels
+        declaring ``fallback="reference"``, off in CPU interpret mode (whose timings say
+        nothing of a kernel against XLA) and for ``tpu-estimate``. True: for any kernel with a
+        reference, also in interpret mode.
 
     Isolation and resources
       isolate: evaluate every candidate (trace, screening, compile, run) in a worker process
@@ -111,6 +117,7 @@ class TuneOptions:
     max_time_s: float = 1.0
     slow_factor: float | None = 2.0
     retime_top: int = 3
+    xla: bool | None = None
     isolate: bool | None = None
     timeout_s: float | Mapping[str, float] | None = None
     workers: int = 2
@@ -145,7 +152,7 @@ class TuneOptions:
             _number(self, "slow_factor", 1.0, strict=True)
         if self.vreg_limit is not None:
             _number(self, "vreg_limit", 0.0, strict=True)
-        for name in ("isolate",):
+        for name in ("isolate", "xla"):
             if getattr(self, name) not in (None, True, False):
                 raise TuneOptionError(f"{name}={getattr(self, name)!r} must be True, False or "
                                       "None (automatic).")

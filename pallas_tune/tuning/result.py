@@ -52,6 +52,8 @@ class TuningResult:
     declared default, else the space's first point; NaN when it did not run), so ``speedup``
     (default over best) compares like with like. ``effective``: what ``best`` runs as for
     the call's shapes, where the kernel clamps values larger than a dimension (else None).
+    ``xla_ms``: the kernel's reference (XLA) timed in the same final ranking (NaN when not);
+    ``implementation``: ``"xla"`` when it beat the best config, and calls then run it.
     """
 
     kernel: str
@@ -68,10 +70,15 @@ class TuningResult:
     cache_path: str | None = None
     default_ms: float = math.nan
     effective: dict[str, Any] | None = None  # What ``best`` runs as, where clamped; else None.
+    xla_ms: float = math.nan  # The reference (XLA) in the same final ranking; NaN: not timed.
+    implementation: str = "pallas"  # What calls will run: "xla" where the reference won.
 
     def __repr__(self) -> str:
         speed = f", {self.speedup:.2f}x the default" if math.isfinite(self.speedup) else ""
         best = self.effective or self.best
+        if math.isfinite(self.xla_ms):
+            speed += (f"; XLA {self.xla_ms:.4g} ms, "
+                      f"{'XLA runs' if self.implementation == 'xla' else 'Pallas runs'}")
         return (f"TuningResult({self.kernel} {self.key} on {self.chip}: best {best} "
                 f"{self.best_ms:.4g} ms{speed}; {len(self.records)} trials, "
                 f"{self.provenance.get('timer', '?')})")
@@ -131,6 +138,9 @@ class TuningResult:
             "search_median_ms": self.best_record.median_ms,
             **({"default_ms": self.default_ms} if math.isfinite(self.default_ms) else {}),
             **({"effective": self.effective} if self.effective else {}),
+            **({"xla_ms": self.xla_ms, "margin_over_xla": self.xla_ms / self.best_ms}
+               if math.isfinite(self.xla_ms) and self.best_ms > 0 else {}),
+            **({"implementation": "xla"} if self.implementation == "xla" else {}),
             "provenance": self.provenance,
             "trials": [r.to_json() for r in self.records],
         }
