@@ -11,18 +11,20 @@ Python values, exactly as if they had been written by hand.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pallas_tune import _record, chips, dispatch, keys
+from pallas_tune._declare import declared_space, default_name, key_names, library_cache
 from pallas_tune.cache import TuningCache, default_cache
-from pallas_tune.constraints import Constraint, as_constraints
+from pallas_tune.constraints import Constraint
 from pallas_tune.errors import SearchSpaceError, warn
-from pallas_tune.space import Config, SearchSpace, load_space
+from pallas_tune.space import Config, SearchSpace
 
 __all__ = ["TunableKernel", "tunable"]
 
@@ -53,12 +55,12 @@ class TunableKernel:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.space = space
-        self.name = name if name is not None else _default_name(fn)
+        self.name = name if name is not None else default_name(fn)
         if not isinstance(self.name, str) or not self.name.strip():
             raise SearchSpaceError(f"name={name!r} must be a non-empty string.")
         self.key_names: frozenset[str] | None = None
         if key is not None and not callable(key):
-            self.key_names = _key_names(fn, key, frozenset(space.names))
+            self.key_names = key_names(fn, key, frozenset(space.names))
             key = None
         self.key_fn = key
         self.reference = reference
@@ -129,6 +131,10 @@ class TunableKernel:
         return self.fn(*args, **kwargs, **config)
 
     def _resolve(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config:
+        if _HOOK is not None:  # pallas_tune.autotune: recording calls, or applying a result.
+            found = _HOOK(self, args, kwargs)
+            if found is not None:
+                return found  # type: ignore[no-any-return]
         chip = chips.current_chip()
         try:
             if kwargs:
@@ -267,78 +273,27 @@ class TunableKernel:
             return fut.result()
 
 
-def _key_names(fn: Callable[..., Any], names: Any, tuned: frozenset[str]) -> frozenset[str]:
-    """Validates ``key=[...]``: names of the function's non-tuned parameters."""
-    params = inspect.signature(fn).parameters
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise SearchSpaceError(f"key={names!r} must be a callable or a list of parameter names, "
-                               "e.g. key=[\"x\", \"y\", \"causal\"].")
-    bad = [n for n in names if n not in params or n in tuned]
-    if bad or not names:
-        raise SearchSpaceError(
-            f"key={list(names)!r}: {bad or 'no names'} {'are' if len(bad) != 1 else 'is'} not "
-            f"non-tuned parameters of {getattr(fn, '__qualname__', fn)}; name some of "
-            f"{[n for n in params if n not in tuned]}.")
-    return frozenset(names)
+# A function (kernel, args, kwargs) -> Config | None consulted before the cache while set:
+# pallas_tune.program records a program's calls with it, and applies a result's configs.
+_HOOK: Callable[..., Any] | None = None
 
 
-def _default_name(fn: Callable[..., Any]) -> str:
-    qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "")
-    module = getattr(fn, "__module__", None) or ""
-    if not qualname or "<" in qualname:
-        raise SearchSpaceError(
-            f"@tunable on {module}.{qualname or fn!r}: a kernel defined inside a function or as "
-            "a lambda has no unique name (every kernel a factory makes would share "
-            f"{module}.{qualname!s}'s cache entries); pass an explicit name=, e.g. "
-            "name=f\"mylib.attention_{variant}\".")
-    return f"{module}.{qualname}"
+@contextlib.contextmanager
+def resolution_hook(hook: Callable[..., Any]) -> Iterator[None]:
+    """Consults ``hook(kernel, args, kwargs)`` before every lookup while open (innermost
+    first; a None answer falls through to the next hook, then to the cache)."""
+    global _HOOK
+    outer = _HOOK
 
+    def chained(kernel: Any, args: Any, kwargs: Any) -> Any:
+        found = hook(kernel, args, kwargs)
+        return found if found is not None or outer is None else outer(kernel, args, kwargs)
 
-def _library_cache(cache: Any) -> TuningCache | None:
-    if cache is None or isinstance(cache, TuningCache):
-        return cache
-    dirs = [cache] if isinstance(cache, str | os.PathLike) else list(cache)
-    for d in dirs:
-        if not isinstance(d, str | os.PathLike):
-            raise SearchSpaceError(f"cache={cache!r} must be a directory, a list of them or a "
-                                   "TuningCache.")
-    return TuningCache(library_roots=[os.fspath(d) for d in dirs])
-
-
-def _declared_space(f: Callable[..., Any], space: Any, choices: Mapping[str, Sequence[Any]],
-                    default: Mapping[str, Any] | None, constraints: Any,
-                    clamp: Mapping[str, Any] | None) -> tuple[SearchSpace, str | None]:
-    """The space ``@tunable`` declares: a space file's (or object's) parameters, default,
-    constraints and clamps, with the decorator's own added on top; and the file's
-    ``fallback``."""
-    extra = {c.name: c for c in as_constraints(constraints)}
-    base: dict[str, Sequence[Any]] = {}
-    base_default = None
-    base_constraints: dict[str, Any] = {}
-    base_clamps: dict[str, Any] = {}
-    file_fallback = None
-    if isinstance(space, str | SearchSpace):
-        if isinstance(space, str):
-            data = load_space(space)
-            loaded, file_fallback = data["space"], data["fallback"]
-        else:
-            loaded = space
-        base = {p.name: p.choices for p in loaded.params}
-        base_default = loaded.default
-        base_constraints = {c.name: c for c in loaded.constraints}
-        base_clamps = dict(loaded.clamps)
-    elif space is not None:
-        raise SearchSpaceError(f"space={space!r} must be a SearchSpace or a file name.")
-    merged = {**base, **choices}
-    if not merged:
-        raise SearchSpaceError(
-            f"@tunable on {getattr(f, '__qualname__', f)} declares no parameters; pass e.g. "
-            "bm=[128, 256]."
-        )
-    return SearchSpace.from_choices(
-        merged, default=default if default is not None else base_default,
-        constraints=tuple({**base_constraints, **extra}.values()),
-        clamps={**base_clamps, **(clamp or {})}), file_fallback
+    _HOOK = chained
+    try:
+        yield
+    finally:
+        _HOOK = outer
 
 
 def tunable(
@@ -422,10 +377,10 @@ def tunable(
     """
 
     def wrap(f: Callable[..., Any]) -> TunableKernel:
-        s, file_fallback = _declared_space(f, space, choices, default, constraints, clamp)
+        s, file_fallback = declared_space(f, space, choices, default, constraints, clamp)
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
                              vmem_estimate=vmem_estimate, standin=standin,
-                             cache=_library_cache(cache), version=version,
+                             cache=library_cache(cache), version=version,
                              fallback=fallback if fallback is not None else file_fallback)
 
     if fn is not None:
