@@ -46,6 +46,8 @@ _LAZY = {
     "chip_spec": "pallas_tune.chips",
     "ChipSpec": "pallas_tune.chips",
     "tune": "pallas_tune.tuning",
+    "autotune": "pallas_tune.program",
+    "AutotuneResult": "pallas_tune.program",
     "TuneOptions": "pallas_tune.tuning",
     "TuningResult": "pallas_tune.tuning",
 }
@@ -59,6 +61,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pallas_tune' has no attribute {name!r}")
 
 __all__ = [
+    "AutotuneResult",
     "CacheFormatError",
     "CacheMissError",
     "ChipSpec",
@@ -77,6 +80,7 @@ __all__ = [
     "TuneOptions",
     "TuningResult",
     "Verdict",
+    "autotune",
     "check_feasible",
     "chip_spec",
     "current_chip",

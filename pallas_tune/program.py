@@ -1,0 +1,304 @@
+"""Tune the step, not the kernel: every tunable call in a program, tuned at once.
+
+``pallas_tune.autotune(fn, *args)`` traces ``fn`` (it may apply ``jax.jit``, ``jax.grad``,
+``jax.vmap``, ``jax.checkpoint``, ``lax.scan`` inside: whatever traces), records every call of
+a ``@tunable`` kernel with the shapes and static values it was traced with (a backward
+kernel's too, when ``fn`` takes a gradient), and tunes each distinct (kernel, key) that has no
+cache entry, each with its own study, options and evaluator. The result lists every call
+(kernel, key, config, where the config came from, the default's and the tuned time, the XLA
+time where measured) and is a context manager that applies its configs without touching the
+cache::
+
+    result = pallas_tune.autotune(train_step, params, batch, trials=16)
+    with result:
+        jax.jit(train_step)(params, batch)   # traced here: the result's configs
+    result.dump("step.json"); pallas_tune.AutotuneResult.load("step.json")
+    result.write()                           # or put them in the user cache
+
+Entering and leaving the result clears JAX's trace caches (they key on shapes, not on the
+configs our calls resolve to), so programs jitted before are traced and compiled again with the
+configs in force. A storage shared by several hosts shares each call's
+study between them, as ``pallas-tune sweep`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pallas_tune import chips
+from pallas_tune.config import Config
+from pallas_tune.tunable import resolution_hook
+
+__all__ = ["AutotuneResult", "TunedCall", "autotune", "find_calls"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One tunable call met while tracing: the kernel, its abstract arguments, its key."""
+
+    kernel: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    key: str
+
+
+def find_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Call]:
+    """Every distinct (kernel, key) that tracing ``fn(*args, **kwargs)`` calls, in the order
+    first met. Nothing runs: ``fn`` is traced to a jaxpr on abstract values."""
+    import jax
+
+    from pallas_tune.feasibility.inspect import abstractify
+
+    found: dict[tuple[str, str], Call] = {}
+
+    def record(kernel: Any, a: Sequence[Any], kw: Mapping[str, Any]) -> None:
+        key = kernel.cache_key(*a, **kw)
+        if (kernel.name, key) not in found:
+            found[(kernel.name, key)] = Call(kernel, tuple(abstractify(list(a))), dict(kw), key)
+
+    import warnings
+
+    from pallas_tune.errors import PallasTuneWarning
+
+    with resolution_hook(record), warnings.catch_warnings():
+        warnings.simplefilter("ignore", PallasTuneWarning)  # Misses: what is to be tuned.
+        jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+    return list(found.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedCall:
+    """A call of the program and the config it runs with. ``source``: ``"cache"`` (an entry
+    existed: not tuned again), ``"tuned"`` (tuned here), or the fallback that served when
+    tuning was not asked for. Times are those of the tuning run (NaN where not measured here),
+    ``default_ms`` and ``best_ms`` from the same final ranking."""
+
+    kernel: str
+    key: str
+    chip: str
+    config: dict[str, Any]
+    source: str
+    implementation: str = "pallas"
+    default_ms: float = math.nan
+    best_ms: float = math.nan
+    xla_ms: float = math.nan
+    timer: str = ""
+
+    def as_config(self) -> Config:
+        return Config(self.config, source="tuned" if self.source == "tuned" else "cache",
+                      origin="autotune", implementation=self.implementation)
+
+
+class AutotuneResult:
+    """What :func:`autotune` returns: the program's calls and their configs (see the module
+    docstring). ``step_ms``: the whole program's time with each kernel's default config, with
+    the tuned configs and with XLA for every kernel that has a reference, when asked for."""
+
+    def __init__(self, calls: Sequence[TunedCall], *, step_ms: Mapping[str, float] | None = None,
+                 step_timer: str = "", results: Mapping[tuple[str, str], Any] | None = None):
+        self.calls = list(calls)
+        self.step_ms = dict(step_ms or {})
+        self.step_timer = step_timer
+        self._results = dict(results or {})
+        self._by = {(c.chip, c.kernel, c.key): c for c in self.calls}
+        self._hooks: list[Any] = []
+
+    def __repr__(self) -> str:
+        tuned = sum(c.source == "tuned" for c in self.calls)
+        xla = sum(c.implementation == "xla" for c in self.calls)
+        return (f"AutotuneResult({len(self.calls)} calls: {tuned} tuned, "
+                f"{len(self.calls) - tuned} from the cache; {xla} run XLA)")
+
+    # ---- applying ----------------------------------------------------------------------------
+
+    def __enter__(self) -> AutotuneResult:
+        def apply(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config | None:
+            call = self._by.get((chips.current_chip(), kernel.name,
+                                 kernel.cache_key(*args, **kwargs)))
+            return call.as_config() if call is not None else None
+
+        hook = resolution_hook(apply)
+        _forget_traces()
+        hook.__enter__()
+        self._hooks.append(hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.pop().__exit__(*exc)
+        _forget_traces()
+
+    # ---- keeping -----------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": 1, "step_ms": self.step_ms, "step_timer": self.step_timer,
+                "calls": [dataclasses.asdict(c) for c in self.calls]}
+
+    def dump(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=1, default=str)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> AutotuneResult:
+        """A result from :meth:`to_json`'s form; raises ValueError naming what is wrong."""
+        calls = data.get("calls") if isinstance(data, Mapping) else None
+        if not isinstance(calls, list):
+            raise ValueError("not an autotune result: no `calls` list")
+        fields = {f.name for f in dataclasses.fields(TunedCall)}
+        out = []
+        for i, c in enumerate(calls):
+            if not isinstance(c, dict) or not {"kernel", "key", "chip", "config",
+                                               "source"} <= set(c):
+                raise ValueError(f"call {i} is not an object with kernel, key, chip, config "
+                                 "and source")
+            if not isinstance(c["config"], dict):
+                raise ValueError(f"call {i}: config is not an object")
+            out.append(TunedCall(**{k: v for k, v in c.items() if k in fields}))
+        step = data.get("step_ms") if isinstance(data.get("step_ms"), dict) else {}
+        return cls(out, step_ms=step, step_timer=str(data.get("step_timer", "")))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> AutotuneResult:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(json.load(f))
+
+    @classmethod
+    def merge(cls, *results: AutotuneResult) -> AutotuneResult:
+        """One result of several (later results win for the same chip, kernel and key)."""
+        by: dict[tuple[str, str, str], TunedCall] = {}
+        for r in results:
+            by.update({(c.chip, c.kernel, c.key): c for c in r.calls})
+        return cls(list(by.values()))
+
+    def write(self) -> list[str]:
+        """Writes the calls tuned here to the user cache (their full tuning results, trials
+        included); returns the files written."""
+        from pallas_tune.tuning import finish
+
+        paths = []
+        for (name, key), (kernel, result) in self._results.items():
+            del name, key  # Keyed for lookups; the result carries both.
+            paths.append(finish.write(kernel, result).cache_path)
+            with kernel._lock:  # Lookups in this process see the new entries.
+                kernel._memo.clear()
+        return paths
+
+
+def _forget_traces() -> None:
+    """JAX caches traces (``jax.jit``, ``make_jaxpr``) by function and shapes, not by the
+    configs our calls resolve to: entering or leaving a result clears them, so a program
+    jitted before is traced again with the configs now in force (and compiled again)."""
+    import jax
+
+    jax.clear_caches()
+
+
+def autotune(fn: Callable[..., Any], *args: Any, step_time: bool = False,
+             options: Any = None, **kwargs: Any) -> AutotuneResult:
+    """Tunes every tunable call of ``fn(*args, **kwargs)`` that has no cache entry.
+
+    Keywords naming a :class:`pallas_tune.TuneOptions` field are tuning options for every
+    call (``write`` defaults to False here: the result holds the configs; :meth:`write`
+    stores them); the rest go to ``fn``. ``step_time``: also time the whole program (jitted)
+    with the default configs, the tuned ones and XLA for every kernel with a reference.
+    """
+    from pallas_tune.tuning import TuneOptions
+
+    if options is None:
+        given = {k: kwargs.pop(k) for k in TuneOptions.names() if k in kwargs}
+        given.setdefault("write", False)
+        options = TuneOptions.build(**given)
+    calls, results = [], {}
+    for call in find_calls(fn, *args, **kwargs):
+        done = _cached(call)
+        if done is not None:
+            calls.append(done)
+            continue
+        result = call.kernel.tune(*call.args, options=options, **call.kwargs)
+        results[(call.kernel.name, call.key)] = (call.kernel, result)
+        calls.append(TunedCall(
+            kernel=call.kernel.name, key=call.key, chip=result.chip, config=result.best,
+            source="tuned", implementation=result.implementation,
+            default_ms=result.default_ms, best_ms=result.best_ms, xla_ms=result.xla_ms,
+            timer=str(result.provenance.get("timer", ""))))
+    out = AutotuneResult(calls, results=results)
+    if step_time:
+        out.step_ms, out.step_timer = _step_times(fn, args, kwargs, out)
+    return out
+
+
+def _cached(call: Call) -> TunedCall | None:
+    config = call.kernel.config_for(*call.args, **call.kwargs)
+    if config.source != "cache":
+        return None
+    return TunedCall(kernel=call.kernel.name, key=call.key, chip=chips.current_chip(),
+                     config=config.to_dict(), source="cache",
+                     implementation=config.implementation)
+
+
+def _step_times(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                result: AutotuneResult) -> tuple[dict[str, float], str]:
+    """Median wall time of the jitted program under three settings, traced afresh for each:
+    every kernel at its default config, the result's configs, and XLA wherever a kernel has
+    a reference."""
+    from pallas_tune.tuning.finish import default_config
+
+    def defaults(kernel: Any, a: Any, kw: Any) -> Config | None:
+        first = default_config(kernel.space)
+        return Config(first, source="default") if first is not None else None
+
+    def xla(kernel: Any, a: Any, kw: Any) -> Config | None:
+        if kernel.reference is None:
+            return None
+        first = default_config(kernel.space)
+        return Config(first or {}, source="default", implementation="xla")
+
+    def run(ctx: Any) -> float:
+        import jax
+
+        real = [_concrete(a) for a in args]
+        with ctx:
+            step = jax.jit(lambda *a: fn(*a, **kwargs))
+            jax.block_until_ready(step(*real))
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(step(*real))
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    out = {"default": run(resolution_hook(defaults)), "tuned": run(_Entered(result)),
+           "xla": run(resolution_hook(xla))}
+    timer = ("wall clock (interpret mode on CPU: grid steps, not TPU speed)"
+             if chips.should_interpret() else "wall clock")
+    return out, timer
+
+
+class _Entered:
+    def __init__(self, result: AutotuneResult):
+        self.result = result
+
+    def __enter__(self) -> None:
+        self.result.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.result.__exit__(*exc)
+
+
+def _concrete(a: Any) -> Any:
+    """Random inputs for an abstract argument (concrete ones as they are)."""
+    import jax
+
+    if isinstance(a, jax.ShapeDtypeStruct):
+        import jax.numpy as jnp
+
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return jax.random.normal(jax.random.PRNGKey(0), a.shape, a.dtype)
+        return jnp.zeros(a.shape, a.dtype)
+    return a
