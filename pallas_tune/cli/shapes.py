@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["CLIUsageError", "build_call", "check_specs", "example_spec", "read_shapes",
-           "spec_items"]
+           "read_text", "spec_items"]
 
 _ARRAYISH = re.compile(r"[0-9][0-9A-Za-z]*(x[0-9A-Za-z]*)*(:.*)?")
 
@@ -119,16 +119,33 @@ def spec_items(spec: Any) -> str:
     return ",".join(parts)
 
 
+def read_text(path: str, what: str, *, errors: str = "strict") -> str:
+    """A file named on the command line, as text: at most ``PALLAS_TUNE_MAX_FILE_MB`` of it
+    (``/dev/zero`` or an endless pipe is refused after that). Raises CLIUsageError."""
+    from pallas_tune import _bounded, _settings
+    from pallas_tune.errors import InputTooLargeError
+
+    try:
+        raw = _bounded.read_path(path, _settings.max_file_bytes(), what=what)
+    except InputTooLargeError as e:
+        raise CLIUsageError(str(e)) from None
+    except OSError as e:
+        raise CLIUsageError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        return raw.decode("utf-8", errors)
+    except UnicodeDecodeError as e:
+        raise CLIUsageError(f"{what} {path} is not UTF-8 text (byte {e.start}); give a text "
+                            "file") from None
+
+
 def read_shapes(args: argparse.Namespace) -> list[str]:
     specs: list[str] = []
     for s in getattr(args, "shapes", None) or []:
         if s.startswith("@") or (os.path.isfile(s) and "=" not in s):
             path = s.lstrip("@")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    specs += [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
-            except OSError as e:
-                raise CLIUsageError(f"cannot read shapes file {path}: {e}") from None
+            text = read_text(path, "shapes file")
+            specs += [ln.strip() for ln in text.splitlines()
+                      if ln.strip() and not ln.startswith("#")]
         else:
             specs.append(s)
     return specs

@@ -19,7 +19,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pallas_tune.cli.options import tune_options
-from pallas_tune.cli.shapes import CLIUsageError, build_call, check_specs, read_shapes, spec_items
+from pallas_tune.cli.shapes import (
+    CLIUsageError,
+    build_call,
+    check_specs,
+    read_shapes,
+    read_text,
+    spec_items,
+)
 
 __all__ = ["cmd_sweep", "import_path", "load_kernel", "read_record"]
 
@@ -63,18 +70,13 @@ def read_record(path: str) -> dict[str, list[str]]:
     Lines that are not records are skipped with a warning (the file is production's)."""
     jobs: dict[str, list[str]] = {}
     bad = 0
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.readlines()
-    except OSError as e:
-        raise CLIUsageError(f"--from-record {path}: cannot read it ({e})") from None
-    for line in lines:
+    for line in read_text(path, "--from-record", errors="replace").splitlines():
         try:
             rec = json.loads(line)
             ref, spec = rec["ref"], rec["shapes"]
             if not isinstance(ref, str) or not isinstance(spec, str):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             bad += line.strip() != ""
             continue
         specs = jobs.setdefault(ref, [])
