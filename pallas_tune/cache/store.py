@@ -155,9 +155,9 @@ class TuningCache:
     def _load(self, chip: str, kernel: str) -> list[_Source]:
         chip = chips.normalize_chip(chip)
         stem, old = names.kernel_filename(kernel), names.legacy_filename(kernel)
-        sources = []
+        sources, roots = [], [r for r in self.roots() if self._is_dir(r)]
         for kind in files.KINDS:
-            for root in self.roots():
+            for root in roots:
                 d = os.path.join(root, chip)
                 candidates = [(names.winners_name(stem, kind), False)]
                 if old != stem:
@@ -168,6 +168,13 @@ class TuningCache:
                     if wf is not None:
                         sources.append(_Source(wf.path, kind, wf))
         return sources
+
+    def _is_dir(self, root: str) -> bool:  # One warning for a root that is something else.
+        if not os.path.isdir(root) and os.path.lexists(root):
+            self._warn_file(root, f"pallas-tune: the cache directory {root} is not a directory; "
+                            "nothing is looked up in it (left as it is). Point "
+                            "PALLAS_TUNE_CACHE_DIR (or PALLAS_TUNE_CACHE_PATH) at a directory.")
+        return os.path.isdir(root)
 
     def _sources(self, chip: str, kernel: str) -> list[_Source]:
         k = (chip, kernel)

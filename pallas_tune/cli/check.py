@@ -11,7 +11,7 @@ from typing import Any
 
 from pallas_tune.cli.shapes import CLIUsageError
 
-__all__ = ["add_parsers", "cmd_check", "cmd_merge", "kernel_by_name"]
+__all__ = ["add_parsers", "cmd_check", "cmd_merge", "kernel_by_name", "root_problem"]
 
 
 def add_parsers(sub: Any) -> None:
@@ -150,11 +150,22 @@ def _fingerprints(wf: Any, kernel: Any, path: str, counts: dict[str, int]
     return malformed, stale
 
 
+def root_problem(root: str) -> str | None:
+    """Why the user cache directory cannot hold a cache (it is a file), or None."""
+    if os.path.lexists(root) and not os.path.isdir(root):
+        return (f"the cache directory {root} is not a directory (a file?), left as it is; "
+                "point PALLAS_TUNE_CACHE_DIR at a directory")
+    return None
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from pallas_tune import chips
     from pallas_tune.cache import default_cache
 
     paths = args.paths or [default_cache().user_root]
+    if not args.paths and root_problem(paths[0]):
+        print(f"problem: {root_problem(paths[0])}")
+        return 1
     problems: list[str] = []
     notes: list[str] = []
     memo: dict[str, Any] = {}
@@ -259,8 +270,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
             skipped += 1
             continue
         target = groups.setdefault((chip, kernel, kind), {})
+        for damage in wf.damage:
+            print(f"pallas-tune merge: {path}: {damage}", file=sys.stderr)
         for key, value, problem in wf.items():
-            if problem is not None or entry_problem(value) is not None:
+            problem = problem or entry_problem(value)
+            if problem is not None:
+                print(f"pallas-tune merge: skipped {path}, key {key!r}: {problem}",
+                      file=sys.stderr)
                 skipped += 1
                 continue
             if _better(target.get(key), value):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -21,6 +22,13 @@ class CLIUsageError(Exception):
     """Bad command-line input; printed without a traceback, exit status 2."""
 
 
+# A dtype name after the colon of an unquoted value: the value was meant as an array.
+_DTYPEISH = re.compile(r"[^\"]*:(bool|u?int\d+|b?float\d+\w*|complex\d+)")
+MAX_SPEC_CHARS = 10_000  # Longer specs are not shapes (and would flood the terminal).
+MAX_DIM = 2**31 - 1
+MAX_ELEMENTS = 2**40  # Elements, and bytes: no device holds a TiB in one array.
+
+
 def check_specs(specs: Sequence[str]) -> None:
     """Validates --shapes syntax before any kernel module is imported."""
     for spec in specs:
@@ -30,23 +38,46 @@ def check_specs(specs: Sequence[str]) -> None:
 def _parse(spec: str) -> dict[str, Any]:
     from pallas_tune import keys
 
+    if len(spec) > MAX_SPEC_CHARS:
+        raise CLIUsageError(f"--shapes {spec[:60]!r}... is {len(spec)} characters long, over "
+                            f"{MAX_SPEC_CHARS}: not a shape spec")
     try:
         parsed = keys.parse_key(spec)
     except ValueError as e:
         raise CLIUsageError(f"--shapes {spec!r}: {e}") from None
     for name, p in parsed.items():
-        text = p[1] if p[0] == "static" else None
-        if isinstance(text, str) and ("x" in text or ":" in text) and _ARRAYISH.fullmatch(text):
-            dims, _, dtype = text.partition(":")
-            if dtype and not all(d.isdigit() for d in dims.split("x")):
-                why = f"dims {dims!r} must be whole numbers separated by 'x'"
-            elif not dtype:
-                why = f"it has no dtype: write {name}={dims}:float32 (or bfloat16, int8, ...)"
-            else:
-                why = "it is neither an array spec nor a plain value"
-            raise CLIUsageError(f"--shapes {spec!r}: {name}={text}: {why}; an array is "
-                                f"written name=DIMS:DTYPE, e.g. {name}=1024x1024:bfloat16")
+        why = _problem(name, p)
+        if why is not None:
+            raise CLIUsageError(f"--shapes {spec!r}: {why}; an array is written "
+                                f"name=DIMS:DTYPE, e.g. {name}=1024x1024:bfloat16")
     return parsed
+
+
+def _problem(name: str, p: Any) -> str | None:
+    """What is wrong with one parsed item of a spec (an array's dims), or None."""
+    if p[0] == "arrays":
+        return next((w for w in (_problem(name, x) for x in p[1]) if w is not None), None)
+    if p[0] == "array":
+        dims = "x".join(map(str, p[1]))
+        if any(d < 1 for d in p[1]):
+            return f"{name}={dims}:{p[2]}: every dim must be at least 1"
+        if any(d > MAX_DIM for d in p[1]) or math.prod(p[1]) > MAX_ELEMENTS:
+            return (f"{name}={dims}:{p[2]} has {math.prod(p[1]):.3g} elements, over the "
+                    f"{MAX_ELEMENTS:.3g} elements (and {MAX_DIM} per dim) that any device "
+                    "could hold")
+        return None
+    text = p[1]
+    if not isinstance(text, str):
+        return None
+    if ("x" in text or ":" in text) and _ARRAYISH.fullmatch(text) or _DTYPEISH.fullmatch(text):
+        dims, _, dtype = text.partition(":")
+        if dtype and not all(d.isdigit() for d in dims.split("x")):
+            return f"{name}={text}: dims {dims!r} must be whole numbers separated by 'x'"
+        if not dtype:
+            return f"{name}={text}: it has no dtype: write {name}={dims}:float32 (or " \
+                   "bfloat16, int8, ...)"
+        return f"{name}={text}: it is neither an array spec nor a plain value"
+    return None
 
 
 def example_spec(kernel: Any) -> str:
@@ -72,6 +103,10 @@ def build_call(kernel: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
                 dtype = jnp.dtype(p[2])
             except TypeError:
                 raise CLIUsageError(f"unknown dtype {p[2]!r} in {spec!r}") from None
+            if math.prod(p[1]) * dtype.itemsize > MAX_ELEMENTS:
+                raise CLIUsageError(f"--shapes {spec!r}: an array of {p[1]} {dtype.name} is "
+                                    f"over {MAX_ELEMENTS} bytes (1 TiB), more than any device "
+                                    "holds")
             return jax.ShapeDtypeStruct(p[1], dtype)
         if p[0] == "arrays":
             return tuple(materialize(x) for x in p[1])

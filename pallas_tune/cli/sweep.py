@@ -120,15 +120,45 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 
 def _storage(args: argparse.Namespace) -> str | None:
+    """The storage URL, checked (an SQLite file given must be a database); nothing created."""
+    from pallas_tune.tuning.storage import check_url, default_storage_url
+
     if args.no_storage:
         if args.storage:
             raise CLIUsageError("give --storage or --no-storage, not both")
         return None
     if args.storage:
+        check_url(args.storage, files=True)
         return args.storage
-    from pallas_tune.tuning.storage import default_storage_url
+    args.default_storage = True
+    return default_storage_url(create=False)
 
-    return default_storage_url()
+
+def _prepare(args: argparse.Namespace, write: bool) -> None:
+    """Creates what the sweep writes to, once every input is checked (a usage error creates
+    nothing): the cache directory and the default storage's; then opens the storage."""
+    from pallas_tune.cache import default_cache
+    from pallas_tune.errors import PallasTuneError
+    from pallas_tune.tuning.storage import open_storage, storage_dir
+
+    root = default_cache().user_root
+    fix = "set PALLAS_TUNE_CACHE_DIR to a writable directory"
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise PallasTuneError(f"the cache directory {root} is a file, not a directory (left as "
+                              f"it is); {fix}")
+    dirs = ([root] if write else []) + ([storage_dir()] if getattr(args, "default_storage",
+                                                                  False) else [])
+    for d in dirs:
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise PallasTuneError(f"cannot create the cache directory {d} ({e.strerror or e}); "
+                                  f"{fix}" + ("" if d == root else ", or pass --no-storage or "
+                                              "--storage URL")) from None
+        if not os.access(d, os.W_OK):
+            raise PallasTuneError(f"the cache directory {d} is not writable; {fix}")
+    if args.storage:
+        open_storage(args.storage)  # Unreachable or driverless: say so before any work.
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -144,15 +174,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _settings.reload()
     chip = chips.normalize_chip(args.chip) if args.chip else chips.current_chip()
     args.storage = _storage(args)
-    if args.storage:
-        from pallas_tune.tuning.storage import open_storage
-
-        open_storage(args.storage)  # Unreachable or driverless: say so before any work.
-    tune_options(args, chip)  # Bad values fail here, before any shape is tuned.
-    failures = 0
-    for kernel_ref, specs in jobs:
+    options = tune_options(args, chip)  # Bad values fail here, before any shape is tuned.
+    loaded = []
+    for kernel_ref, specs in jobs:  # Every kernel and spec checked before anything is made.
         kernel = load_kernel(kernel_ref, args.path or ())
-        calls = [(spec, *build_call(kernel, spec)) for spec in specs]  # All checked first.
+        loaded.append((kernel, [(spec, *build_call(kernel, spec)) for spec in specs]))
+    _prepare(args, options.write)
+    failures = 0
+    for kernel, calls in loaded:
         failures += _sweep_kernel(args, kernel, chip, calls)
     return 1 if failures else 0
 
