@@ -1,5 +1,5 @@
-"""``pallas-tune show``: what the caches hold, as a table (cells cut at 160 characters), JSON or
-CSV (whole)."""
+"""``pallas-tune show``: what the caches hold, as a table (no real key cut; cells over 1,000
+characters are), JSON or CSV (whole)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from pallas_tune.cli.options import _fmt_config
 __all__ = ["cmd_show", "code_state", "current_fingerprints", "show_problems", "show_rows"]
 
 _HEADER = ("kernel", "chip", "key", "best config", "median_ms", "how", "code", "cache")
-_MAX_CELL = 160  # Characters of a table cell (a real key is under 150).
+_PAD = 160  # Columns are padded to at most this many characters.
+_MAX_CELL = 1000  # Longer cells are cut in the table (no real key comes near it).
 
 
 def _esc(value: Any, width: int | None = None) -> str:
@@ -145,22 +146,23 @@ def cmd_show(args: argparse.Namespace) -> int:
               "they are):")
         for line in problems:
             text = _esc(f"  {line}")
-            print(text if len(text) <= 4 * _MAX_CELL else text[:4 * _MAX_CELL - 1] + "…")
+            print(text if len(text) <= 2 * _MAX_CELL else text[:2 * _MAX_CELL - 1] + "…")
     if args.trials:
         _print_trials(reports, args.key)
     return 0
 
 
 def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
-    """The rows as columns, no cell over ``_MAX_CELL`` characters (cut with an ellipsis: the
-    JSON and CSV formats hold them whole)."""
+    """The rows as columns padded to at most ``_PAD`` characters (a longer cell overflows its
+    own row only), no cell over ``_MAX_CELL`` (cut with an ellipsis: the JSON and CSV formats
+    hold them whole)."""
     cut = 0
     shown = []
     for r in rows:
         cells = [_esc(c) for c in r]
         cut += sum(len(c) > _MAX_CELL for c in cells)
         shown.append([c if len(c) <= _MAX_CELL else c[:_MAX_CELL - 1] + "…" for c in cells])
-    widths = [max(len(r[i]) for r in [*shown, _HEADER]) for i in range(len(_HEADER))]
+    widths = [min(_PAD, max(len(r[i]) for r in [*shown, _HEADER])) for i in range(len(_HEADER))]
     print("  ".join(h.ljust(w) for h, w in zip(_HEADER, widths, strict=True)).rstrip())
     for r in shown:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -29,10 +29,11 @@ class TuneOptions:
     """How a kernel is tuned. Build it with keywords; every value is checked here.
 
     Search
-      trials: distinct programs to measure (32). Candidates that are rejected before running,
+      trials: distinct programs to measure (32; at most 100,000). Candidates that are rejected before running,
         and candidates whose lowered program was already measured (``duplicate_of``), do not
         count. When the space has no more points than ``trials``, every point is evaluated.
-      seed: seeds the sampler and the random inputs made for ``ShapeDtypeStruct`` arguments.
+      seed: seeds the sampler and the random inputs made for ``ShapeDtypeStruct`` arguments
+        (0 to 2**32 - 1).
       sampler: ``"gp"`` (default: a Gaussian process's expected improvement over every
         candidate; TPE over 50,000 points) or ``"tpe"`` (Optuna's multivariate TPE).
       warm_start: how many warm configs to try first (6): the declared default, the winners of
@@ -55,6 +56,7 @@ class TuneOptions:
         ``"tpu-estimate"`` (the TPU compiler's static cycle estimate, deviceless; needs
         libtpu and a TPU ``chip``; written as cache entries of kind ``estimate``).
       chip: the chip to tune for (default: this host's). Another chip needs ``tpu-estimate``.
+        A known chip (``pallas_tune.chips.known_chips()``), or a TPU, NVIDIA or AMD one.
       warmup: untimed calls before timing (1; the first is the correctness check).
       repeats: timed runs per candidate (5), cut short by ``max_time_s`` and ``slow_factor``.
       min_time_s: keep timing until this much time has passed (0).
@@ -72,7 +74,8 @@ class TuneOptions:
       timeout_s: time limit of each phase in a worker: one number for every phase, or a
         mapping over ``trace``, ``compile``, ``run`` (defaults 120, 600 and 300 s). Giving it
         implies ``isolate`` unless that is set.
-      workers: worker processes for ``tpu-estimate`` compiles (2). Measurement uses one.
+      workers: worker processes for ``tpu-estimate`` compiles (2; at most 4 per CPU, or 8).
+        Measurement uses one.
       compile_workers: in-process, compile a batch in this many threads, then measure one at
         a time (default 1 on a CPU backend, 4 on an accelerator).
 
