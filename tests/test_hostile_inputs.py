@@ -152,6 +152,7 @@ def test_host_platform_without_jax_plugins(monkeypatch):
 
 @pytest.mark.parametrize("spec,words", [
     ("x=99999999999x99999999999:float32", "elements"),
+    ("x=" + "8x" * 3000 + "8:float32", "elements"), ("x=", "no value"),
     ("x=axb:float32", "whole numbers"),
     ("x=-1x128:float32", "whole numbers"),
     ("x=0x128:float32", "at least 1"),
@@ -161,7 +162,7 @@ def test_host_platform_without_jax_plugins(monkeypatch):
 def test_bad_dims_are_usage_errors(cache_dir, capsys, spec, words):
     rc, _, err = _run(["sweep", KERNEL, "--shapes", spec, "--no-storage"], capsys)
     assert rc == 2, err
-    assert spec in err and words in err and "Traceback" not in err
+    assert spec[:40] in err and words in err and "Traceback" not in err
     assert not cache_dir.exists()
 
 

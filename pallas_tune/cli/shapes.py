@@ -62,11 +62,12 @@ def _problem(name: str, p: Any) -> str | None:
         if any(d < 1 for d in p[1]):
             return f"{name}={dims}:{p[2]}: every dim must be at least 1"
         if any(d > MAX_DIM for d in p[1]) or math.prod(p[1]) > MAX_ELEMENTS:
-            return (f"{name}={dims}:{p[2]} has {math.prod(p[1]):.3g} elements, over the "
-                    f"{MAX_ELEMENTS:.3g} elements (and {MAX_DIM} per dim) that any device "
-                    "could hold")
+            return (f"{name}={dims[:80]}:{p[2]} has more elements than any device could hold "
+                    f"(the most: 2**40 elements, 2**31-1 per dim)")
         return None
     text = p[1]
+    if text == "":
+        return f"{name}= has no value"
     if not isinstance(text, str):
         return None
     if ("x" in text or ":" in text) and _ARRAYISH.fullmatch(text) or _DTYPEISH.fullmatch(text):
