@@ -144,7 +144,7 @@ def test_host_platform_without_jax_plugins(monkeypatch):
     from pallas_tune.measure.evaluate import host_platform
 
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False, raising=False)
     monkeypatch.setitem(sys.modules, "jax_plugins", None)  # As if not installed.
     platform, initialised = host_platform()
     assert platform in ("cpu", "gpu", "tpu") and initialised is False
@@ -194,7 +194,7 @@ def test_chip_flag_on_a_cpu_host_is_a_message(cache_dir, capsys, monkeypatch, ch
     from jax._src import xla_bridge
 
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False, raising=False)
     monkeypatch.setitem(sys.modules, "jax_plugins", None)
     rc, _, err = _run(["sweep", KERNEL, "--shapes", GOOD, "--chip", chip, "--no-storage",
                        "--trials", "1"], capsys)

@@ -146,19 +146,22 @@ def _prepare(args: argparse.Namespace, write: bool) -> None:
     if os.path.lexists(root) and not os.path.isdir(root):
         raise PallasTuneError(f"the cache directory {root} is a file, not a directory (left as "
                               f"it is); {fix}")
-    dirs = ([root] if write else []) + ([storage_dir()] if getattr(args, "default_storage",
-                                                                  False) else [])
+    default = getattr(args, "default_storage", False)
+    if args.storage and not default:
+        open_storage(args.storage)  # Unreachable or driverless: say so before any work.
+    dirs = ([root] if write else []) + ([storage_dir()] if default else [])
     for d in dirs:
+        what, how = ("cache", fix) if d == root else (
+            "study", f"{fix} (or PALLAS_TUNE_STORAGE_DIR), or pass --no-storage or --storage URL")
         try:
             os.makedirs(d, exist_ok=True)
         except OSError as e:
-            raise PallasTuneError(f"cannot create the cache directory {d} ({e.strerror or e}); "
-                                  f"{fix}" + ("" if d == root else ", or pass --no-storage or "
-                                              "--storage URL")) from None
+            raise PallasTuneError(f"cannot create the {what} directory {d} "
+                                  f"({e.strerror or e}); {how}") from None
         if not os.access(d, os.W_OK):
-            raise PallasTuneError(f"the cache directory {d} is not writable; {fix}")
-    if args.storage:
-        open_storage(args.storage)  # Unreachable or driverless: say so before any work.
+            raise PallasTuneError(f"the {what} directory {d} is not writable; {how}")
+    if default:
+        open_storage(args.storage)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
