@@ -343,3 +343,20 @@ def test_read_only_cache_dir_names_the_dir_and_the_fix(cache_dir, tmp_path, monk
         assert rc == 1, err
         assert str(ro / "cache") in err and "PALLAS_TUNE_CACHE_DIR" in err, err
         assert "[Errno 13]" not in err
+
+
+def test_ledger_lines_over_the_cap_are_skipped_not_held(tmp_path, monkeypatch):
+    """``show --trials`` and reports read ledgers line by line; a line over the limit (a
+    runaway writer, a sparse file of zeros) is skipped, read in pieces, never held whole."""
+    from pallas_tune.cache import ledger
+
+    path = tmp_path / "k.trials.jsonl"
+    big = json.dumps({"key": "x=8x128:float32", "trials": [], "pad": "p" * (3 * 2**20)})
+    small = json.dumps({"key": "x=8x128:float32", "trials": [{"number": 0}]})
+    path.write_text(big + "\n" + small + "\n")
+    monkeypatch.setenv("PALLAS_TUNE_MAX_FILE_MB", "1")
+    records, bad = ledger.read(str(path))
+    assert bad == 1 and records == [json.loads(small)]
+    monkeypatch.setenv("PALLAS_TUNE_MAX_FILE_MB", "4")
+    records, bad = ledger.read(str(path))
+    assert bad == 0 and len(records) == 2
