@@ -29,7 +29,7 @@ HOSTILE_SPECS = [
     "x=99999999999x99999999999:float32", "x=axb:float32", "x=-1x128:float32", "x=0x128:float32",
     "x=8x128", "x=8x128:floaty", "z=8x128:float32", "x=(8x128:float32;0x1:int8)", "x8x128",
     "x=8x128:float32,br=8", "x=\x1b[2J:float32", "", ",", "=", "x=", "x=8x99999999999999999999:f32",
-    "x=" + "8x" * 3000 + "8:float32",
+    "x=" + "8x" * 3000 + "8:float32", "@\x00", "@/dev/null/x", "@/",
 ]
 # (value, is it a usage error) for the flags the sweep checks before any work.
 TRIALS = [(None, False), ("1", False), ("0", True), ("-1", True), ("1e12", True), ("abc", True),
@@ -197,7 +197,7 @@ class _Tuned:
        chip=st.sampled_from(CHIPS),
        storage=st.sampled_from(["none", "default", "bogus://", "notaurl", "sqlite:///{d}/s.db",
                                 "sqlite:////no/such/dir/x.db", "sqlite:///{d}/text.txt",
-                                "sqlite://"]))
+                                "sqlite://", "sqlite:///\x00", "sqlite:///{d}"]))
 def test_sweep_arguments(kernel, specs, shapes_file, trials, workers, chip, storage):
     with _sandbox() as d, mock.patch("pallas_tune.cli.sweep._sweep_kernel", _Tuned()) as tuned:
         _write(os.path.join(d, "text.txt"), b"my notes\n")
@@ -217,7 +217,8 @@ def test_sweep_arguments(kernel, specs, shapes_file, trials, workers, chip, stor
             argv += ["--storage", storage.format(d=d)]
         rc, _, err = _run(argv, d, allowed=(os.path.join(d, "cache"), os.path.join(d, "s.db")))
         usage = any(bad for _, bad in (kernel, trials, workers, chip)) or storage in (
-            "bogus://", "notaurl", "sqlite:////no/such/dir/x.db", "sqlite:///{d}/text.txt")
+            "bogus://", "notaurl", "sqlite:////no/such/dir/x.db", "sqlite:///{d}/text.txt",
+            "sqlite:///\x00", "sqlite:///{d}")
         if usage or any(s in HOSTILE_SPECS for s in specs):
             assert rc == 2, (argv, rc, err[-2000:])
         if rc == 0:
@@ -251,12 +252,15 @@ def test_sweep_from_record_files(record, kernel):
            ["--kernel", "toy"], ["--chip", "cpu"], ["--chip", "\x1b"], ["--key", "x=8"],
            ["--format", "json"], ["--format", "csv"], ["--format", "xml"], ["--trials"],
            ["--no-kernels"], ["--fail-stale"], ["--space", "matmul"], ["--space", "/dev/null"],
-           ["--bogus-flag"], ["/no/such/path"], ["--into", "{d}/into"]]), max_size=3))
+           ["--bogus-flag"], ["/no/such/path"], ["/dev/zero"], ["{d}"],
+           ["--into", "{d}/into"]]), max_size=3))
 @example(files=[b'{"schema": 2, "kernel": "toy_kernels.scale", "chip": "cpu", "entries": {\n'
                 b'"x=\\u001b[2J:float32": {"config": {"br": 8}, "median_ms": 1.0}\n}}\n'],
          command="show", extra=[["--format", "csv"]])
 @example(files=[b"\x00" * 100, b'{"schema": 2, "kernel": "toy_kernels.scale", "entries": {\n'
                                b'"k": {"config": 1}\n}}\n'], command="merge", extra=[])
+@example(files=[b'{"schema": 2, "kernel": "toy_kernels.scale", "chip": "cpu", "entries": {\n'
+                b'"": {"config": {"br": 8}, "median_ms": 1.0}\n}}\n'], command="merge", extra=[])
 def test_show_check_merge_on_hostile_caches(files, command, extra):
     with _sandbox() as d:
         inputs = []

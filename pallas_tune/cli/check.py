@@ -48,7 +48,8 @@ def _winners_files(paths: list[str]) -> Iterator[tuple[str, str]]:
             yield p, os.path.basename(os.path.dirname(os.path.abspath(p)))
             continue
         if not os.path.isdir(p):
-            raise CLIUsageError(f"{p}: no such file or directory")
+            raise CLIUsageError(f"{p}: not a regular file nor a directory" if os.path.exists(p)
+                                else f"{p}: no such file or directory")
         for dirpath, dirnames, filenames in os.walk(p):
             dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "_")))
             for name in sorted(filenames):
@@ -273,7 +274,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         for damage in wf.damage:
             print(f"pallas-tune merge: {path}: {damage}", file=sys.stderr)
         for key, value, problem in wf.items():
-            problem = problem or entry_problem(value)
+            problem = problem or entry_problem(value) or (None if key else "the key is empty")
             if problem is not None:
                 print(f"pallas-tune merge: skipped {path}, key {key!r}: {problem}",
                       file=sys.stderr)

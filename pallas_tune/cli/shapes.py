@@ -167,6 +167,8 @@ def read_text(path: str, what: str, *, errors: str = "strict") -> str:
         raise CLIUsageError(str(e)) from None
     except OSError as e:
         raise CLIUsageError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError:  # A NUL in the name.
+        raise CLIUsageError(f"{what} {path!r} is not a file name") from None
     try:
         return raw.decode("utf-8", errors)
     except UnicodeDecodeError as e:

@@ -92,6 +92,8 @@ def _check_sqlite_file(url: str, rest: str) -> None:
     path = rest[1:] if rest.startswith("/") else rest  # sqlite:///rel.db, sqlite:////abs.db
     if path in ("", ":memory:"):
         return
+    if "\x00" in path:
+        raise TuneOptionError(f"storage={url!r}: {path!r} is not a file name.")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise TuneOptionError(f"storage={url!r}: no such directory {parent}; create it, or "
