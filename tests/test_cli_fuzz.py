@@ -28,7 +28,8 @@ VALID_SPECS = ["x=8x128:float32", "x=16x256:bfloat16,factor=3.0", "x=8x128:float
 HOSTILE_SPECS = [
     "x=99999999999x99999999999:float32", "x=axb:float32", "x=-1x128:float32", "x=0x128:float32",
     "x=8x128", "x=8x128:floaty", "z=8x128:float32", "x=(8x128:float32;0x1:int8)", "x8x128",
-    "x=8x128:float32,br=8", "x=\x1b[2J:float32", "", ",", "=", "x=", "x=8x99999999999999999999:f32",
+    "x=8x128:float32,br=8", "x=\x1b[2J:float32", "", ",", "=", "x=",
+    "x=8x99999999999999999999:f32",
     "x=" + "8x" * 3000 + "8:float32", "@\x00", "@/dev/null/x", "@/",
 ]
 # (value, is it a usage error) for the flags the sweep checks before any work.

@@ -29,9 +29,10 @@ class TuneOptions:
     """How a kernel is tuned. Build it with keywords; every value is checked here.
 
     Search
-      trials: distinct programs to measure (32; at most 100,000). Candidates that are rejected before running,
-        and candidates whose lowered program was already measured (``duplicate_of``), do not
-        count. When the space has no more points than ``trials``, every point is evaluated.
+      trials: distinct programs to measure (32; at most 100,000). Candidates that are
+        rejected before running, and candidates whose lowered program was already measured
+        (``duplicate_of``), do not count. When the space has no more points than ``trials``,
+        every point is evaluated.
       seed: seeds the sampler and the random inputs made for ``ShapeDtypeStruct`` arguments
         (0 to 2**32 - 1).
       sampler: ``"gp"`` (default: a Gaussian process's expected improvement over every
