@@ -286,7 +286,8 @@ def file_identity(st: os.stat_result, write_id: Any) -> tuple[Any, ...]:
 def read_raw(path: str) -> tuple[bytes, os.stat_result]:
     """The bytes of a regular file. Raises FileNotFoundError, or CacheFormatError for anything
     else in the way (a directory, a FIFO that would block, a device, over
-    ``PALLAS_TUNE_MAX_FILE_MB`` (64 MiB; a 10,000-shape file is about 3 MB), no permission)."""
+    ``PALLAS_TUNE_MAX_FILE_MB`` (64 MiB; a 10,000-shape file is about 3 MB), no permission);
+    PallasTuneError if that knob is not a number of MiB."""
     cap = _settings.max_file_bytes()
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
