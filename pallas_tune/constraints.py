@@ -202,13 +202,19 @@ class Constraint:
     def holds(self, env: Mapping[str, Any]) -> bool:
         """Evaluates the predicate on the call's arguments and config, by name. Raises whatever
         the predicate raises (the caller turns it into a violation)."""
+        return bool(self.value(env))
+
+
+    def value(self, env: Mapping[str, Any]) -> Any:
+        """The expression's value (not made a bool): clamps use it for the dimension a
+        parameter is capped at. Raises whatever the expression raises."""
         if self._tree is not None:
-            return bool(_eval(self._tree, env))
+            return _eval(self._tree, env)
         fn = self.check
         assert callable(fn)
         if self._reads is None:
-            return bool(fn(**env))
-        return bool(fn(**{k: env[k] for k in self._reads if k in env}))
+            return fn(**env)
+        return fn(**{k: env[k] for k in self._reads if k in env})
 
 
 def _callable_reads(name: str, fn: Callable[..., Any]) -> frozenset[str] | None:

@@ -10,7 +10,8 @@ Resolution order for a call whose tuned keywords are not all given (the first co
    key and the reason;
 2. ``PALLAS_TUNE_MODE=strict`` raises :class:`CacheMissError`; ``=tune`` tunes now and caches;
 3. the winners of the nearest tuned shapes (by key distance; at most three distinct configs are
-   traced, whatever the cache's size);
+   traced, whatever the cache's size), then those of keys with the call's shapes and other
+   static values (fewest differing first);
 4. the declared ``default=``;
 5. the fastest valid config of the space by the roofline cost model
    (:func:`pallas_tune.feasibility.roofline.roofline_calls`; a model, not a measurement).
@@ -27,10 +28,11 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import shlex
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from pallas_tune import _settings
+from pallas_tune import _settings, keys
 from pallas_tune.cache import Hit
 from pallas_tune.errors import CacheMissError, InvalidConfig, NoFeasibleConfigError
 from pallas_tune.space import Config, _freeze
@@ -133,6 +135,12 @@ def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
             "or unset PALLAS_TUNE_MODE to run on a fallback config."
         )
     if mode == "tune":
+        from pallas_tune.errors import warn
+
+        # This call waits for a whole tuning run: say so before it starts, not after.
+        warn(f"pallas-tune: PALLAS_TUNE_MODE=tune: tuning {kernel.name!r} for {key!r} on "
+             f"{chip!r} now; this call waits for it (unset PALLAS_TUNE_MODE, or tune ahead "
+             f"with: {tune_hint(kernel, key)})")
         result = kernel._tune_from_trace(args, kwargs)
         return Config(result.best, source="tuned", origin=key)
     notes: list[str] = []
@@ -197,6 +205,38 @@ def _nearest(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
         if not problems:
             return Config(config, source="nearest", origin=hit.key)
         notes.append(f"the config of the tuned shape {hit.key!r} {config} ({problems[0]})")
+    return _same_shapes(kernel, chip, key, args, kwargs, notes, tried)
+
+
+def _same_shapes(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+                 kwargs: Mapping[str, Any], notes: list[str], tried: set[tuple[Any, ...]]
+                 ) -> Config | None:
+    """The entry of a key with the call's shapes but other static values (fewest differing
+    statics first): a miss on a static value (``alpha=3`` tuned, ``alpha=4`` called) reuses the
+    tiles tuned for the same arrays. Scans the kernel's keys once per missed key (slow path)."""
+    arrays, statics = keys.split_statics(key)
+    if not statics:
+        return None
+    ranked = []
+    for other, entry, path in kernel.cache.entries(chip, kernel.name):
+        o_arrays, o_statics = keys.split_statics(other)
+        if o_arrays == arrays and o_statics.keys() == statics.keys() and other != key:
+            differ = sum(o_statics[n] != v for n, v in statics.items())
+            ranked.append((differ, other, entry))
+    for _, other, entry in sorted(ranked, key=lambda t: t[:2]):
+        if len(tried) >= NEAREST_TRACES:
+            break
+        if entry_problems(kernel, entry):
+            continue
+        config = _frozen(entry["config"])
+        marker = tuple(sorted(config.items()))
+        if marker in tried:
+            continue
+        tried.add(marker)
+        problems, _ = check(kernel, config, args, kwargs)
+        if not problems:
+            return Config(config, source="nearest", origin=other)
+        notes.append(f"the config of the tuned key {other!r} {config} ({problems[0]})")
     return None
 
 
@@ -268,5 +308,40 @@ def tune_hint(kernel: TunableKernel, key: str) -> str:
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     if kernel.key_fn is None and obj is kernel:
-        return f"pallas-tune sweep {module}:{qualname} --shapes '{key}'"
+        root = _path_needed(module)
+        path = f" --path {shlex.quote(root)}" if root else ""
+        shapes = shlex.quote(key) if "'" in key else f"'{key}'"
+        return f"pallas-tune sweep {module}:{qualname}{path} --shapes {shapes}"
     return f"{kernel.name}.tune(...) with these arguments"
+
+
+def _path_needed(module: str) -> str | None:
+    """The directory ``pallas-tune sweep --path`` needs to import ``module``, or None when a
+    console script finds it as it is (installed, or an editable install's finder). A script
+    run as ``python script.py`` sees its own directory and the working directory, which
+    ``pallas-tune`` does not."""
+    import importlib.machinery
+    import os
+    import sys
+
+    top = module.split(".")[0]
+    for finder in sys.meta_path:
+        if finder is importlib.machinery.PathFinder or not hasattr(finder, "find_spec"):
+            continue
+        if finder in (importlib.machinery.BuiltinImporter, importlib.machinery.FrozenImporter):
+            continue
+        try:
+            if finder.find_spec(top, None) is not None:
+                return None  # An editable install's (or another) finder: found anywhere.
+        except Exception:  # noqa: BLE001, S112  A broken finder: try the others.
+            continue
+    local = {"", os.getcwd(), os.path.dirname(os.path.abspath(sys.argv[0] or "."))}
+    seen = [p for p in sys.path if p not in local and os.path.abspath(p or ".") not in local]
+    if importlib.machinery.PathFinder.find_spec(top, seen) is not None:
+        return None
+    spec = getattr(sys.modules.get(top), "__spec__", None)
+    origin = getattr(spec, "origin", None)
+    if not origin:
+        return None
+    parent = os.path.dirname(origin)
+    return os.path.dirname(parent) if os.path.basename(origin) == "__init__.py" else parent

@@ -15,7 +15,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["KeyFn", "call_key", "format_value", "key_distance", "parse_key", "shape_signature"]
+__all__ = ["KeyFn", "call_key", "format_value", "key_distance", "normalize_static", "parse_key",
+           "shape_signature", "split_statics"]
 
 KeyFn = Callable[..., Any]
 
@@ -38,18 +39,36 @@ def _array_str(v: Any) -> str:
     return f"{dims}:{name}"
 
 
-def format_value(v: Any) -> str:
-    """Formats one argument for a key; arrays as ``dims:dtype``, simple statics as JSON."""
+def normalize_static(v: Any, like: Any = None) -> Any:
+    """One spelling per static value, so equal values make equal keys. A number takes the type
+    of the parameter's default (``like``): with ``alpha=2.0`` declared, ``alpha=2`` is keyed
+    ``alpha=2.0``; with ``groups=1``, ``groups=1.0`` is ``groups=1``. Without a numeric default
+    a whole float is the int it equals. Bools, non-whole floats, inf and nan are kept."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return v
+    if isinstance(like, float) and not isinstance(like, bool):
+        return float(v) if abs(v) < 2**53 else v
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2.0**53:
+        return int(v)
+    return v
+
+
+def _is_static_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, bool | int | float | str)
+
+
+def format_value(v: Any, like: Any = None) -> str:
+    """Formats one argument for a key; arrays as ``dims:dtype``, simple statics as JSON
+    (normalized by :func:`normalize_static` to the type of ``like``, the default)."""
     if _is_array(v):
         return _array_str(v)
     if isinstance(v, tuple | list) and v and all(_is_array(x) for x in v):
         return "(" + ";".join(_array_str(x) for x in v) + ")"
-    if v is None or isinstance(v, bool | int | float | str):
+    v = normalize_static(v, like)
+    if _is_static_scalar(v):
         return json.dumps(v)
-    if isinstance(v, tuple | list) and all(
-        x is None or isinstance(x, bool | int | float | str) for x in v
-    ):
-        return json.dumps(list(v), separators=(",", ":"))
+    if isinstance(v, tuple | list) and all(_is_static_scalar(normalize_static(x)) for x in v):
+        return json.dumps([normalize_static(x) for x in v], separators=(",", ":"))
     if callable(v):
         return getattr(v, "__qualname__", type(v).__qualname__)
     text = repr(v)
@@ -59,14 +78,17 @@ def format_value(v: Any) -> str:
 
 
 def call_key(
-    sig: inspect.Signature, tuned: frozenset[str], args: Sequence[Any], kwargs: Mapping[str, Any]
+    sig: inspect.Signature, tuned: frozenset[str], args: Sequence[Any], kwargs: Mapping[str, Any],
+    only: frozenset[str] | None = None,
 ) -> str:
-    """The default key: array shapes and dtypes, then static non-tuned argument values."""
+    """The default key: array shapes and dtypes, then static non-tuned argument values; with
+    ``only`` (``@tunable(key=["x", "y", "causal"])``, like Triton's ``key=``), just the
+    arguments named there: the others do not change which config is best."""
     bound = sig.bind_partial(*args, **kwargs)
     bound.apply_defaults()
     arrays, statics = [], []
     for name, value in bound.arguments.items():
-        if name in tuned:
+        if name in tuned or (only is not None and name not in only):
             continue
         param = sig.parameters[name]
         if param.kind is inspect.Parameter.VAR_POSITIONAL:
@@ -82,7 +104,8 @@ def call_key(
             isinstance(value, tuple | list) and value and all(_is_array(x) for x in value)
         )
         (arrays if is_arrays else statics).append((name, value))
-    return ",".join(f"{n}={format_value(v)}" for n, v in arrays + statics)
+    defaults = {n: p.default for n, p in sig.parameters.items()}
+    return ",".join(f"{n}={format_value(v, defaults.get(n))}" for n, v in arrays + statics)
 
 
 def custom_key(value: Any) -> str:
@@ -185,6 +208,21 @@ def key_distance(a: str, b: str) -> float:
                     continue
                 dist += abs(math.log2(dx / dy))
     return dist
+
+
+def split_statics(key: str) -> tuple[str, dict[str, str]]:
+    """A default key's array items (as one string, in order) and its static items (name →
+    value text): ``"x=8x128:float32,alpha=2"`` → ``("x=8x128:float32", {"alpha": "2"})``.
+    Keys whose array items are equal are calls on the same shapes; the dispatcher falls back to
+    such a key's entry when no entry has the call's static values."""
+    arrays, statics = [], {}
+    for item in _split_items(key):
+        name, _, value = item.partition("=")
+        if parse_value(value.strip())[0] == "static":
+            statics[name.strip()] = value.strip()
+        else:
+            arrays.append(item)
+    return ",".join(arrays), statics
 
 
 # One dim of an array item in a default key: after `=`, `(`, `;` or `x`, before `x` or `:dtype`.

@@ -120,17 +120,21 @@ class SearchSpace:
       default: the config used on a cache miss, if given (must be a point of the space).
       constraints: named predicates relating parameters to a call's arguments
         (:class:`Constraint`); a config that breaks one is invalid for that call.
+      clamps: parameter name → expression of the dimension the kernel caps that parameter at
+        (a mapping, kept as sorted pairs); see :mod:`pallas_tune.effective`.
     """
 
     params: tuple[Param, ...]
     default: Mapping[str, Any] | None = None
     constraints: tuple[Constraint, ...] = ()
+    clamps: tuple[tuple[str, Constraint], ...] = ()
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise SearchSpaceError(f"duplicate parameter names in {names}.")
         object.__setattr__(self, "constraints", as_constraints(tuple(self.constraints)))
+        object.__setattr__(self, "clamps", _as_clamps(self.clamps, names))
         if self.default is not None:
             default = {k: _freeze(v) for k, v in dict(self.default).items()}
             for k, v in default.items():
@@ -348,11 +352,33 @@ _KERNEL_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
                          r":[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+def _as_clamps(value: Any, names: Sequence[str]) -> tuple[tuple[str, Constraint], ...]:
+    """Validates clamps: tuned parameter name → expression (or callable) of the dimension the
+    kernel caps it at, e.g. ``{"bm": "x.shape[0]"}``."""
+    if not value:
+        return ()
+    items = list(value.items()) if isinstance(value, Mapping) else list(value)
+    out = []
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise SearchSpaceError(f"clamp={value!r} must map tuned parameter names to the "
+                                   'dimension each is capped at, e.g. {"bm": "x.shape[0]"}.')
+        name, check = item
+        if name not in names:
+            raise SearchSpaceError(f"clamp names {name!r}, which is not a tuned parameter "
+                                   f"({list(names)}).")
+        out.append((name, check if isinstance(check, Constraint)
+                    else Constraint(name=f"clamp_{name}", check=check)))
+    return tuple(sorted(out, key=lambda t: t[0]))
+
+
 def load_space(name_or_path: str) -> dict[str, Any]:
     """Loads and validates a search-space file (TOML) shipped in ``search_spaces/`` or at a path.
 
     The file holds ``[params]`` (name → list of choices), optionally ``default`` (a table),
-    ``[constraints]`` (name → expression, see :mod:`pallas_tune.constraints`), ``kernel``
+    ``[constraints]`` (name → expression, see :mod:`pallas_tune.constraints`), ``[clamp]``
+    (name → expression of the dimension the kernel caps it at, see
+    :mod:`pallas_tune.effective`), ``kernel``
     (``"module:attr"``) and ``[[shapes]]`` (argument name → ``"AxB:dtype"`` spec, plus static
     keyword values), used by ``pallas-tune sweep``.
 
@@ -395,9 +421,14 @@ def load_space(name_or_path: str) -> dict[str, Any]:
         raise SearchSpaceError(
             f"search-space file {path}: [constraints] must map names to expression strings, "
             'e.g. bk_divides_k = "x.shape[1] % bk == 0".')
+    clamp = data.get("clamp", {})
+    if not isinstance(clamp, dict) or not all(isinstance(v, str) for v in clamp.values()):
+        raise SearchSpaceError(
+            f"search-space file {path}: [clamp] must map tuned parameter names to expression "
+            'strings of the dimension each is capped at, e.g. bm = "x.shape[0]".')
     try:
         space = SearchSpace.from_choices(data["params"], default=default,
-                                         constraints=as_constraints(constraints))
+                                         constraints=as_constraints(constraints), clamps=clamp)
     except SearchSpaceError as e:
         raise SearchSpaceError(f"search-space file {path}: {e}") from None
     kernel = data.get("kernel")

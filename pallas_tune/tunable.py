@@ -43,8 +43,9 @@ class TunableKernel:
     """A kernel function with a declared search space. Create it with :func:`tunable`."""
 
     def __init__(self, fn: Callable[..., Any], space: SearchSpace, *, name: str | None,
-                 key: Callable[..., Any] | None, reference: Callable[..., Any] | None,
-                 inputs: Callable[..., Any] | None, cache: TuningCache | None = None,
+                 key: Callable[..., Any] | Sequence[str] | None,
+                 reference: Callable[..., Any] | None, inputs: Callable[..., Any] | None,
+                 cache: TuningCache | None = None,
                  vmem_estimate: Callable[..., int] | None = None,
                  standin: Callable[..., Any] | None = None, version: str | None = None):
         space.check_function(fn)
@@ -54,6 +55,10 @@ class TunableKernel:
         self.name = name if name is not None else _default_name(fn)
         if not isinstance(self.name, str) or not self.name.strip():
             raise SearchSpaceError(f"name={name!r} must be a non-empty string.")
+        self.key_names: frozenset[str] | None = None
+        if key is not None and not callable(key):
+            self.key_names = _key_names(fn, key, frozenset(space.names))
+            key = None
         self.key_fn = key
         self.reference = reference
         self.inputs = inputs
@@ -140,7 +145,21 @@ class TunableKernel:
         kwargs = {k: v for k, v in kwargs.items() if k not in self._tuned}
         if self.key_fn is not None:
             return keys.custom_key(self.key_fn(*args, **kwargs))
-        return keys.call_key(self._sig, self._tuned, args, kwargs)
+        return keys.call_key(self._sig, self._tuned, args, kwargs, self.key_names)
+
+    def call_space(self, *args: Any, **kwargs: Any) -> tuple[SearchSpace, dict[str, int]]:
+        """The space of distinct effective configs for a call with these arguments, and the
+        dimension each clamped parameter is capped at (see :mod:`pallas_tune.effective`)."""
+        from pallas_tune import effective
+
+        dims = effective.clamp_dims(self.space, effective.call_env(self._sig, args, kwargs))
+        return effective.call_space(self.space, dims), dims
+
+    def effective(self, config: Mapping[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """What ``config`` runs as for a call with these arguments (clamped values capped)."""
+        from pallas_tune import effective
+
+        return effective.effective(config, self.call_space(*args, **kwargs)[1])
 
     def config_for(self, *args: Any, **kwargs: Any) -> Config:
         """The config a call with these arguments would use, with ``.source`` saying why.
@@ -168,6 +187,7 @@ class TunableKernel:
             hit = dispatch.resolve(self, chip, key, args, kwargs)
             if hit.source != "cache":  # A miss: PALLAS_TUNE_RECORD may want it.
                 _record.miss(self, chip, key, args, kwargs, hit.source)
+            _record.receipt(self, chip, key, hit)
             with self._lock:
                 self._memo[by_key] = hit
         return hit
@@ -238,6 +258,21 @@ class TunableKernel:
             return fut.result()
 
 
+def _key_names(fn: Callable[..., Any], names: Any, tuned: frozenset[str]) -> frozenset[str]:
+    """Validates ``key=[...]``: names of the function's non-tuned parameters."""
+    params = inspect.signature(fn).parameters
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise SearchSpaceError(f"key={names!r} must be a callable or a list of parameter names, "
+                               "e.g. key=[\"x\", \"y\", \"causal\"].")
+    bad = [n for n in names if n not in params or n in tuned]
+    if bad or not names:
+        raise SearchSpaceError(
+            f"key={list(names)!r}: {bad or 'no names'} {'are' if len(bad) != 1 else 'is'} not "
+            f"non-tuned parameters of {getattr(fn, '__qualname__', fn)}; name some of "
+            f"{[n for n in params if n not in tuned]}.")
+    return frozenset(names)
+
+
 def _default_name(fn: Callable[..., Any]) -> str:
     qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "")
     module = getattr(fn, "__module__", None) or ""
@@ -261,18 +296,49 @@ def _library_cache(cache: Any) -> TuningCache | None:
     return TuningCache(library_roots=[os.fspath(d) for d in dirs])
 
 
+def _declared_space(f: Callable[..., Any], space: Any, choices: Mapping[str, Sequence[Any]],
+                    default: Mapping[str, Any] | None, constraints: Any,
+                    clamp: Mapping[str, Any] | None) -> SearchSpace:
+    """The space ``@tunable`` declares: a space file's (or object's) parameters, default,
+    constraints and clamps, with the decorator's own added on top."""
+    extra = {c.name: c for c in as_constraints(constraints)}
+    base: dict[str, Sequence[Any]] = {}
+    base_default = None
+    base_constraints: dict[str, Any] = {}
+    base_clamps: dict[str, Any] = {}
+    if isinstance(space, str | SearchSpace):
+        loaded = load_space(space)["space"] if isinstance(space, str) else space
+        base = {p.name: p.choices for p in loaded.params}
+        base_default = loaded.default
+        base_constraints = {c.name: c for c in loaded.constraints}
+        base_clamps = dict(loaded.clamps)
+    elif space is not None:
+        raise SearchSpaceError(f"space={space!r} must be a SearchSpace or a file name.")
+    merged = {**base, **choices}
+    if not merged:
+        raise SearchSpaceError(
+            f"@tunable on {getattr(f, '__qualname__', f)} declares no parameters; pass e.g. "
+            "bm=[128, 256]."
+        )
+    return SearchSpace.from_choices(
+        merged, default=default if default is not None else base_default,
+        constraints=tuple({**base_constraints, **extra}.values()),
+        clamps={**base_clamps, **(clamp or {})})
+
+
 def tunable(
     fn: Callable[..., Any] | None = None,
     *,
     default: Mapping[str, Any] | None = None,
     name: str | None = None,
-    key: Callable[..., Any] | None = None,
+    key: Callable[..., Any] | Sequence[str] | None = None,
     reference: Callable[..., Any] | None = None,
     space: SearchSpace | str | None = None,
     inputs: Callable[..., Any] | None = None,
     vmem_estimate: Callable[..., int] | None = None,
     standin: Callable[..., Any] | None = None,
     constraints: Mapping[str, str | Callable[..., Any]] | Sequence[Constraint] | None = None,
+    clamp: Mapping[str, str | Callable[..., Any]] | None = None,
     cache: TuningCache | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     version: str | None = None,
     **choices: Sequence[Any],
@@ -296,7 +362,9 @@ def tunable(
       name: cache name of the kernel (default: ``module.qualname``; required for kernels
         defined inside a function or as lambdas, whose qualified names are not unique).
       key: maps the call's arguments to the cache key (default: shapes and dtypes of array
-        arguments plus the values of static non-tuned arguments, see :mod:`pallas_tune.keys`).
+        arguments plus the values of static non-tuned arguments, see :mod:`pallas_tune.keys`),
+        or, like Triton's ``key=``, a list of the argument names that make the key (the
+        others, e.g. a scale factor, do not change which config is best).
       reference: a function with the kernel's signature (minus tuned parameters) whose output
         each candidate must match while tuning (default: the output of the default config).
       space: a :class:`SearchSpace` or the name of a file under ``search_spaces/``; keyword
@@ -312,6 +380,10 @@ def tunable(
         mapping name → expression string or callable (see :mod:`pallas_tune.constraints`), e.g.
         ``{"bk_divides_k": "x.shape[1] % bk == 0"}``; added to those of a ``space=`` file. A
         config that breaks one is never measured nor served.
+      clamp: tuned parameter name → expression (or callable) of the dimension the kernel caps
+        it at, e.g. ``{"bm": "x.shape[0]"}`` for ``bm = min(bm, M)``; added to a space file's
+        ``[clamp]``. Tuning then searches one config per distinct program, and results and
+        caches show the effective config (see :mod:`pallas_tune.effective`).
       cache: where this kernel's tuned configs are looked up besides the user cache: a
         directory (or several) of ``<chip>/<kernel>.json`` files that a library ships in its
         wheel, e.g. ``cache=importlib.resources.files("mylib") / "caches"``. They rank after
@@ -330,28 +402,8 @@ def tunable(
         choice list is empty or unhashable.
     """
 
-    extra = {c.name: c for c in as_constraints(constraints)}
-
     def wrap(f: Callable[..., Any]) -> TunableKernel:
-        base: dict[str, Sequence[Any]] = {}
-        base_default = None
-        base_constraints: dict[str, Any] = {}
-        if isinstance(space, str | SearchSpace):
-            loaded = load_space(space)["space"] if isinstance(space, str) else space
-            base = {p.name: p.choices for p in loaded.params}
-            base_default = loaded.default
-            base_constraints = {c.name: c for c in loaded.constraints}
-        elif space is not None:
-            raise SearchSpaceError(f"space={space!r} must be a SearchSpace or a file name.")
-        merged = {**base, **choices}
-        if not merged:
-            raise SearchSpaceError(
-                f"@tunable on {getattr(f, '__qualname__', f)} declares no parameters; pass e.g. "
-                "bm=[128, 256]."
-            )
-        s = SearchSpace.from_choices(
-            merged, default=default if default is not None else base_default,
-            constraints=tuple({**base_constraints, **extra}.values()))
+        s = _declared_space(f, space, choices, default, constraints, clamp)
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
                              vmem_estimate=vmem_estimate, standin=standin,
                              cache=_library_cache(cache), version=version)

@@ -234,7 +234,8 @@ def test_sweep_records_skips_current_and_retunes_stale_in_a_new_study(cache_dir,
     assert len(_study_trials(cache_dir, study_name(kernel, "cpu", KEY))) == 2
 
     assert "cached, skipped" in _sweep(capsys)  # Current: done.
-    assert main(["show", "--format", "json", "--kernel", "toy_kernels.scale"]) == 0
+    assert main(["show", "--format", "json", "--kernel", "toy_kernels.scale",
+                 "--import", "toy_kernels"]) == 0
     [row] = [e for e in json.loads(capsys.readouterr().out)["entries"] if e["key"] == KEY]
     assert row["code"] == "current"
 
@@ -243,13 +244,14 @@ def test_sweep_records_skips_current_and_retunes_stale_in_a_new_study(cache_dir,
     changed = "fedcba9876543210"
     monkeypatch.setattr(kernel, "_fingerprint", changed)
     monkeypatch.setattr("pallas_tune.tuning.finish.source_changed", lambda fn, fp: None)
-    assert main(["show", "--format", "json", "--kernel", "toy_kernels.scale"]) == 0
+    assert main(["show", "--format", "json", "--kernel", "toy_kernels.scale",
+                 "--import", "toy_kernels"]) == 0
     [row] = [e for e in json.loads(capsys.readouterr().out)["entries"] if e["key"] == KEY]
     assert row["code"] == "stale"
-    assert main(["check", str(cache_dir)]) == 0
+    assert main(["check", str(cache_dir), "--import", "toy_kernels"]) == 0
     out = capsys.readouterr().out
     assert f"stale: tuned on kernel {current}, now {changed}" in out and "(kernel code: 1 stale)" in out
-    assert main(["check", str(cache_dir), "--fail-stale"]) == 1
+    assert main(["check", str(cache_dir), "--import", "toy_kernels", "--fail-stale"]) == 1
     capsys.readouterr()
 
     out = _sweep(capsys)
@@ -269,10 +271,11 @@ def test_sweep_keeps_entries_of_unknown_code_as_done(cache_dir, fresh, capsys):
         "config": {"br": 8, "bc": 128, "buffering": 1}, "median_ms": 1.0,
         "provenance": {"kind": "measured", "chip": "cpu"}})  # Written before fingerprints.
     assert "cached, skipped" in _sweep(capsys, "--no-storage")
-    assert main(["show", "--format", "json", "--kernel", "toy_kernels.scale"]) == 0
+    assert main(["show", "--format", "json", "--kernel", "toy_kernels.scale",
+                 "--import", "toy_kernels"]) == 0
     [row] = [e for e in json.loads(capsys.readouterr().out)["entries"] if e["key"] == KEY]
     assert row["code"] == "unknown"
-    assert main(["check", str(cache_dir)]) == 0
+    assert main(["check", str(cache_dir), "--import", "toy_kernels"]) == 0
     assert "(kernel code: 1 unknown)" in capsys.readouterr().out
 
 

@@ -53,3 +53,28 @@ def test_shape_signature_groups_keys_at_finite_distance():
                   "x=1024x384x1:bfloat16,f=2.0"):
         assert keys.shape_signature(other)[0] != keys.shape_signature(a)[0]
         assert math.isinf(keys.key_distance(a, other))
+
+
+def test_statics_take_the_type_of_their_default():
+    import inspect
+
+    def f(x, *, alpha=2.0, groups=1, scale=None, b):
+        return x
+
+    sig, x = inspect.signature(f), jnp.zeros((4, 8), jnp.float32)
+
+    def key(**kw):
+        return keys.call_key(sig, frozenset({"b"}), (x,), kw)
+
+    assert key(alpha=2) == key(alpha=2.0) == "x=4x8:float32,alpha=2.0,groups=1,scale=null"
+    assert key(groups=1.0) == key()  # An int default: a whole float is that int.
+    assert key(scale=3.0) == key(scale=3)  # No numeric default: whole floats are ints.
+    assert key(scale=0.5).endswith("scale=0.5") and key(alpha=True).count("alpha=true") == 1
+    assert key(alpha=2.5) != key(alpha=2.0)
+
+
+def test_split_statics():
+    assert keys.split_statics("x=4x8:float32,alpha=2.0,c=null") == (
+        "x=4x8:float32", {"alpha": "2.0", "c": "null"})
+    assert keys.split_statics("q=(2x3:float32;4:int32),causal=true") == (
+        "q=(2x3:float32;4:int32)", {"causal": "true"})

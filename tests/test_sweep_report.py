@@ -3,6 +3,7 @@ with no script error, every plotly figure draws, and the screenshot is not blank
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -35,6 +36,26 @@ def _chromium():
     return webdriver.Chrome(options=options, service=Service(driver))
 
 
+def _wait_until_drawn(driver, *, expected, timeout):
+    """Wait until every figure has drawn (not until the first element exists: find_elements
+    returns as soon as one does, and under load the page takes ~9 s to draw all of them).
+    Returns (figure divs, drawn svgs) as found when all had drawn or the time ran out."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def counts(d):
+        figures = d.find_elements("css selector", ".plotly-graph-div")
+        drawn = [f for f in figures if f.find_elements("css selector", ".main-svg")]
+        return figures, drawn
+
+    try:
+        WebDriverWait(driver, timeout, poll_frequency=0.25).until(
+            lambda d: len(counts(d)[1]) >= expected)
+    except TimeoutException:
+        pass  # The assertion below names the counts.
+    return counts(driver)
+
+
 def _cli(args, cache_dir):
     return subprocess.run([sys.executable, "-m", "pallas_tune", *args], capture_output=True,
                           text=True, timeout=600,
@@ -47,25 +68,40 @@ def test_report_renders_in_chromium(cache_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "report"
     r = _cli(["report", "--kernel", "scale", "--out", str(out)], cache_dir)
+    assert r.returncode == 2 and "toy_kernels.scale" in r.stderr  # An exact name, not a part.
+    r = _cli(["report", "--kernel", "toy_kernels.scale", "--out", str(out)], cache_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == ["00_compare.png", "00_heatmap.png", "00_history.png",
-                    "00_importances.png", "00_outcomes.png"], pngs
+    stem = "00_x-64x256-float32-factor-2-0"  # Figures are named by the shape they show.
+    assert pngs == [f"{stem}_{n}.png" for n in ("compare", "heatmap", "history",
+                                                "importances", "outcomes")], pngs
     page = (out / "index.html").read_text()
     assert "<script src=" not in page  # Self-contained: plotly.js is inline.
+    assert "ms, wall clock (interpret mode)" in page  # Axes say what the numbers are.
+    ledger = json.loads((cache_dir / "cpu" / "toy_kernels.scale.trials.jsonl").read_text()
+                        .splitlines()[-1])
+    ranking = ledger["provenance"]["retimed_interleaved"]
+    tuned_ms = ranking[0]["median_ms"]
+    default_ms = next(r["median_ms"] for r in ranking if r.get("default"))
     driver = _chromium()
     try:
         driver.get((out / "index.html").as_uri())
-        driver.implicitly_wait(10)
-        figures = driver.find_elements("css selector", ".plotly-graph-div")
-        drawn = driver.find_elements("css selector", ".plotly-graph-div .main-svg")
+        figures, drawn = _wait_until_drawn(driver, expected=5, timeout=120)
+        row = driver.find_element("css selector", "table.summary tr:nth-child(2)")
+        cells = {c: row.find_element("css selector", f"td.{c}")
+                 for c in ("tuned", "default", "speedup")}
+        shown = {c: (e.text, e.get_attribute(f"data-{c}")) for c, e in cells.items()}
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         title = driver.title
         shot = tmp_path / "screenshot.png"
         driver.save_screenshot(str(shot))
     finally:
         driver.quit()
-    assert title == "pallas-tune report: scale"
+    assert title == "pallas-tune report: toy_kernels.scale"
+    # The summary table's speed-up is default / tuned from the same final ranking.
+    assert float(shown["tuned"][1]) == tuned_ms and float(shown["default"][1]) == default_ms
+    assert float(shown["speedup"][1]) == default_ms / tuned_ms
+    assert shown["speedup"][0] == f"{default_ms / tuned_ms:.2f}x"
     assert len(figures) == 5 and len(drawn) >= 5, (len(figures), len(drawn))
     assert not errors, errors
     import matplotlib.image

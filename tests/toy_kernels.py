@@ -160,6 +160,12 @@ def clamped(x, *, b, buffering):
     )(x)
 
 
+@pt.tunable(b=[8, 16, 32, 64, 128], buffering=[1, 2], clamp={"b": "x.shape[0]"})
+def clamped_declared(x, *, b, buffering):
+    """``clamped``, with its clamp declared: tuning searches one config per program."""
+    return clamped.fn(x, b=b, buffering=buffering)
+
+
 class ToySession:
     """A worker session for the pool's own tests (see test_evaluate.py)."""
 

@@ -85,13 +85,18 @@ class WinnersFile:
 
     A file in the canonical layout is kept as bytes: a lookup finds its key's line with one
     ``bytes.rfind`` and parses that line only (the last line of a key wins, as in a whole-file
-    parse). The key index (every line's key) is built only when something needs it: listing
-    keys, neighbours, a key not found by the fast search, a line that does not parse. If the
-    index finds damage but the file is valid JSON in another line layout, it is parsed whole.
+    parse). The search stops at the closing ``}}`` line (the last one: see
+    :func:`_closing_line`): a line after it is damage, ignored by every reader (the index,
+    ``check``, ``show``), so the fast search must not serve it either.
+    The key index (every line's key) is built only when something needs it: listing keys,
+    neighbours, a key not found by the fast search, a line that does not parse, and at once
+    when the file does not end at its closing line (so that the damage is reported by the call
+    that meets it, not only by the tools). If the index finds damage but the file is valid JSON
+    in another line layout, it is parsed whole.
     """
 
-    __slots__ = ("_damage", "_entries", "_index", "_lock", "_parsed", "_raw", "_start", "header",
-                 "identity", "path")
+    __slots__ = ("_damage", "_end", "_entries", "_index", "_lock", "_parsed", "_raw", "_start",
+                 "header", "identity", "path")
 
     def __init__(self, path: str, header: dict[str, Any], *, identity: tuple[Any, ...],
                  raw: bytes | None = None, start: int = 0,
@@ -106,6 +111,11 @@ class WinnersFile:
         self._damage: tuple[str, ...] = ()
         self._parsed: dict[str, tuple[Any, str | None]] = {}
         self._lock = threading.RLock()  # Traces may resolve keys from several threads.
+        self._end = 0  # Offset of the closing line: the fast search looks before it only.
+        if raw is not None:
+            self._end, complete = _closing_line(raw, start)
+            if not complete:  # Truncated, or something after the closing line: damage.
+                self._build_index()
 
     @property
     def schema(self) -> int:
@@ -139,7 +149,7 @@ class WinnersFile:
     def _find(self, key: str) -> tuple[Any, str | None] | None:
         if self._entries is None and self._index is None:
             pattern = b"\n" + dumps(key).encode("ascii") + b": "
-            at = self._raw.rfind(pattern, self._start - 1)  # type: ignore[union-attr]
+            at = self._raw.rfind(pattern, self._start - 1, self._end)  # type: ignore[union-attr]
             if at >= 0:
                 a = at + len(pattern)
                 b = self._raw.find(b"\n", a)  # type: ignore[union-attr]
@@ -214,6 +224,21 @@ class WinnersFile:
         self._index, self._damage = index, tuple(damage)
 
 
+def _closing_line(raw: bytes, start: int) -> tuple[int, bool]:
+    """(offset of the line that closes the entries: the last line that is ``}}`` and blanks, or
+    the file's length if none is; whether only blanks follow it). Searched from the end, so a
+    file of ours costs a few bytes' look, whatever its size; an earlier ``}}`` line is a
+    damaged line like any other (the entries after it still serve)."""
+    hi = len(raw)
+    while (at := raw.rfind(b"\n}}", start - 1, hi)) >= 0:
+        end = raw.find(b"\n", at + 3)
+        end = len(raw) if end < 0 else end
+        if not raw[at + 3:end].strip():
+            return at + 1, not raw[end:].strip()
+        hi = at + 2  # Not a closing line: look before it.
+    return len(raw), False
+
+
 _ENTRY_LINE: Final = re.compile(rb'^"((?:[^"\\\n]|\\.)*)": ([^\n]*)$', re.M)
 
 
@@ -256,6 +281,7 @@ def _index_lines(raw: bytes, pos: int) -> tuple[dict[str, tuple[int, int]], list
 def _index_lines_slowly(raw: bytes, pos: int) -> tuple[dict[str, tuple[int, int]], list[str]]:
     index: dict[str, tuple[int, int]] = {}
     damage: list[str] = []
+    close, _ = _closing_line(raw, pos)  # The same closing line as the fast search's.
     closed = False
     n, lineno = len(raw), 1
     while pos < n:
@@ -267,7 +293,7 @@ def _index_lines_slowly(raw: bytes, pos: int) -> tuple[dict[str, tuple[int, int]
         if closed:
             if raw[pos:end].strip():
                 damage.append(f"line {lineno} follows the closing `}}}}` and was ignored")
-        elif raw.startswith(b"}}", pos) and not raw[pos + 2: end].strip():
+        elif pos == close:
             closed = True
         elif key is not None:
             index[key] = m.span(2)  # type: ignore[union-attr]
@@ -284,14 +310,17 @@ def file_identity(st: os.stat_result, write_id: Any) -> tuple[Any, ...]:
 
 
 def read_raw(path: str) -> tuple[bytes, os.stat_result]:
-    """The bytes of a regular file. Raises FileNotFoundError, or CacheFormatError for anything
-    else in the way (a directory, a FIFO that would block, a device, over
-    ``PALLAS_TUNE_MAX_FILE_MB`` (64 MiB; a 10,000-shape file is about 3 MB), no permission);
-    PallasTuneError if that knob is not a number of MiB."""
+    """The bytes of a regular file. Raises FileNotFoundError when there is nothing at ``path``,
+    or CacheFormatError for anything else in the way (a symbolic link to nothing, a directory,
+    a FIFO that would block, a device, over ``PALLAS_TUNE_MAX_FILE_MB`` (64 MiB; a 10,000-shape
+    file is about 3 MB), no permission); PallasTuneError if that knob is not a number of MiB."""
     cap = _settings.max_file_bytes()
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
+        if os.path.islink(path):  # Someone linked a cache here: its loss is news, not absence.
+            raise CacheFormatError(f"cache file {path} is a symbolic link to "
+                                   f"{_link_target(path)}, which does not exist") from None
         raise
     except OSError as e:
         raise CacheFormatError(f"cache file {path} cannot be read ({e.strerror or e})") from None
@@ -306,6 +335,13 @@ def read_raw(path: str) -> tuple[bytes, os.stat_result]:
         raise CacheFormatError(f"cache file {path} cannot be read ({e.strerror or e})") from None
     finally:
         os.close(fd)
+
+
+def _link_target(path: str) -> str:
+    try:
+        return repr(os.readlink(path))
+    except OSError:
+        return "a path that cannot be read"
 
 
 def parse_winners(raw: bytes, path: str, st: os.stat_result) -> WinnersFile:

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from pallas_tune import _kernel_hash
-from pallas_tune.cache import files, ledger, names
+from pallas_tune.cache import files, ledger, names, reader
 from pallas_tune.cache.entries import entry_problem
 from pallas_tune.errors import CacheFormatError
 
@@ -49,10 +49,11 @@ class FileReport:
     chip: str  # The chip directory's name.
     kernel: str | None  # From the header; None if unreadable.
     schema: int | None
-    error: str | None  # The whole file is unreadable (then ``entries`` is empty).
+    error: str | None  # No call serves from the file (then ``entries`` is empty): why.
     damage: tuple[str, ...]  # Damage that left the other entries readable.
     entries: tuple[EntryReport, ...]
     ledger: str | None  # The trial ledger's path (schema 2), if it exists.
+    refused: bool = False  # ``error`` is not a read failure: the file is not what its name says.
 
 
 def _number(v: Any) -> float | None:
@@ -87,12 +88,16 @@ def _file_report(path: str, root: str, shipped: bool, chip: str, role: str, kind
     base = {"path": path, "root": root, "shipped": shipped, "role": role, "kind": kind,
             "chip": chip}
     try:
-        raw, st = files.read_raw(path)
-        wf = files.parse_winners(raw, path, st)
+        wf = reader.read(path)
     except (OSError, CacheFormatError) as e:
         return FileReport(**base, kernel=None, schema=None, error=str(e), damage=(),
                           entries=(), ledger=None)
     kernel = wf.header.get("kernel")
+    refused = reader.named_problem(wf, path)  # As a call of its kernel would refuse it.
+    if refused is not None:
+        return FileReport(**base, kernel=kernel if isinstance(kernel, str) else None,
+                          schema=wf.schema, error=refused, damage=(), entries=(), ledger=None,
+                          refused=True)
     entries = tuple(_entry_report(k, v, p) for k, v, p in wf.items())
     ledger_path = None
     name = wf.header.get("ledger")

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pallas_tune import _settings, chips, keys
-from pallas_tune.cache import atomic, files, names, writer
+from pallas_tune.cache import atomic, files, names, reader, writer
 from pallas_tune.cache.entries import entry_problem, split_entry
 from pallas_tune.errors import CacheFormatError, warn
 
@@ -119,32 +119,24 @@ class TuningCache:
 
     def _open(self, path: str, chip: str, kernel: str, kind: str, *, legacy: bool = False
               ) -> files.WinnersFile | None:
+        """The file at ``path`` if a call of (chip, kernel, kind) serves from it, judged by
+        :mod:`~pallas_tune.cache.reader` as ``check`` and ``show`` judge it."""
         try:
-            raw, st = files.read_raw(path)
+            wf = reader.read(path)
         except FileNotFoundError:
             return None
         except CacheFormatError as e:
-            raw, st, unreadable = b"", None, e
+            problem: str | None = str(e)
         else:
-            unreadable = None
-        try:
-            if unreadable is not None:
-                raise unreadable
-            wf = files.parse_winners(raw, path, st)  # type: ignore[arg-type]
-            found = wf.header.get("kernel", kernel)
-            if found != kernel:
-                if legacy:
-                    return None  # The old, non-injective name of another kernel's file.
-                raise CacheFormatError(f"cache file {path} holds kernel {found!r}, not {kernel!r}")
-            for field, want in (("chip", chip), ("kind", kind)):
-                got = wf.header.get(field, want)
-                if (chips.normalize_chip(got) if field == "chip" else got) != want:
-                    raise CacheFormatError(f"cache file {path} says {field} {got!r}, not {want!r}")
-        except CacheFormatError as e:
+            if legacy and wf.header.get("kernel", kernel) != kernel:
+                return None  # The old, non-injective name of another kernel's file.
+            problem = reader.header_problem(wf.header, path, chip=chip, kind=kind,
+                                            kernel=kernel)
+        if problem is not None:
             if _settings.mode() == "strict":
-                raise
-            self._warn_file(path, f"{e}. It was skipped, as if it held no entries, and left as "
-                                  "it is: fix it, or move it away and re-tune.")
+                raise CacheFormatError(problem)
+            self._warn_file(path, f"{problem}. It was skipped, as if it held no entries, and "
+                                  "left as it is: fix it, or move it away and re-tune.")
             return None
         if wf.schema == 1 and not wf.damage:
             for _, value, _ in wf.items():  # The dispatcher never needs schema 1 trial lists.
@@ -154,17 +146,15 @@ class TuningCache:
 
     def _load(self, chip: str, kernel: str) -> list[_Source]:
         chip = chips.normalize_chip(chip)
-        stem, old = names.kernel_filename(kernel), names.legacy_filename(kernel)
         sources, roots = [], [r for r in self.roots() if self._is_dir(r)]
         for kind in files.KINDS:
+            served = reader.served_names(kernel, kind)  # The names `check` expects, too.
+            legacy = names.winners_name(names.legacy_filename(kernel), kind)
             for root in roots:
                 d = os.path.join(root, chip)
-                candidates = [(names.winners_name(stem, kind), False)]
-                if old != stem:
-                    candidates.append((names.winners_name(old, kind), True))
-                candidates.append((names.recovered_name(stem, kind), False))
-                for name, legacy in candidates:
-                    wf = self._open(os.path.join(d, name), chip, kernel, kind, legacy=legacy)
+                for name in served:
+                    wf = self._open(os.path.join(d, name), chip, kernel, kind,
+                                    legacy=name == legacy and name != served[0])
                     if wf is not None:
                         sources.append(_Source(wf.path, kind, wf))
         return sources

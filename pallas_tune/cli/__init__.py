@@ -6,7 +6,7 @@
     pallas-tune show [--kernel matmul] [--chip v6e] [--format table|json|csv] [--trials]
     pallas-tune check [PATH ...]                # non-zero exit on a problem (for a library's CI)
     pallas-tune check [PATH ...] --space NAME --chip v6e   # ... or on a shape without an entry
-    pallas-tune merge OUT.json IN.json ...      # combine cache files several hosts wrote
+    pallas-tune merge FILE ... [--into ROOT]    # merge cache files other hosts wrote into yours
     pallas-tune report --kernel matmul [--key KEY] [--out DIR]
 
 Exit status: 0 success, 1 a failure (a shape that failed to tune, a cache problem found by
@@ -17,6 +17,9 @@ Errors go to stderr.
 Kernels are imported from the installed packages and from ``--path DIR`` only: the current
 directory is not searched (a ``jax.py`` lying there must not run). A ``--space`` file names a
 module to import, like any config that names code; it is validated whole before that import.
+A cache file or a record is data, not config: the kernels they name are imported only when the
+user allowed it (``--import MODULE``, ``--path DIR``, an entry point a package declares, or a
+kernel shipped in pallas-tune; see :mod:`pallas_tune.cli.registry`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 __all__ = ["main"]
 
 from pallas_tune.cli.options import _fmt_config, add_tune_options, tune_options  # noqa: E402
+from pallas_tune.cli.registry import add_import_option  # noqa: E402
 from pallas_tune.cli.shapes import (  # noqa: E402
     CLIUsageError,
     build_call,
@@ -138,6 +142,9 @@ def _sweep_parser(sub: Any) -> None:
     s.add_argument("--path", action="append", metavar="DIR",
                    help="also import kernels from DIR (repeatable; e.g. --path . for a kernel in "
                         "a file here: the current directory is not searched otherwise)")
+    add_import_option(s, "--from-record tunes only the shipped kernels and those of --import "
+                         "modules, --path directories or declared entry points: a record "
+                         "naming a module never gets it imported")
     s.set_defaults(func=cmd_sweep)
 
 
@@ -152,6 +159,11 @@ def _tool_parsers(sub: Any) -> None:
     sh.add_argument("--format", choices=("table", "json", "csv"), default="table")
     sh.add_argument("--trials", action="store_true",
                     help="also print the trial history of each entry shown (from the ledger)")
+    add_import_option(sh, "entries are checked against the shipped kernels and those of "
+                          "--import modules, --path directories or declared entry points; a "
+                          "file naming a module never gets it imported")
+    sh.add_argument("--path", action="append", metavar="DIR",
+                    help="also import the kernels that files name from DIR (repeatable)")
     sh.set_defaults(func=cmd_show)
     _check.add_parsers(sub)
     _report.add_parser(sub)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
+from pallas_tune.cli.registry import KernelRegistry, add_import_option
 from pallas_tune.cli.shapes import CLIUsageError
 
-__all__ = ["add_parsers", "cmd_check", "cmd_merge", "kernel_by_name", "root_problem"]
+__all__ = ["add_parsers", "cmd_check", "cmd_merge", "root_problem"]
 
 
 def add_parsers(sub: Any) -> None:
@@ -20,9 +21,14 @@ def add_parsers(sub: Any) -> None:
                    help="cache roots, chip directories or winners files (default: the user "
                         "cache)")
     c.add_argument("--path", action="append", metavar="DIR",
-                   help="also import kernels from DIR, to check configs against them")
+                   help="also import the kernels files name from DIR, to check configs against "
+                        "them (repeatable)")
+    add_import_option(c, "configs are checked against the shipped kernels and those of --import "
+                         "modules, --path directories or declared entry points; a file naming "
+                         "any other kernel is a problem (exit 1), never an import")
     c.add_argument("--no-kernels", action="store_true",
-                   help="check the files only, without importing the kernels they name")
+                   help="check the files' format only, importing no kernel (their configs are "
+                        "then not checked against their kernels' spaces)")
     c.add_argument("--fail-stale", action="store_true",
                    help="count entries tuned on other code of their kernel (stale kernel "
                         "fingerprint) as problems, not notes")
@@ -40,71 +46,71 @@ def add_parsers(sub: Any) -> None:
 
 
 def _winners_files(paths: list[str]) -> Iterator[tuple[str, str]]:
-    """(path, chip directory name) of every winners or side file under ``paths``."""
+    """(path, chip directory name) of every winners or side file under ``paths``: whatever
+    lies under such a name (a directory, a link to nothing) is checked, as a call meets it."""
     from pallas_tune.cache import names
 
     for p in paths:
-        if os.path.isfile(p):
+        if os.path.isfile(p) or os.path.islink(p):
             yield p, os.path.basename(os.path.dirname(os.path.abspath(p)))
             continue
         if not os.path.isdir(p):
             raise CLIUsageError(f"{p}: not a regular file nor a directory" if os.path.exists(p)
                                 else f"{p}: no such file or directory")
         for dirpath, dirnames, filenames in os.walk(p):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith((".", "_")))
-            for name in sorted(filenames):
-                kind = names.classify(name)
-                if kind is not None and kind[0] != "ledger":
+            # A directory (or a link to one) named like a winners file is what a call meets
+            # under that name: checked as a file (and so refused), not walked into.
+            named = [d for d in dirnames if _is_winners(names.classify(d))]
+            dirnames[:] = sorted(d for d in dirnames
+                                 if not d.startswith((".", "_")) and d not in named)
+            for name in sorted([*filenames, *named]):
+                if _is_winners(names.classify(name)):
                     yield os.path.join(dirpath, name), os.path.basename(dirpath)
 
 
-def _read(path: str) -> tuple[Any, str | None]:
-    from pallas_tune.cache import files
+def _is_winners(role_kind: tuple[str, str] | None) -> bool:
+    return role_kind is not None and role_kind[0] != "ledger"
+
+
+def _read(path: str, *, as_named: bool = True) -> tuple[Any, str | None]:
+    """(the file as a call would serve from it, None) or (None, why no call would). With
+    ``as_named=False``, any readable winners file, whatever its name (what merge takes: its
+    header says where its entries go)."""
+    from pallas_tune.cache import reader
     from pallas_tune.errors import CacheFormatError
 
     try:
-        raw, st = files.read_raw(path)
-        return files.parse_winners(raw, path, st), None
+        return (reader.read_named(path) if as_named else reader.read(path)), None
     except (OSError, CacheFormatError) as e:
         return None, str(e)
 
 
-def kernel_by_name(name: str, paths: Sequence[str], memo: dict[str, Any]) -> Any:
-    """The tunable a file names (``module.qualname``), or None when it cannot be imported."""
-    if name in memo:
-        return memo[name]
-    from pallas_tune.cli.sweep import load_kernel
+def _space_kernels(args: argparse.Namespace) -> list[Any]:
+    """The kernels the ``--space`` files name (a file that cannot be read is left to
+    :func:`_coverage`, which says why)."""
+    from pallas_tune.cli.registry import load_kernel
+    from pallas_tune.errors import SearchSpaceError
+    from pallas_tune.space import load_space
 
-    found = None
-    module, _, attr = name.rpartition(".")
-    while module and found is None:
+    out = []
+    for name in args.space or ():
         try:
-            found = load_kernel(f"{module}:{attr}", paths)
-        except CLIUsageError:
-            module, _, head = module.rpartition(".")
-            attr = f"{head}.{attr}"
-    memo[name] = found if found is not None else _shipped_by_name(name)
-    return memo[name]
-
-
-def _shipped_by_name(name: str) -> Any:
-    """A shipped kernel registered under a name of its own (the upstream adapters, e.g.
-    ``jax.ops.gpu.attention.mha``), which no import path spells; None if there is none."""
-    import importlib
-    import pkgutil
-
-    import pallas_tune.kernels as shipped
-    from pallas_tune.tunable import TunableKernel
-
-    for info in pkgutil.iter_modules(shipped.__path__):
-        try:
-            module = importlib.import_module(f"{shipped.__name__}.{info.name}")
-        except Exception:  # noqa: BLE001 - e.g. an adapter whose upstream JAX lacks an op.
+            ref = load_space(name)["kernel"]
+        except SearchSpaceError:
             continue
-        for value in vars(module).values():
-            if isinstance(value, TunableKernel) and value.name == name:
-                return value
-    return None
+        if ref:
+            out.append(load_kernel(ref, args.path or ()))
+    return out
+
+
+def _kernel_of(wf: Any, registry: KernelRegistry) -> tuple[Any, str | None]:
+    """(the kernel the file's entries are checked against, None) or (None, why there is none
+    here and how to allow one)."""
+    name = wf.header.get("kernel")
+    if not isinstance(name, str):
+        return None, ('its header names no kernel: add `"kernel": NAME`, or pass --no-kernels '
+                      "to check the file format only")
+    return registry.find(name)
 
 
 def _check_entries(wf: Any, kernel: Any, path: str) -> list[str]:
@@ -167,9 +173,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not args.paths and root_problem(paths[0]):
         print(f"problem: {root_problem(paths[0])}")
         return 1
+    registry = None if args.no_kernels else KernelRegistry(args.imports or (), args.path or ())
+    if registry is not None:
+        for kernel in _space_kernels(args):  # Named by the user's --space files: allowed.
+            registry.allow(kernel)
     problems: list[str] = []
     notes: list[str] = []
-    memo: dict[str, Any] = {}
     n_files = n_entries = 0
     stale: list[str] = []
     states: dict[str, int] = {}
@@ -180,20 +189,15 @@ def cmd_check(args: argparse.Namespace) -> int:
                             f" rename it to {chips.normalize_chip(chip_dir)!r}")
         wf, error = _read(path)
         if wf is None:
-            problems.append(f"{path}: unreadable: {error}")
+            problems.append(f"{path}: not served: {error}")
             continue
         problems += [f"{path}: {d}" for d in wf.damage]
-        header_chip = wf.header.get("chip")
-        if isinstance(header_chip, str) and header_chip != chip_dir:
-            problems.append(f"{path}: header chip {header_chip!r} is not its directory's "
-                            f"{chip_dir!r}; move the file to {header_chip}/")
-        name = wf.header.get("kernel")
         kernel = None
-        if isinstance(name, str) and not args.no_kernels:
-            kernel = kernel_by_name(name, args.path or [], memo)
-            if kernel is None:
-                notes.append(f"{path}: kernel {name!r} not importable here (pass --path DIR); "
-                             "its configs were checked against the file format only")
+        if registry is not None:
+            kernel, why = _kernel_of(wf, registry)
+            if why is not None:  # A file not fully checked is never OK.
+                problems.append(f"{path}: its configs were checked against the file format "
+                                f"only: {why}")
         n_entries += len(wf.keys())
         problems += _check_entries(wf, kernel, path)
         malformed, stale_here = _fingerprints(wf, kernel, path, states)
@@ -214,6 +218,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"pallas-tune check: no cache files under {', '.join(paths)}", file=sys.stderr)
         return 1
     verdict = "OK" if not problems else f"{len(problems)} problem(s)"
+    if args.no_kernels:
+        verdict += " (file format only: --no-kernels)"
     code = ", ".join(f"{states[s]} {s}" for s in ("current", "stale", "unknown", "unchecked")
                      if states.get(s))
     code = f" (kernel code: {code})" if code else ""
@@ -259,7 +265,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     skipped = 0
     for path, chip_dir in _winners_files(args.inputs):
-        wf, error = _read(path)
+        wf, error = _read(path, as_named=False)
         if wf is None:
             print(f"pallas-tune merge: skipped {path}: {error}", file=sys.stderr)
             skipped += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 __all__ = ["add_tune_options", "tune_options"]
@@ -22,6 +23,21 @@ _OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("auto", "wallclock", "pro
                    "feasibility": ("auto", "off", "model", "compile"),
                    "estimate_fallback": ("roofline",)}
 _CLI_ONLY = ("callbacks",)  # Functions: from the API only.
+# Fields documented together in TuneOptions get a help text each here.
+_CLI_HELP = {
+    "storage": "an Optuna storage URL (sqlite:///tune.db, postgresql://user@host/db): the "
+               "study is then resumable and may be shared by several hosts; configs and "
+               "programs already evaluated there are not evaluated again.",
+    "study_name": "the study's name in --storage (default: \"<kernel>|<chip>|<key>|"
+                  "kernel=<fingerprint>\"; changed kernel code gets a study of its own): "
+                  "runs and hosts with the same name resume and share its trials.",
+}
+
+
+def _plain(text: str) -> str:
+    """A docstring's reST as terminal text: ``x`` and :class:`~a.b.X` become x and X."""
+    text = re.sub(r":\w+:`~?(?:[\w.]*\.)?([^`]+)`", r"\1", text)
+    return re.sub(r"``(.+?)``", r"\1", text)
 
 
 def add_tune_options(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +49,7 @@ def add_tune_options(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + name.replace("_", "-")
         kind = _OPTION_TYPES[name]
-        text = text.replace("%", "%%")
+        text = _plain(_CLI_HELP.get(name, text)).replace("%", "%%")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=text)

@@ -28,7 +28,7 @@ class SweepProgress:
         self.default = default
         self.stream = stream or sys.stdout
         self.verbose = verbose
-        self.counts: dict[str, int] = {}
+        self.seen: list[tuple[str, bool]] = []  # (outcome, duplicate) per trial: the tally.
         self.default_ms = math.nan
         self.started = time.perf_counter()
         self._live = None
@@ -42,22 +42,35 @@ class SweepProgress:
                 self.mode = "lines"
 
     def _start_live(self) -> None:
+        """The label (a key can be long) on a line of its own, then a row of the bar and the
+        columns that must not shrink (done/total, elapsed, ETA), then the status folded on a
+        line of its own: it reads at 80 columns as at 200."""
         from rich.console import Console
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                    TimeElapsedColumn, TimeRemainingColumn)
+        from rich.table import Column
 
-        self._live = Progress(TextColumn("{task.description}"), BarColumn(),
-                              MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-                              TimeRemainingColumn(), TextColumn("{task.fields[status]}"),
-                              console=Console(file=self.stream), transient=False)
+        from rich.text import Text
+
+        class _TwoLines(Progress):  # The row, then the status folded below it.
+            def get_renderables(self) -> Any:
+                yield self.make_tasks_table(self.tasks)
+                for task in self.tasks:
+                    yield Text(str(task.fields.get("status", "")), overflow="fold")
+
+        console = Console(file=self.stream)
+        console.print(self.label, overflow="fold", highlight=False, markup=False)
+        fixed = {"no_wrap": True}
+        self._live = _TwoLines(
+            BarColumn(bar_width=None), MofNCompleteColumn(table_column=Column(**fixed)),
+            TimeElapsedColumn(table_column=Column(**fixed)), TextColumn("ETA"),
+            TimeRemainingColumn(table_column=Column(**fixed)),
+            console=console, transient=False, expand=True)
         self._task = self._live.add_task(self.label, total=self.total, status="")
         self._live.start()
 
     def callback(self, record: Any, progress: Any) -> None:
-        outcome = record.outcome.value
-        if record.duplicate_of is not None:
-            outcome = "duplicate"
-        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        self.seen.append((record.outcome.value, record.duplicate_of is not None))
         if (self.default is not None and record.config == self.default
                 and record.outcome.timed and record.duplicate_of is None):
             self.default_ms = record.median_ms
@@ -77,7 +90,9 @@ class SweepProgress:
             print(line, file=self.stream, flush=True)
 
     def status(self, progress: Any) -> str:
-        counts = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
+        from pallas_tune.measure.records import describe_tally, tally
+
+        counts = describe_tally(tally(self.seen))
         best = f"best {_ms(progress.best_ms)}"
         if math.isfinite(self.default_ms) and math.isfinite(progress.best_ms):
             best += f" vs default {_ms(self.default_ms)} ({self.default_ms / progress.best_ms:.2f}x)"

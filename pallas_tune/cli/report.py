@@ -26,7 +26,8 @@ __all__ = ["add_parser", "cmd_report"]
 def add_parser(sub: Any) -> None:
     r = sub.add_parser("report", help="HTML page and PNGs of a kernel's tuning (plotly, "
                                       "matplotlib)")
-    r.add_argument("--kernel", required=True, help="kernel name (or part of it), as in show")
+    r.add_argument("--kernel", required=True,
+                   help="the kernel's cache name, exactly as pallas-tune show lists it")
     r.add_argument("--chip", help="only this chip")
     r.add_argument("--key", help="only keys containing this")
     r.add_argument("--out", default="pallas-tune-report", help="output directory")
@@ -60,6 +61,7 @@ def _study(optuna: Any, trials: list[dict[str, Any]]) -> Any:
     """An in-memory Optuna study of the ledger's trials (real values; failures as +inf)."""
     from optuna.distributions import CategoricalDistribution
 
+    trials = [t for t in trials if t.get("duplicate_of") is None]  # One program, one point.
     configs = [t["config"] for t in trials if isinstance(t.get("config"), dict)]
     names = sorted({k for c in configs for k in c})
     choices = {n: sorted({json.dumps(c.get(n)) for c in configs}) for n in names}
@@ -90,15 +92,20 @@ def _png(fig: Any, plt: Any, path: str) -> str:
     return path
 
 
+FEW_TRIALS = 20  # Below this, importances are indicative only, and the page says so.
+
+
 def _figures(plt: Any, optuna: Any, study: Any, trials: list[dict[str, Any]],
-             compare: dict[str, float], stem: str) -> tuple[list[str], list[str]]:
-    """(PNG paths, plotly HTML fragments) for one tuned shape."""
+             compare: dict[str, float], stem: str, unit: str
+             ) -> tuple[list[str], list[str], str]:
+    """(PNG paths, plotly HTML fragments, notes) for one tuned shape; duplicates (the same
+    program as an earlier trial) are not plotted as trials."""
     import plotly.graph_objects as go
 
-    pngs, frags = [], []
+    trials = [t for t in trials if t.get("duplicate_of") is None]
+    pngs, frags, notes = [], [], ""
     values = [t.value for t in study.trials]
     done = [v for v in values if math.isfinite(v)]
-    # History.
     fig, ax = plt.subplots(figsize=(6, 3.4))
     xs = [i for i, v in enumerate(values) if math.isfinite(v)]
     ax.plot(xs, done, "o", label="trial", alpha=0.7)
@@ -107,65 +114,77 @@ def _figures(plt: Any, optuna: Any, study: Any, trials: list[dict[str, Any]],
         run = min(run, v)
         best.append(run)
     ax.step(range(len(best)), best, where="post", label="best so far", color="C3")
-    ax.set(xlabel="trial", ylabel="median ms", title="optimization history")
+    ax.set(xlabel="trial (distinct programs)", ylabel=unit, title="optimization history")
     ax.legend()
     pngs.append(_png(fig, plt, f"{stem}_history.png"))
-    frags.append(optuna.visualization.plot_optimization_history(study))
-    # Importances (fANOVA needs two finite trials and a varied parameter).
+    history = optuna.visualization.plot_optimization_history(study, target_name=unit)
+    frags.append(history)
     finite = optuna.create_study(direction="minimize")
     finite.add_trials([t for t in study.trials if math.isfinite(t.value)])
+    imp: dict[str, float] = {}
     if len(done) >= 2 and study.trials and study.trials[0].params:
         imp = optuna.importance.get_param_importances(finite)
-        fig, ax = plt.subplots(figsize=(6, 3))
+        fig, ax = plt.subplots(figsize=(5, 2.6))
         ax.barh(list(imp)[::-1], list(imp.values())[::-1], color="C0")
         ax.set(xlabel="importance (fANOVA)", title="parameter importances")
         pngs.append(_png(fig, plt, f"{stem}_importances.png"))
         frags.append(optuna.visualization.plot_param_importances(finite))
-    heat = _heatmap(trials)
+        if len(done) < FEW_TRIALS:
+            notes += (f"<p class=note>importances from {len(done)} timed trials: indicative "
+                      "only (fANOVA needs many more to be reliable)</p>")
+    heat = _heatmap(trials, list(imp))
     if heat is not None:
         (px, py), xs_, ys_, grid = heat
+        from matplotlib.colors import LogNorm
+
         fig, ax = plt.subplots(figsize=(5.5, 4))
-        im = ax.imshow(grid, origin="lower", cmap="viridis_r", aspect="auto")
+        im = ax.imshow(grid, origin="lower", cmap="viridis_r", aspect="auto", norm=LogNorm())
         ax.set_xticks(range(len(xs_)), [str(v) for v in xs_])
         ax.set_yticks(range(len(ys_)), [str(v) for v in ys_])
-        ax.set(xlabel=px, ylabel=py, title="best median ms over two block dims (blank: not tried)")
-        fig.colorbar(im, ax=ax, label="ms")
+        ax.set(xlabel=px, ylabel=py, title="best time over the two most important parameters"
+               "\n(blank: not tried)")
+        fig.colorbar(im, ax=ax, label=f"{unit} (log scale)")
         pngs.append(_png(fig, plt, f"{stem}_heatmap.png"))
-        frags.append(go.Figure(go.Heatmap(z=grid, x=[str(v) for v in xs_],
-                                          y=[str(v) for v in ys_], colorscale="Viridis_r",
-                                          colorbar={"title": "ms"}),
-                               layout={"title": "Best median ms over two block dims",
-                                       "xaxis_title": px, "yaxis_title": py}))
+        logz = [[math.log10(v) if _finite(v) and v > 0 else None for v in row] for row in grid]
+        frags.append(go.Figure(go.Heatmap(
+            z=logz, x=[str(v) for v in xs_], y=[str(v) for v in ys_], colorscale="Viridis_r",
+            customdata=grid, hovertemplate="%{customdata:.4g}<extra></extra>",
+            colorbar={"title": "log10 ms"}),
+            layout={"title": f"Best time over {px} and {py} ({unit}, log colour scale)",
+                    "xaxis_title": px, "yaxis_title": py}))
     if compare:
         fig, ax = plt.subplots(figsize=(5, 2.6))
-        ax.barh(list(compare)[::-1], list(compare.values())[::-1], color=["C2", "C1", "C0"][
-            :len(compare)][::-1])
-        ax.set(xlabel="median ms", title="tuned vs default vs reference")
+        ax.barh(list(compare)[::-1], list(compare.values())[::-1],
+                color=["C2", "C1", "C0"][:len(compare)][::-1])
+        ax.set(xlabel=unit, title="tuned vs default vs reference")
         pngs.append(_png(fig, plt, f"{stem}_compare.png"))
         frags.append(go.Figure(go.Bar(x=list(compare.values()), y=list(compare),
                                       orientation="h"),
-                               layout={"title": "Tuned vs default vs reference (median ms)"}))
+                               layout={"title": f"Tuned vs default vs reference ({unit})"}))
     counts: dict[str, int] = {}
     for t in trials:
         counts[str(t.get("outcome", "?"))] = counts.get(str(t.get("outcome", "?")), 0) + 1
     fig, ax = plt.subplots(figsize=(5, 2.6))
     ax.bar(list(counts), list(counts.values()), color="C4")
-    ax.set(ylabel="trials", title="outcomes")
+    ax.set(ylabel="trials (distinct programs)", title="outcomes")
     pngs.append(_png(fig, plt, f"{stem}_outcomes.png"))
     frags.append(go.Figure(go.Bar(x=list(counts), y=list(counts.values())),
                            layout={"title": "Outcomes"}))
-    return pngs, frags
+    return pngs, frags, notes
 
 
-def _heatmap(trials: list[dict[str, Any]]) -> Any:
-    """The two integer parameters with most values, and the best time at each pair."""
+def _heatmap(trials: list[dict[str, Any]], ranked: list[str]) -> Any:
+    """The two most important integer parameters (by ``ranked``, else those with most
+    values), and the best time at each pair."""
     configs = [t for t in trials if isinstance(t.get("config"), dict)]
     ints: dict[str, set[int]] = {}
     for t in configs:
         for k, v in t["config"].items():
             if isinstance(v, int) and not isinstance(v, bool):
                 ints.setdefault(k, set()).add(v)
-    dims = sorted((k for k in ints if len(ints[k]) > 1), key=lambda k: -len(ints[k]))[:2]
+    varied = [k for k in ints if len(ints[k]) > 1]
+    order = {k: i for i, k in enumerate(ranked)}
+    dims = sorted(varied, key=lambda k: (order.get(k, len(order)), -len(ints[k]), k))[:2]
     if len(dims) < 2:
         return None
     xs, ys = sorted(ints[dims[0]]), sorted(ints[dims[1]])
@@ -179,19 +198,53 @@ def _heatmap(trials: list[dict[str, Any]]) -> Any:
     return (dims[0], dims[1]), xs, ys, grid
 
 
-def _compare(entry: Any, trials: list[dict[str, Any]], default: dict[str, Any] | None,
-             reference_ms: float | None) -> dict[str, float]:
+def _compare(e: Any, prov: dict[str, Any], reference_ms: float | None) -> dict[str, float]:
+    """Tuned, default and reference times to compare: the tuned and the default from the same
+    final interleaved re-ranking (its row marked ``default``), never a search-phase figure
+    against a re-timed one; the reference timed here (wall clock)."""
     out: dict[str, float] = {}
-    if entry.median_ms is not None:
-        out["tuned"] = entry.median_ms
-    if default is not None:
-        for t in trials:
-            if t.get("config") == default and _finite(t.get("median_ms")):
-                out["default"] = float(t["median_ms"])
-                break
+    if e.median_ms is not None:
+        out["tuned"] = e.median_ms
+    ranking = prov.get("retimed_interleaved")
+    for row in ranking if isinstance(ranking, list) else ():
+        if isinstance(row, dict) and row.get("default") is True and _finite(row.get("median_ms")):
+            out["default"] = float(row["median_ms"])
     if reference_ms is not None:
         out["reference"] = reference_ms
     return out
+
+
+def unit_label(prov: dict[str, Any]) -> str:
+    """What a figure's milliseconds are: a compiler estimate or a wall clock, and where."""
+    if prov.get("kind") == "estimate" or str(prov.get("timer", "")).startswith("tpu-estimate"):
+        chip = str(prov.get("chip", "TPU")).replace("tpu_", "")
+        return f"ms, {chip} compiler estimate"
+    if prov.get("interpret"):
+        return "ms, wall clock (interpret mode)"  # The receipts' timing_note says more.
+    return f"ms, {prov.get('timer') or 'wall clock'} on {prov.get('device_kind') or '?'}"
+
+
+def _summary(rows: list[dict[str, Any]]) -> str:
+    """The page's first table: per shape the best config, its time, the default's, the
+    speed-up and the reference's, each cell's number also in a data- attribute."""
+    head = ("<table class=summary><tr><th>shape</th><th>best config</th><th>tuned</th>"
+            "<th>default</th><th>speed-up</th><th>reference</th><th>unit</th></tr>")
+    body = []
+    for r in rows:
+        c = r["compare"]
+        speed = (c["default"] / c["tuned"]) if "default" in c and c.get("tuned") else None
+
+        def cell(name: str, value: float | None, fmt: str = "{:.4g}") -> str:
+            text = "-" if value is None else fmt.format(value)
+            data = "" if value is None else f' data-{name}="{value!r}"'
+            return f"<td class={name}{data}>{text}</td>"
+
+        body.append(
+            f"<tr><td><code>{html.escape(r['key'])}</code></td><td><code>"
+            f"{html.escape(json.dumps(r['config']))}</code></td>{cell('tuned', c.get('tuned'))}"
+            f"{cell('default', c.get('default'))}{cell('speedup', speed, '{:.2f}x')}"
+            f"{cell('reference', c.get('reference'))}<td>{html.escape(r['unit'])}</td></tr>")
+    return head + "".join(body) + "</table>"
 
 
 def _time_reference(kernel: Any, key: str) -> float | None:
@@ -240,63 +293,89 @@ def _receipts(prov: dict[str, Any]) -> str:
     return "<table class=receipts>" + "".join(rows) + "</table>"
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    plt, optuna = _need()
+def _slug(key: str) -> str:
+    """A file-name-safe short form of a key: ``x=64x256:float32`` → ``x-64x256-float32``."""
+    out = "".join(ch if ch.isalnum() else "-" for ch in key)
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out.strip("-")[:60] or "key"
+
+
+def _entries(args: argparse.Namespace) -> list[tuple[Any, Any]]:
+    """(file report, entry) of the kernel named exactly, on the chip and keys asked for."""
     from pallas_tune import chips
     from pallas_tune.cache import default_cache
-    from pallas_tune.cache.inventory import inventory, trial_history
+    from pallas_tune.cache.inventory import inventory
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     chip = chips.normalize_chip(args.chip) if args.chip else None
     reports = [r for r in inventory(default_cache(), kernel=args.kernel, chip=chip)
                if r.error is None]
+    exact = [r for r in reports if r.kernel == args.kernel]
+    if not exact:
+        near = sorted({r.kernel for r in reports if r.kernel})
+        hint = f" Kernels whose names contain it: {', '.join(near)}." if near else ""
+        raise CLIUsageError(f"no tuned entries of the kernel {args.kernel!r} in the caches; "
+                            f"run pallas-tune sweep first (pallas-tune show lists them).{hint}")
+    return [(r, e) for r in exact for e in r.entries
+            if e.problem is None and not (args.key and args.key not in e.key)]
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    plt, optuna = _need()
+    from pallas_tune.cache.inventory import trial_history
+    from pallas_tune.measure.records import describe_tally, tally
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     kernel = None
     if args.reference:
         from pallas_tune.cli.sweep import load_kernel
 
         kernel = load_kernel(args.reference, args.path or ())
+    found = _entries(args)
+    if not found:
+        raise CLIUsageError(f"no valid entries of {args.kernel!r} match --key {args.key!r}; "
+                            "pallas-tune show --kernel NAME lists its keys")
     os.makedirs(args.out, exist_ok=True)
-    sections, pngs, first = [], [], True
-    for r in reports:
-        for e in r.entries:
-            if e.problem is not None or (args.key and args.key not in e.key):
-                continue
-            runs, _ = trial_history(r, e.key)
-            trials = [t for t in (runs[-1].get("trials") if runs else None) or []
-                      if isinstance(t, dict)]
-            prov = runs[-1].get("provenance") if runs else None
-            prov = prov if isinstance(prov, dict) else {}
-            default = (dict(kernel.space.default) if kernel is not None
-                       and kernel.space.default else (trials[0].get("config") if trials
-                                                      else None))
-            compare = _compare(e, trials, default, _time_reference(kernel, e.key))
-            stem = os.path.join(args.out, f"{len(sections):02d}")
-            p, frags = _figures(plt, optuna, _study(optuna, trials), trials, compare, stem)
-            pngs += p
-            parts = []
-            for fig in frags:
-                parts.append(fig.to_html(full_html=False, include_plotlyjs=first))
-                first = False
-            label = " (compiler estimate)" if r.kind == "estimate" else ""
-            ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
-            missing = [n for n in ("default", "reference") if n not in compare]
-            note = (f"<p class=note>not shown: {', '.join(missing)} (the default is shown when "
-                    "it was among the trials; the reference when --reference MODULE:NAME names "
-                    "a kernel with a reference=)</p>" if missing else "")
-            sections.append(
-                f"<section><h2>{html.escape(r.kernel or '?')} on {html.escape(r.chip)}: "
-                f"<code>{html.escape(e.key)}</code></h2><p>best "
-                f"<code>{html.escape(json.dumps(e.config))}</code> at {ms} ms{label}"
-                f" from {len(trials)} trials</p>{note}{_receipts(prov)}<div class=plots>"
-                + "".join(parts) + "</div><details><summary>PNG figures</summary>"
-                + "".join(_img(x) for x in p) + "</details></section>")
-    if not sections:
-        raise CLIUsageError(f"no tuned entries of a kernel matching {args.kernel!r} in the "
-                            "caches; run pallas-tune sweep first (pallas-tune show lists them)")
+    sections, pngs, rows, first = [], [], [], True
+    for r, e in found:
+        runs, _ = trial_history(r, e.key)
+        trials = [t for t in (runs[-1].get("trials") if runs else None) or []
+                  if isinstance(t, dict)]
+        prov = runs[-1].get("provenance") if runs else None
+        prov = prov if isinstance(prov, dict) else {}
+        unit = unit_label({"kind": r.kind, **prov})
+        compare = _compare(e, prov, _time_reference(kernel, e.key))
+        rows.append({"key": e.key, "config": e.config, "compare": compare, "unit": unit})
+        stem = os.path.join(args.out, f"{len(sections):02d}_{_slug(e.key)}")
+        p, frags, notes = _figures(plt, optuna, _study(optuna, trials), trials, compare, stem,
+                                   unit)
+        pngs += p
+        parts = []
+        for fig in frags:
+            fig.update_layout(title_text=f"{fig.layout.title.text or ''}<br><sup>"
+                                         f"{html.escape(e.key)}</sup>")
+            parts.append(fig.to_html(full_html=False, include_plotlyjs=first))
+            first = False
+        ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
+        counted = describe_tally(tally((str(t.get("outcome")), t.get("duplicate_of") is not None)
+                                       for t in trials))
+        missing = [n for n in ("default", "reference") if n not in compare]
+        note = (f"<p class=note>not shown: {', '.join(missing)} (the default when it was "
+                "re-timed in the final ranking beside the winner; the reference when "
+                "--reference MODULE:NAME names a kernel with a reference=)</p>"
+                if missing else "")
+        sections.append(
+            f"<section><h2>{html.escape(r.kernel or '?')} on {html.escape(r.chip)}: "
+            f"<code>{html.escape(e.key)}</code></h2><p>best "
+            f"<code>{html.escape(json.dumps(e.config))}</code> at {ms} {html.escape(unit)}"
+            f" ({html.escape(counted)})</p>{note}{notes}"
+            f"{_receipts(prov)}<div class=plots>" + "".join(parts)
+            + "</div><details><summary>PNG figures</summary>"
+            + "".join(_img(x) for x in p) + "</details></section>")
     page = os.path.join(args.out, "index.html")
     with open(page, "w", encoding="utf-8") as f:
         f.write(_PAGE.format(title=html.escape(f"pallas-tune report: {args.kernel}"),
-                             body="".join(sections)))
+                             body=_summary(rows) + "".join(sections)))
     print(f"pallas-tune report: {page} ({len(sections)} shape(s)) and {len(pngs)} PNGs in "
           f"{args.out}")
     return 0
@@ -305,5 +384,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 _PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}}
 .plots{{display:grid;grid-template-columns:1fr 1fr;gap:8px}}
-table.receipts th{{text-align:left;padding-right:1em}} img{{max-width:48%}}</style>
+table.receipts th{{text-align:left;padding-right:1em}} img{{max-width:48%}}
+table.summary{{border-collapse:collapse;margin-bottom:2em}}
+table.summary td,table.summary th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}</style>
 </head><body><h1>{title}</h1>{body}</body></html>"""

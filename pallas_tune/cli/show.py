@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -13,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pallas_tune.cli.options import _fmt_config
+from pallas_tune.cli.registry import KernelRegistry
 
-__all__ = ["cmd_show", "code_state", "current_fingerprints", "show_problems", "show_rows"]
+__all__ = ["cmd_show", "code_state", "judge_entries", "kernels_of", "show_problems", "show_rows"]
 
 _HEADER = ("kernel", "chip", "key", "best config", "median_ms", "how", "code", "cache")
 _PAD = 160  # Columns are padded to at most this many characters.
@@ -42,23 +44,40 @@ def code_state(entry: Any, current: str | None) -> str:
     return "current" if entry.kernel_fingerprint == current else "stale"
 
 
-def current_fingerprints(reports: Sequence[Any], paths: Sequence[str] = ()
-                         ) -> dict[str, str | None]:
-    """Kernel name -> its code fingerprint now, for the kernels of files whose entries record
-    one (only those kernels are imported; None where one cannot be)."""
-    from pallas_tune.cli.check import kernel_by_name
-
-    out: dict[str, str | None] = {}
-    memo: dict[str, Any] = {}
+def kernels_of(reports: Sequence[Any], registry: Any) -> dict[str, tuple[Any, str | None]]:
+    """Kernel name -> (its tunable, None), or (None, why it was not imported and how to allow
+    it), for the kernel of every file read; only those the user allowed are imported
+    (:class:`~pallas_tune.cli.registry.KernelRegistry`)."""
+    out: dict[str, tuple[Any, str | None]] = {}
     for r in reports:
-        if r.kernel is None or r.kernel in out or not any(e.kernel_fingerprint
-                                                         for e in r.entries):
+        if r.kernel is None or r.kernel in out or r.error is not None:
             continue
         try:
-            kernel = kernel_by_name(r.kernel, paths, memo)
-        except Exception:  # noqa: BLE001 - a kernel module that fails to import: unchecked.
-            kernel = None
-        out[r.kernel] = kernel.fingerprint if kernel is not None else None
+            out[r.kernel] = registry.find(r.kernel)
+        except Exception as e:  # noqa: BLE001 - a shipped module that fails to import.
+            out[r.kernel] = None, f"importing it failed ({type(e).__name__}: {e})"
+    return out
+
+
+def judge_entries(reports: Sequence[Any], kernels: Mapping[str, tuple[Any, str | None]]
+                  ) -> list[Any]:
+    """The reports with every entry their kernel refuses (parameter names, value types, the
+    declared space: what a call refuses before any trace) marked with the kernel's reason, as
+    the runtime skips it. Kernels not in ``kernels`` leave their entries as read."""
+    out = []
+    for r in reports:
+        kernel = kernels.get(r.kernel or "", (None, None))[0]
+        if kernel is None or not r.entries:
+            out.append(r)
+            continue
+        entries = []
+        for e in r.entries:
+            if e.problem is None and e.config is not None:
+                found = kernel.entry_problems({"config": e.config,
+                                               "outside_space": e.outside_space})
+                e = dataclasses.replace(e, problem="; ".join(found) or None)
+            entries.append(e)
+        out.append(dataclasses.replace(r, entries=tuple(entries)))
     return out
 
 
@@ -73,7 +92,8 @@ def show_rows(reports: Sequence[Any], current: Mapping[str, str | None] | None =
                                                          else "")
         kernel = r.kernel or os.path.basename(r.path)
         if r.error is not None:
-            rows.append((kernel, r.chip, "?", f"UNREADABLE: {r.error}", "", "", "", where))
+            what = "REFUSED" if r.refused else "UNREADABLE"
+            rows.append((kernel, r.chip, "?", f"{what}: {r.error}", "", "", "", where))
             continue
         for damage in r.damage:
             rows.append((kernel, r.chip, "?", f"DAMAGED: {damage}", "", "", "", where))
@@ -109,14 +129,20 @@ def show_problems(reports: Sequence[Any]) -> list[str]:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from pallas_tune import chips
-    from pallas_tune.cli import check
     from pallas_tune.cache import default_cache
     from pallas_tune.cache.inventory import inventory
+    from pallas_tune.cli import check
 
     cache = default_cache()
     chip = chips.normalize_chip(args.chip) if args.chip else None
+    registry = KernelRegistry(args.imports or (), args.path or ())
     reports = inventory(cache, kernel=args.kernel, chip=chip)
-    rows = show_rows(reports, current_fingerprints(reports))
+    kernels = kernels_of(reports, registry)
+    reports = judge_entries(reports, kernels)
+    current = {name: k.fingerprint if k is not None else None for name, (k, _) in kernels.items()}
+    rows = show_rows(reports, current)
+    unchecked = [f"kernel {name!r}: its entries were checked against the file format only, "
+                 f"not its space: {why}" for name, (k, why) in sorted(kernels.items()) if k is None]
     if args.key:
         rows = [r for r in rows if args.key in r[2]]
     fmt = args.format
@@ -126,7 +152,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             for item in out:
                 item["runs"] = _runs_of(reports, item["kernel"], item["chip"], item["key"])
         json.dump({"roots": cache.roots(), "entries": out,
-                   "problems": show_problems(reports)}, sys.stdout, indent=1, default=str)
+                   "problems": show_problems(reports) + unchecked}, sys.stdout, indent=1,
+                  default=str)
         print()
         return 0
     if fmt == "csv":  # Whole cells, control characters escaped as in the table.
@@ -138,7 +165,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(_esc(f"no cache entries (looked in {cache.roots()})"))
         return 0
     _print_table(rows)
-    problems = show_problems(reports)
+    problems = show_problems(reports) + unchecked
     root = check.root_problem(cache.user_root)
     problems = problems + [root] if root else problems
     if problems:

@@ -9,16 +9,16 @@ the work (see :mod:`pallas_tune.tuning.storage`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
+import math
 import shlex
 import sys
 import time
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pallas_tune.cli.options import tune_options
+from pallas_tune.cli.registry import KernelRegistry, import_path, load_kernel
 from pallas_tune.cli.shapes import (
     CLIUsageError,
     build_call,
@@ -27,42 +27,10 @@ from pallas_tune.cli.shapes import (
     read_text,
     spec_items,
 )
+from pallas_tune.measure.records import describe_tally
 
+# import_path and load_kernel live in cli.registry (what may be imported); re-exported here.
 __all__ = ["cmd_sweep", "import_path", "load_kernel", "read_record"]
-
-
-@contextlib.contextmanager
-def import_path(paths: Sequence[str] = ()) -> Iterator[None]:
-    """sys.path for importing kernels: the ``--path`` directories first, and without the current
-    directory that ``python -m`` and ``-c`` put first (restored afterwards)."""
-    saved = list(sys.path)
-    here = os.path.realpath(os.getcwd())
-    if sys.path and (sys.path[0] == "" or os.path.realpath(sys.path[0]) == here):
-        del sys.path[0]
-    sys.path[:0] = [os.path.abspath(p) for p in paths]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
-
-
-def load_kernel(ref: str, paths: Sequence[str] = ()) -> Any:
-    from pallas_tune import _refs
-    from pallas_tune.tunable import TunableKernel
-
-    for p in paths:
-        if not os.path.isdir(p):
-            raise CLIUsageError(f"--path {p}: not a directory")
-    with import_path(paths):
-        try:
-            obj = _refs.load(ref)
-        except (ValueError, ImportError, AttributeError) as e:
-            hint = ("" if paths else " (the current directory is not searched: pass --path . "
-                                     "to import kernels from files here)")
-            raise CLIUsageError(f"cannot load kernel {ref!r}: {e}{hint}") from None
-    if not isinstance(obj, TunableKernel):
-        raise CLIUsageError(f"{ref} is not a @pallas_tune.tunable kernel (got {type(obj).__name__})")
-    return obj
 
 
 def read_record(path: str) -> dict[str, list[str]]:
@@ -91,7 +59,8 @@ def read_record(path: str) -> dict[str, list[str]]:
     return jobs
 
 
-def _jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+def _jobs(args: argparse.Namespace) -> tuple[list[tuple[str, list[str]]], int]:
+    """(kernel ref, shape specs) to tune, and how many recorded kernels were skipped."""
     from pallas_tune.space import load_space
 
     specs = read_shapes(args)
@@ -99,12 +68,13 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         if specs or args.space:
             raise CLIUsageError("--from-record names the shapes: give no --shapes or --space")
         jobs = read_record(args.from_record)
-        if args.kernel:
+        if args.kernel:  # Named by the user: imported like any MODULE:NAME argument.
             jobs = {r: s for r, s in jobs.items() if r == args.kernel}
             if not jobs:
                 raise CLIUsageError(f"--from-record {args.from_record} has no record of "
                                     f"{args.kernel}")
-        return list(jobs.items())
+            return list(jobs.items()), 0
+        return _allowed_records(args, jobs)
     kernel_ref = args.kernel
     if args.space:
         loaded = load_space(args.space)
@@ -116,7 +86,23 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
                             "--from-record FILE")
     if not specs:
         raise CLIUsageError("give at least one --shapes (or a --space file with [[shapes]])")
-    return [(kernel_ref, specs)]
+    return [(kernel_ref, specs)], 0
+
+
+def _allowed_records(args: argparse.Namespace, jobs: dict[str, list[str]]
+                     ) -> tuple[list[tuple[str, list[str]]], int]:
+    """The records whose kernel the user allowed to import (:mod:`pallas_tune.cli.registry`);
+    the others are skipped with a line naming the flag that allows them."""
+    registry = KernelRegistry(args.imports or (), args.path or ())
+    allowed = []
+    for ref, specs in jobs.items():
+        why = registry.ref_problem(ref)
+        if why is None:
+            allowed.append((ref, specs))
+        else:
+            print(f"pallas-tune sweep: skipped the {len(specs)} recorded shape(s) of {ref}: "
+                  f"{why}", file=sys.stderr, flush=True)
+    return allowed, len(jobs) - len(allowed)
 
 
 def _storage(args: argparse.Namespace) -> str | None:
@@ -165,7 +151,11 @@ def _prepare(args: argparse.Namespace, write: bool) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    jobs = _jobs(args)
+    jobs, skipped = _jobs(args)
+    if not jobs:  # Every recorded kernel was skipped (each said why): nothing to set up.
+        print(f"pallas-tune sweep: nothing tuned: all {skipped} recorded kernel(s) were "
+              "skipped", file=sys.stderr)
+        return 1
     for _, specs in jobs:
         check_specs(specs)
     from pallas_tune import chips
@@ -186,7 +176,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     failures = 0
     for kernel, calls in loaded:
         failures += _sweep_kernel(args, kernel, chip, calls)
-    return 1 if failures else 0
+    return 1 if failures or skipped else 0
 
 
 def _say(args: argparse.Namespace, text: str) -> None:
@@ -236,11 +226,13 @@ def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
         finally:
             if progress:
                 progress.close()
-        counts = result.trials["outcome"].value_counts().to_dict()
         label = " (compiler estimate)" if kind == "estimate" else ""
+        if math.isfinite(result.speedup):  # Both from the final re-ranking: like with like.
+            label += f", default {result.default_ms:.4g} ms ({result.speedup:.2f}x)"
         _say(args, f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
-                   f"({', '.join(f'{v} {k}' for k, v in counts.items())}; "
-                   f"{time.perf_counter() - t0:.1f}s) -> {result.cache_path}")
+                   f"({describe_tally(result.tally)}; "
+                   f"{time.perf_counter() - t0:.1f}s) -> "
+                   f"{result.cache_path or 'not written (--no-write)'}")
     return failures
 
 

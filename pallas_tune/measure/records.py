@@ -9,7 +9,7 @@ import math
 import statistics
 from typing import Any
 
-__all__ = ["Measurement", "Outcome", "TrialRecord"]
+__all__ = ["Measurement", "Outcome", "TrialRecord", "describe_tally", "tally"]
 
 
 class Outcome(str, enum.Enum):
@@ -106,3 +106,37 @@ class TrialRecord:
             for k in ("times_ms", "compile_ms"):
                 out.pop(k, None)
         return out
+
+
+TALLY_ORDER = ("timed", "infeasible", "failed", "duplicates")
+
+
+def tally(trials: Any) -> dict[str, int]:
+    """The one vocabulary every count shown to a user is in (live display, final line, show,
+    report, result): of ``trials`` (pairs ``(outcome value, is a duplicate)``), how many were
+    ``timed`` (ran correctly: ok or slow), ``infeasible`` (rejected before running),
+    ``failed`` (compile or runtime error, timeout, wrong numbers) and ``duplicates`` (the same
+    program as an earlier trial: no device time), and their total ``trials``. Each trial is in
+    exactly one of the four."""
+    out = dict.fromkeys(("trials", *TALLY_ORDER), 0)
+    for outcome, duplicate in trials:
+        out["trials"] += 1
+        if duplicate:
+            out["duplicates"] += 1
+        elif outcome in (Outcome.OK.value, Outcome.SLOW.value):
+            out["timed"] += 1
+        elif outcome == Outcome.INFEASIBLE.value:
+            out["infeasible"] += 1
+        else:
+            out["failed"] += 1
+    return out
+
+
+def describe_tally(t: dict[str, int]) -> str:
+    """``12 trials: 6 timed, 1 infeasible, 1 failed, 4 duplicates`` (zero counts left out;
+    ``1 trial: 1 duplicate``)."""
+    parts = [f"{t[k]} {k[:-1] if k.endswith('s') and t[k] == 1 else k}" for k in TALLY_ORDER
+             if t.get(k)]
+    n = t.get("trials", 0)
+    return f"{n} trial{'' if n == 1 else 's'}" + (": " + ", ".join(parts) if parts else "")
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import platform
 import statistics
 from collections.abc import Mapping
@@ -19,18 +20,41 @@ from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import Plan
 from pallas_tune.tuning.result import TuningResult
 
-__all__ = ["build_result", "rerank", "versions", "write"]
+__all__ = ["build_result", "default_config", "rerank", "versions", "write"]
 
 logger = logging.getLogger("pallas_tune.tuning")
 
 
-def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions
-           ) -> list[dict[str, Any]] | None:
-    """The ``retime_top`` best re-timed interleaved (A B C A B C ...), so that drift hits all
-    alike; rows sorted by their median there. None with fewer than two to compare."""
+def default_config(space: Any) -> dict[str, Any] | None:
+    """The config a user gets without tuning: the declared default, else the space's first
+    point (what the progress display, the result and the report compare against)."""
+    return next(iter(space.ordered_candidates()), None)
+
+
+def _default_record(log: TrialLog, default: Mapping[str, Any] | None) -> Any:
+    """The timed record of the default's program (its original when it was a duplicate)."""
+    if default is None:
+        return None
+    for r in log.records:
+        if r.config == dict(default):
+            if r.duplicate_of is not None:
+                r = log.records[r.duplicate_of]
+            return r if r.outcome is Outcome.OK else None
+    return None
+
+
+def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions,
+           default: Mapping[str, Any] | None = None) -> list[dict[str, Any]] | None:
+    """The ``retime_top`` best, and the default when it ran, re-timed interleaved (A B C A B C
+    ...), so that drift hits all alike; rows sorted by their median there, the default's
+    marked ``"default": True`` (its time compares like with like with the winner's). None with
+    fewer than two to compare."""
     ok = sorted((r for r in log.records if r.outcome is Outcome.OK and r.duplicate_of is None),
                 key=lambda r: r.median_ms)
     top = ok[:options.retime_top]
+    base = _default_record(log, default)
+    if base is not None and base not in top and top:
+        top.append(base)
     if options.retime_top < 2 or len(top) < 2:
         return None
     try:
@@ -42,7 +66,8 @@ def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions
     if not times:
         return None
     rows = [{"trial": r.number, "config": dict(r.config), "search_median_ms": r.median_ms,
-             "median_ms": statistics.median(t), "spread_ms": spread(t), "times_ms": list(t)}
+             "median_ms": statistics.median(t), "spread_ms": spread(t), "times_ms": list(t),
+             **({"default": True} if r is base else {})}
             for r, t in zip(top, times, strict=True)]
     return sorted(rows, key=lambda row: row["median_ms"])
 
@@ -65,11 +90,19 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
             f"{first.error if first else 'n/a'}")
     best_ms = best.median_ms
     best_spread = best.measurement.spread_ms if best.measurement else 0.0
+    space = extra.get("space", kernel.space)
+    base = _default_record(log, default_config(space))
+    default_ms = base.median_ms if base is not None else math.nan
     if ranking:
         best = log.records[ranking[0]["trial"]]
         best_ms, best_spread = ranking[0]["median_ms"], ranking[0]["spread_ms"]
+        # The default's figure from the same interleaved runs, never a search-phase one.
+        default_ms = next((row["median_ms"] for row in ranking if row.get("default")),
+                          math.nan)
     roofline_used = any("roofline" in r.detail for r in log.records if r.outcome.timed)
     prov = provenance(plan, chip, options, device, {**extra, "roofline_used": roofline_used})
+    if space is not kernel.space:  # Clamped: one point per distinct effective config.
+        prov["space"] = {"declared": kernel.space.size, "distinct_for_call": space.size}
     prov.update(ranked_by="interleaved re-ranking" if ranking else "search median",
                 strategy=extra.get("strategy"), counts=log.counts(),
                 trials_measured=log.timed, tuning_s=round(log.progress().elapsed_s, 3))
@@ -89,7 +122,16 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
     return TuningResult(kernel=kernel.name, chip=chip, key=plan.key, records=tuple(log.records),
                         best_record=best, best_ms=best_ms, best_spread_ms=best_spread,
                         ranking=tuple(ranking or ()), provenance=prov, options=options,
-                        study=study)
+                        study=study, default_ms=default_ms,
+                        effective=_effective(best.config, extra.get("dims") or {}))
+
+
+def _effective(config: Mapping[str, Any], dims: Mapping[str, int]) -> dict[str, Any] | None:
+    """What the winner runs as, when that differs from its config (clamped values)."""
+    from pallas_tune import effective
+
+    runs_as = effective.effective(config, dims)
+    return runs_as if runs_as != dict(config) else None
 
 
 def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str, Any],

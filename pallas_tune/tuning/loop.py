@@ -29,6 +29,7 @@ __all__ = ["run", "tune", "warm_start_configs"]
 # The stand-in check estimates at most this many candidates' stand-in scales.
 STANDIN_SCAN = 512
 WAIT_S = 0.5  # Poll interval while other workers finish the study's last trials.
+FAIL_FAST = 5  # Stop when this many first candidates all failed with one same error.
 
 
 def tune(kernel: Any, *args: Any, options: TuneOptions | None = None, **kwargs: Any
@@ -77,21 +78,23 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
         chip = settle_chip(plan, evaluator.device)
         if options.write:  # Before the first candidate: an unwritable cache costs no time.
             kernel.cache.check_writable(chip, kernel.name, kind=plan.kind)
-        extra = _prepare(evaluator, kernel, options)
-        warm = _warm(evaluator, kernel, args, kwargs, chip, plan.key, options)
-        search = Search.open(kernel.space, name=options.study_name or
-                             study_name(kernel, chip, plan.key), storage=options.storage,
+        space, dims = call_space(kernel, args, kwargs)
+        extra = _prepare(evaluator, space, options)
+        warm = _warm(evaluator, kernel, space, args, kwargs, chip, plan.key, options)
+        name = options.study_name or study_name(kernel, chip, plan.key, space)
+        search = Search.open(space, name=name, storage=options.storage,
                              sampler=options.sampler, seed=options.seed, trials=options.trials,
                              warm=warm)
-        log = TrialLog(options, kernel.space.size)
+        log = TrialLog(options, space.size)
         try:
             _search_loop(search, log, evaluator, kernel, args, kwargs)
         except BaseException:
             search.release()  # Ctrl-C, a crash: our running trials go back to the queue.
             raise
         search.close()
-        ranking = finish.rerank(evaluator, log, options)
-        extra.update(strategy=search.strategy, evaluator=evaluator.kind)
+        ranking = finish.rerank(evaluator, log, options, finish.default_config(space))
+        extra.update(strategy=search.strategy, evaluator=evaluator.kind, space=space,
+                     dims=dims)
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,
                                      device=evaluator.device, study=search.study, extra=extra)
     return finish.write(kernel, result) if options.write else result
@@ -122,6 +125,28 @@ def _search_loop(search: Search, log: TrialLog, evaluator: Evaluator, kernel: An
         finally:  # Interrupted mid-batch: what was measured is still told (and saved).
             _tell(search, log, asked, {number for number, _ in fresh})      # tell
         evaluator.learn(log.adopt(search.finished()))  # Other hosts on the same study.
+        _fail_fast(kernel, log)
+
+
+def _fail_fast(kernel: Any, log: TrialLog) -> None:
+    """Stops a run whose first ``FAIL_FAST`` candidates all failed with one and the same
+    error: the call's arguments (a dtype the kernel refuses, say), not the configs, are then
+    the problem, and the rest of the budget would fail the same way."""
+    done = [r for r in log.records if r.duplicate_of is None]
+    if len(done) < FAIL_FAST or any(r.outcome.timed for r in done):
+        return
+    errors = {(r.outcome, r.error) for r in done}
+    if len(errors) != 1:
+        return
+    outcome, error = errors.pop()
+    if not error:
+        return
+    from pallas_tune.errors import NoFeasibleConfigError
+
+    raise NoFeasibleConfigError(
+        f"{kernel.name}: the first {len(done)} candidates all failed the same way "
+        f"({outcome.value}), so the call's arguments, not the configs, are the problem; "
+        f"stopped before spending the rest of the budget. The error: {error.strip()[:2000]}")
 
 
 def _tell(search: Search, log: TrialLog, asked: Sequence[tuple[Any, dict[str, Any]]],
@@ -164,24 +189,34 @@ def _started(evaluator: Evaluator) -> Evaluator:
     return evaluator
 
 
-def _warm(evaluator: Any, kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
-          chip: str, key: str, options: TuneOptions) -> list[dict[str, Any]]:
+def call_space(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+               ) -> tuple[Any, dict[str, int]]:
+    """The space searched for this call: one point per distinct effective config when the
+    kernel declares its clamps (see :mod:`pallas_tune.effective`), else its whole space."""
+    if hasattr(kernel, "call_space"):
+        return kernel.call_space(*args, **kwargs)  # type: ignore[no-any-return]
+    return kernel.space, {}
+
+
+def _warm(evaluator: Any, kernel: Any, space: Any, args: Sequence[Any],
+          kwargs: Mapping[str, Any], chip: str, key: str, options: TuneOptions
+          ) -> list[dict[str, Any]]:
     """The warm starts (none needed when every point is evaluated anyway)."""
-    if kernel.space.size <= options.trials:
+    if space.size <= options.trials:
         return []
     if not options.warm_start:
-        return [next(kernel.space.ordered_candidates())]
+        return [next(space.ordered_candidates())]
     return warm_start_configs(kernel, args, kwargs, chip, key, limit=options.warm_start,
-                              rank=evaluator.roofline)
+                              rank=evaluator.roofline, space=space)
 
 
-def _prepare(evaluator: Any, kernel: Any, options: TuneOptions) -> dict[str, Any]:
+def _prepare(evaluator: Any, space: Any, options: TuneOptions) -> dict[str, Any]:
     """Estimates only: whether to trust the kernel's stand-in (one candidate both ways)."""
     if options.timer != "tpu-estimate":
         return {}
     if not getattr(evaluator, "has_standin", False):
         return {"standin": False, "standin_check": {}}
-    configs = list(itertools.islice(kernel.space.ordered_candidates(), STANDIN_SCAN))
+    configs = list(itertools.islice(space.ordered_candidates(), STANDIN_SCAN))
     use, check = evaluator.check_standin(configs)
     return {"standin": use, "standin_check": check}
 

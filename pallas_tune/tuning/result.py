@@ -48,6 +48,10 @@ class TuningResult:
     re-ranking. Each trial's own search-phase median stays in ``records`` and ``trials``.
     ``study``: the Optuna study (real parameter values; plots and optuna-dashboard work on it).
     ``provenance``: how the figures were obtained (chip, timer, versions, counts, ...).
+    ``default_ms``: the default config's median in the same re-ranking as ``best_ms`` (the
+    declared default, else the space's first point; NaN when it did not run), so ``speedup``
+    (default over best) compares like with like. ``effective``: what ``best`` runs as for
+    the call's shapes, where the kernel clamps values larger than a dimension (else None).
     """
 
     kernel: str
@@ -62,6 +66,22 @@ class TuningResult:
     options: TuneOptions
     study: Any = None
     cache_path: str | None = None
+    default_ms: float = math.nan
+    effective: dict[str, Any] | None = None  # What ``best`` runs as, where clamped; else None.
+
+    def __repr__(self) -> str:
+        speed = f", {self.speedup:.2f}x the default" if math.isfinite(self.speedup) else ""
+        best = self.effective or self.best
+        return (f"TuningResult({self.kernel} {self.key} on {self.chip}: best {best} "
+                f"{self.best_ms:.4g} ms{speed}; {len(self.records)} trials, "
+                f"{self.provenance.get('timer', '?')})")
+
+    @property
+    def speedup(self) -> float:
+        """The default's time over the winner's, from the same runs (NaN when unknown)."""
+        if math.isfinite(self.default_ms) and self.best_ms > 0:
+            return self.default_ms / self.best_ms
+        return math.nan
 
     @property
     def best(self) -> dict[str, Any]:
@@ -72,6 +92,14 @@ class TuningResult:
     def counts(self) -> dict[str, int]:
         """Trials asked of the sampler, evaluated, distinct programs, device timings spent."""
         return dict(self.provenance.get("counts", {}))
+
+    @property
+    def tally(self) -> dict[str, int]:
+        """The trials counted as everywhere else (timed, infeasible, failed, duplicates; see
+        :func:`pallas_tune.measure.records.tally`)."""
+        from pallas_tune.measure.records import tally
+
+        return tally((r.outcome.value, r.duplicate_of is not None) for r in self.records)
 
     @property
     def trials(self) -> pd.DataFrame:
@@ -101,6 +129,8 @@ class TuningResult:
             "median_ms": self.best_ms,
             "spread_ms": self.best_spread_ms,
             "search_median_ms": self.best_record.median_ms,
+            **({"default_ms": self.default_ms} if math.isfinite(self.default_ms) else {}),
+            **({"effective": self.effective} if self.effective else {}),
             "provenance": self.provenance,
             "trials": [r.to_json() for r in self.records],
         }

@@ -23,14 +23,21 @@ GP_MAX_CANDIDATES: Final = 50_000
 _PLAIN: Final = (bool, int, float, str)
 
 
-def study_name(kernel: Any, chip: str, key: str) -> str:
+def study_name(kernel: Any, chip: str, key: str, space: Any = None) -> str:
     """The stored study of (kernel, chip, key) when no ``study_name`` is given. It names the
     kernel's code fingerprint when known, so that a run on changed kernel code starts a study
     of its own instead of resuming trials measured on the old code (their values would be told
-    again, not measured)."""
+    again, not measured); and, when the call's space of effective configs is smaller than the
+    kernel's (``space``), a digest of its choices (an Optuna study keeps its distributions)."""
     fingerprint = getattr(kernel, "fingerprint", None)
     name = f"{kernel.name}|{chip}|{key}"
-    return f"{name}|kernel={fingerprint}" if fingerprint else name
+    name = f"{name}|kernel={fingerprint}" if fingerprint else name
+    if space is not None and space is not getattr(kernel, "space", space):
+        import hashlib
+
+        text = repr([(p.name, p.choices) for p in space.params]).encode()
+        name += f"|space={hashlib.sha256(text).hexdigest()[:8]}"
+    return name
 
 
 class ParamCodec:
@@ -130,6 +137,7 @@ class Search:
         search = cls(study, codec, strategy=strategy)
         if created:
             study.set_user_attr("constant_params", codec.constants)
+            _name_metric(study)
         else:
             _storage.fail_dead(study)  # A resume after kill -9: this host's dead trials.
         if created or not search.running():  # Loaders top up a queue only when nobody runs.
@@ -286,6 +294,19 @@ class Search:
         self._seen.add(trial.number)
         self._active.pop(trial._trial_id, None)
         self.study.tell(trial, record.median_ms if record.outcome.timed else math.inf)
+
+
+def _name_metric(study: Any) -> None:
+    """Names the objective for Optuna's plots and optuna-dashboard ("median_ms", not
+    "Objective Value")."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ExperimentalWarning on some Optuna versions.
+        try:
+            study.set_metric_names(["median_ms"])
+        except (AttributeError, NotImplementedError):  # Optuna without metric names.
+            pass
 
 
 def _stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:

@@ -15,8 +15,8 @@ Ranker = Callable[[Sequence[Mapping[str, Any]], str], list[float | None]]
 
 
 def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], chip: str,
-                       key: str, *, limit: int = 6, rank: Ranker | None = None
-                       ) -> list[dict[str, Any]]:
+                       key: str, *, limit: int = 6, rank: Ranker | None = None,
+                       space: Any = None) -> list[dict[str, Any]]:
     """Configs worth measuring first: the declared default, the winners of the nearest tuned
     shapes (same kernel and chip, by key distance; only those valid here; the key's own entry
     first, so that a re-tune measures the config it may replace), then for TPU chips
@@ -29,12 +29,16 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
     from pallas_tune.chips import chip_spec
     from pallas_tune.space import _freeze
 
+    from pallas_tune import effective
+
     rank = rank or _rank_here(kernel, args, kwargs)
-    space = kernel.space
+    space = space if space is not None else kernel.space
+    dims = effective.clamp_dims(space, effective.call_env(kernel.signature, args, kwargs))
     out: list[dict[str, Any]] = []
 
     def add(config: Mapping[str, Any]) -> None:
-        c = {k: config[k] for k in space.names}
+        # A winner of another shape, as the point of this call's space that runs like it.
+        c = effective.representative({k: config[k] for k in space.names}, space, dims)
         if c not in out and c in space and len(out) < limit:
             out.append(c)
 
@@ -48,6 +52,8 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
     winners = []
     for _, _, entry in sorted(near, key=lambda t: (t[0], t[1]))[:limit]:
         config = {k: _freeze(v) for k, v in entry.get("config", {}).items()}
+        if set(config) == set(space.names):
+            config = effective.representative(config, space, dims)
         if set(config) == set(space.names) and config in space and config not in winners:
             winners.append(config)
     for config, t in zip(winners, rank(winners, chip) if winners else [], strict=True):
