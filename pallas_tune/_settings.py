@@ -9,8 +9,12 @@
 ``PALLAS_TUNE_INTERPRET``  ``auto`` (default): interpret Pallas kernels when the default backend is
                            the CPU and no TPU target is set; ``1``: always; ``0``: never.
 ``PALLAS_TUNE_CHIP``       override the chip used for cache lookups (e.g. ``v6e``).
+``PALLAS_TUNE_MAX_FILE_MB`` the most MiB pallas-tune reads of one file (64): a winners file at
+                           trace time, a ``--shapes @FILE``, a ``--from-record`` or ``--space``
+                           file. A real 10,000-shape winners file is about 3 MB.
 
-``PALLAS_TUNE_MODE`` is read on every cache miss (never on a hit), so it may change at run time.
+``PALLAS_TUNE_MODE`` and ``PALLAS_TUNE_MAX_FILE_MB`` are read when used (a cache miss, a file
+read), never on a hit, so they may change at run time.
 ``PALLAS_TUNE_INTERPRET`` and ``PALLAS_TUNE_CHIP`` sit on the per-call path and are read once;
 call :func:`reload` after changing them in a running process.
 """
@@ -43,6 +47,24 @@ def cache_dir() -> str:
     import platformdirs
 
     return platformdirs.user_cache_dir("pallas-tune", appauthor=False)
+
+
+MAX_FILE_MB: Final = 64  # The default of PALLAS_TUNE_MAX_FILE_MB.
+
+
+def max_file_bytes() -> int:
+    """The size limit of every file pallas-tune reads, in bytes (``PALLAS_TUNE_MAX_FILE_MB``,
+    a whole number of MiB, default 64). Raises PallasTuneError for a value that is not one."""
+    text = os.environ.get("PALLAS_TUNE_MAX_FILE_MB", "").strip()
+    if not text:
+        return MAX_FILE_MB * 2**20
+    if not text.isdigit() or not 1 <= int(text) <= 2**20:
+        from pallas_tune.errors import PallasTuneError
+
+        raise PallasTuneError(
+            f"PALLAS_TUNE_MAX_FILE_MB={text!r} is not a whole number of MiB from 1 to 1048576; "
+            f"unset it (default {MAX_FILE_MB}) or give one, e.g. PALLAS_TUNE_MAX_FILE_MB=256.")
+    return int(text) * 2**20
 
 
 _ONCE: dict[str, object] = {}

@@ -26,6 +26,7 @@ __all__ = [
     "interpret_mode",
     "known_chips",
     "normalize_chip",
+    "recognized",
     "should_interpret",
     "target",
     "tpu_device_kind",
@@ -394,3 +395,14 @@ def _chip_spec(name: str) -> ChipSpec:
 
 def known_chips() -> list[str]:
     return [*_TPU, *_GPU, "cpu"]
+
+
+_VENDORS: Final = ("tpu_", "nvidia_", "amd_")
+
+
+def recognized(chip: str) -> bool:
+    """Whether ``chip`` names a chip: a known one, one of a known vendor (a TPU, NVIDIA or AMD
+    chip newer than this table), or this host's, if already detected. Never detects it."""
+    name = normalize_chip(chip)
+    return (name in known_chips() or name.startswith(_VENDORS)
+            or name == _HOST.get("chip"))

@@ -43,6 +43,8 @@ _NODES: Final = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.N
                   ast.UAdd, ast.BinOp, ast.Compare, ast.IfExp, ast.Subscript, ast.Tuple, ast.List,
                   ast.Load, ast.Slice, *_BINOPS, *_CMPOPS)
 _MAX_EXPR_CHARS: Final = 1000
+_MAX_ITEMS: Final = 10_000  # The longest string, tuple or list a repetition may make.
+_MAX_INT_BITS: Final = 2**16  # The largest whole number arithmetic may make.
 
 
 def _check_tree(node: ast.AST, text: str) -> set[str]:
@@ -78,6 +80,21 @@ def _check_tree(node: ast.AST, text: str) -> set[str]:
     return names
 
 
+def _check_binop(op: ast.operator, a: Any, b: Any) -> None:
+    """Raises ValueError for an operation whose result could be huge: a power of a big base or
+    exponent, a string, tuple or list repeated past ``_MAX_ITEMS``, %-formatting of a string."""
+    if isinstance(op, ast.Pow) and (abs(b) > 64 or abs(a) > 2**64):
+        raise ValueError(f"{a} ** {b} is out of range for a constraint")
+    if isinstance(op, ast.Mult):
+        for seq, times in ((a, b), (b, a)):
+            if isinstance(seq, str | tuple | list) and isinstance(times, int) and (
+                    len(seq) * times > _MAX_ITEMS):
+                raise ValueError(f"repeating {len(seq)} items {times} times is out of range "
+                                 f"for a constraint (too long: over {_MAX_ITEMS})")
+    if isinstance(op, ast.Mod) and isinstance(a, str | bytes):
+        raise ValueError("%-formatting a string is not allowed in a constraint")
+
+
 def _eval(n: ast.AST, env: Mapping[str, Any]) -> Any:
     if isinstance(n, ast.Expression):
         return _eval(n.body, env)
@@ -109,9 +126,12 @@ def _eval(n: ast.AST, env: Mapping[str, Any]) -> Any:
         return not v if isinstance(n.op, ast.Not) else (-v if isinstance(n.op, ast.USub) else +v)
     if isinstance(n, ast.BinOp):
         a, b = _eval(n.left, env), _eval(n.right, env)
-        if isinstance(n.op, ast.Pow) and (abs(b) > 64 or abs(a) > 2**64):
-            raise ValueError(f"{a} ** {b} is out of range for a constraint")
-        return _BINOPS[type(n.op)](a, b)
+        _check_binop(n.op, a, b)
+        out = _BINOPS[type(n.op)](a, b)
+        if isinstance(out, int) and out.bit_length() > _MAX_INT_BITS:
+            raise ValueError(f"a result of {out.bit_length()} bits is out of range for a "
+                             "constraint")
+        return out
     if isinstance(n, ast.Compare):
         left = _eval(n.left, env)
         for op, comp in zip(n.ops, n.comparators, strict=True):

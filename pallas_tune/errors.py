@@ -11,6 +11,7 @@ import warnings
 __all__ = [
     "InvalidConfig",
     "CacheFormatError",
+    "InputTooLargeError",
     "CacheMissError",
     "MeasurementError",
     "NoFeasibleConfigError",
@@ -36,6 +37,11 @@ class InvalidConfig(SearchSpaceError):
 
 class CacheFormatError(PallasTuneError, ValueError):
     """A cache file is malformed, truncated or of an unknown schema."""
+
+
+class InputTooLargeError(PallasTuneError, ValueError):
+    """A file pallas-tune reads is over its size limit (``PALLAS_TUNE_MAX_FILE_MB``), or does
+    not end (``/dev/zero``, a pipe that never closes)."""
 
 
 class CacheMissError(PallasTuneError, KeyError):

@@ -15,9 +15,10 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from pallas_tune import _bounded, _settings
 from pallas_tune.config import Config, _freeze
 from pallas_tune.constraints import Constraint, as_constraints
-from pallas_tune.errors import SearchSpaceError
+from pallas_tune.errors import InputTooLargeError, SearchSpaceError
 
 __all__ = ["Config", "Constraint", "Param", "SearchSpace", "TrialEncoder", "load_space"]
 
@@ -351,10 +352,12 @@ def load_space(name_or_path: str) -> dict[str, Any]:
             )
         path = candidate
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raw = _bounded.read_path(path, _settings.max_file_bytes(), what="search-space file")
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise SearchSpaceError(f"search-space file {path} is not valid TOML: {e}") from None
+    except InputTooLargeError as e:
+        raise SearchSpaceError(str(e)) from None
     except OSError as e:
         raise SearchSpaceError(f"cannot read search-space file {path}: {e}") from None
     if "params" not in data or not isinstance(data["params"], dict):

@@ -26,7 +26,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
-from pallas_tune.errors import CacheFormatError
+from pallas_tune import _bounded, _settings
+from pallas_tune.errors import CacheFormatError, InputTooLargeError
 
 __all__ = ["SCHEMA_VERSION", "WinnersFile", "parse_winners", "render_winners", "sanitize"]
 
@@ -308,13 +309,12 @@ def file_identity(st: os.stat_result, write_id: Any) -> tuple[Any, ...]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, write_id)
 
 
-MAX_FILE_BYTES: Final = 2**30
-
-
 def read_raw(path: str) -> tuple[bytes, os.stat_result]:
     """The bytes of a regular file. Raises FileNotFoundError when there is nothing at ``path``,
     or CacheFormatError for anything else in the way (a symbolic link to nothing, a directory,
-    a FIFO that would block, a device, 1 GiB or more, no permission)."""
+    a FIFO that would block, a device, over ``PALLAS_TUNE_MAX_FILE_MB`` (64 MiB; a 10,000-shape
+    file is about 3 MB), no permission); PallasTuneError if that knob is not a number of MiB."""
+    cap = _settings.max_file_bytes()
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
@@ -328,12 +328,9 @@ def read_raw(path: str) -> tuple[bytes, os.stat_result]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CacheFormatError(f"cache file {path} is not a regular file")
-        if st.st_size >= MAX_FILE_BYTES:
-            raise CacheFormatError(f"cache file {path} is {st.st_size} bytes, over 1 GiB")
-        chunks = []
-        while chunk := os.read(fd, 1 << 24):
-            chunks.append(chunk)
-        return b"".join(chunks), st
+        return _bounded.read_fd(fd, cap, what="cache file", path=path, st=st), st
+    except InputTooLargeError as e:
+        raise CacheFormatError(str(e)) from None
     except OSError as e:
         raise CacheFormatError(f"cache file {path} cannot be read ({e.strerror or e})") from None
     finally:

@@ -4,7 +4,8 @@
 writer adds one line per tuned shape, ``{"key", "kind", "written", "config", "median_ms",
 "provenance", "trials": [...]}``, under the winners file's lock. Nothing on the dispatch path
 reads it; ``pallas-tune show --trials`` and reports do. A writer killed mid-line leaves a partial
-line: readers skip lines that do not parse, and the next writer starts on a fresh line.
+line: readers skip lines that do not parse (or are over ``PALLAS_TUNE_MAX_FILE_MB``, never held
+whole), and the next writer starts on a fresh line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import stat
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pallas_tune import _settings
 from pallas_tune.cache.files import dumps
 
 __all__ = ["append", "read"]
@@ -61,8 +63,14 @@ def _lines(path: str) -> Iterator[dict[str, Any] | None]:
             return
     except FileNotFoundError:
         return
+    cap = _settings.max_file_bytes()  # Per line: a ledger is history, and may grow past it.
     with open(path, "rb") as f:
-        for raw in f:
+        while raw := f.readline(cap + 1):
+            if len(raw) > cap and not raw.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass  # Skip the rest of a line over the limit without holding it.
+                yield None
+                continue
             if not raw.strip():
                 continue
             try:

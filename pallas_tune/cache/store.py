@@ -146,11 +146,11 @@ class TuningCache:
 
     def _load(self, chip: str, kernel: str) -> list[_Source]:
         chip = chips.normalize_chip(chip)
-        sources = []
+        sources, roots = [], [r for r in self.roots() if self._is_dir(r)]
         for kind in files.KINDS:
             served = reader.served_names(kernel, kind)  # The names `check` expects, too.
             legacy = names.winners_name(names.legacy_filename(kernel), kind)
-            for root in self.roots():
+            for root in roots:
                 d = os.path.join(root, chip)
                 for name in served:
                     wf = self._open(os.path.join(d, name), chip, kernel, kind,
@@ -158,6 +158,13 @@ class TuningCache:
                     if wf is not None:
                         sources.append(_Source(wf.path, kind, wf))
         return sources
+
+    def _is_dir(self, root: str) -> bool:  # One warning for a root that is something else.
+        if not os.path.isdir(root) and os.path.lexists(root):
+            self._warn_file(root, f"pallas-tune: the cache directory {root} is not a directory; "
+                            "nothing is looked up in it (left as it is). Point "
+                            "PALLAS_TUNE_CACHE_DIR (or PALLAS_TUNE_CACHE_PATH) at a directory.")
+        return os.path.isdir(root)
 
     def _sources(self, chip: str, kernel: str) -> list[_Source]:
         k = (chip, kernel)

@@ -12,7 +12,7 @@ from typing import Any
 from pallas_tune.cli.registry import KernelRegistry, add_import_option
 from pallas_tune.cli.shapes import CLIUsageError
 
-__all__ = ["add_parsers", "cmd_check", "cmd_merge"]
+__all__ = ["add_parsers", "cmd_check", "cmd_merge", "root_problem"]
 
 
 def add_parsers(sub: Any) -> None:
@@ -55,7 +55,8 @@ def _winners_files(paths: list[str]) -> Iterator[tuple[str, str]]:
             yield p, os.path.basename(os.path.dirname(os.path.abspath(p)))
             continue
         if not os.path.isdir(p):
-            raise CLIUsageError(f"{p}: no such file or directory")
+            raise CLIUsageError(f"{p}: not a regular file nor a directory" if os.path.exists(p)
+                                else f"{p}: no such file or directory")
         for dirpath, dirnames, filenames in os.walk(p):
             # A directory (or a link to one) named like a winners file is what a call meets
             # under that name: checked as a file (and so refused), not walked into.
@@ -156,11 +157,22 @@ def _fingerprints(wf: Any, kernel: Any, path: str, counts: dict[str, int]
     return malformed, stale
 
 
+def root_problem(root: str) -> str | None:
+    """Why the user cache directory cannot hold a cache (it is a file), or None."""
+    if os.path.lexists(root) and not os.path.isdir(root):
+        return (f"the cache directory {root} is not a directory (a file?), left as it is; "
+                "point PALLAS_TUNE_CACHE_DIR at a directory")
+    return None
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from pallas_tune import chips
     from pallas_tune.cache import default_cache
 
     paths = args.paths or [default_cache().user_root]
+    if not args.paths and root_problem(paths[0]):
+        print(f"problem: {root_problem(paths[0])}")
+        return 1
     registry = None if args.no_kernels else KernelRegistry(args.imports or (), args.path or ())
     if registry is not None:
         for kernel in _space_kernels(args):  # Named by the user's --space files: allowed.
@@ -265,8 +277,13 @@ def cmd_merge(args: argparse.Namespace) -> int:
             skipped += 1
             continue
         target = groups.setdefault((chip, kernel, kind), {})
+        for damage in wf.damage:
+            print(f"pallas-tune merge: {path}: {damage}", file=sys.stderr)
         for key, value, problem in wf.items():
-            if problem is not None or entry_problem(value) is not None:
+            problem = problem or entry_problem(value) or (None if key else "the key is empty")
+            if problem is not None:
+                print(f"pallas-tune merge: skipped {path}, key {key!r}: {problem}",
+                      file=sys.stderr)
                 skipped += 1
                 continue
             if _better(target.get(key), value):

@@ -6,19 +6,27 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import math
 import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["CLIUsageError", "build_call", "check_specs", "example_spec", "read_shapes",
-           "spec_items"]
+           "read_text", "spec_items"]
 
 _ARRAYISH = re.compile(r"[0-9][0-9A-Za-z]*(x[0-9A-Za-z]*)*(:.*)?")
 
 
 class CLIUsageError(Exception):
     """Bad command-line input; printed without a traceback, exit status 2."""
+
+
+# A dtype name after the colon of an unquoted value: the value was meant as an array.
+_DTYPEISH = re.compile(r"[^\"]*:(bool|u?int\d+|b?float\d+\w*|complex\d+)")
+MAX_SPEC_CHARS = 10_000  # Longer specs are not shapes (and would flood the terminal).
+MAX_DIM = 2**31 - 1
+MAX_ELEMENTS = 2**40  # Elements, and bytes: no device holds a TiB in one array.
 
 
 def check_specs(specs: Sequence[str]) -> None:
@@ -30,23 +38,47 @@ def check_specs(specs: Sequence[str]) -> None:
 def _parse(spec: str) -> dict[str, Any]:
     from pallas_tune import keys
 
+    if len(spec) > MAX_SPEC_CHARS:
+        raise CLIUsageError(f"--shapes {spec[:60]!r}... is {len(spec)} characters long, over "
+                            f"{MAX_SPEC_CHARS}: not a shape spec")
     try:
         parsed = keys.parse_key(spec)
     except ValueError as e:
         raise CLIUsageError(f"--shapes {spec!r}: {e}") from None
     for name, p in parsed.items():
-        text = p[1] if p[0] == "static" else None
-        if isinstance(text, str) and ("x" in text or ":" in text) and _ARRAYISH.fullmatch(text):
-            dims, _, dtype = text.partition(":")
-            if dtype and not all(d.isdigit() for d in dims.split("x")):
-                why = f"dims {dims!r} must be whole numbers separated by 'x'"
-            elif not dtype:
-                why = f"it has no dtype: write {name}={dims}:float32 (or bfloat16, int8, ...)"
-            else:
-                why = "it is neither an array spec nor a plain value"
-            raise CLIUsageError(f"--shapes {spec!r}: {name}={text}: {why}; an array is "
-                                f"written name=DIMS:DTYPE, e.g. {name}=1024x1024:bfloat16")
+        why = _problem(name, p)
+        if why is not None:
+            raise CLIUsageError(f"--shapes {spec!r}: {why}; an array is written "
+                                f"name=DIMS:DTYPE, e.g. {name}=1024x1024:bfloat16")
     return parsed
+
+
+def _problem(name: str, p: Any) -> str | None:
+    """What is wrong with one parsed item of a spec (an array's dims), or None."""
+    if p[0] == "arrays":
+        return next((w for w in (_problem(name, x) for x in p[1]) if w is not None), None)
+    if p[0] == "array":
+        dims = "x".join(map(str, p[1]))
+        if any(d < 1 for d in p[1]):
+            return f"{name}={dims}:{p[2]}: every dim must be at least 1"
+        if any(d > MAX_DIM for d in p[1]) or math.prod(p[1]) > MAX_ELEMENTS:
+            return (f"{name}={dims[:80]}:{p[2]} has more elements than any device could hold "
+                    f"(the most: 2**40 elements, 2**31-1 per dim)")
+        return None
+    text = p[1]
+    if text == "":
+        return f"{name}= has no value"
+    if not isinstance(text, str):
+        return None
+    if ("x" in text or ":" in text) and _ARRAYISH.fullmatch(text) or _DTYPEISH.fullmatch(text):
+        dims, _, dtype = text.partition(":")
+        if dtype and not all(d.isdigit() for d in dims.split("x")):
+            return f"{name}={text}: dims {dims!r} must be whole numbers separated by 'x'"
+        if not dtype:
+            return f"{name}={text}: it has no dtype: write {name}={dims}:float32 (or " \
+                   "bfloat16, int8, ...)"
+        return f"{name}={text}: it is neither an array spec nor a plain value"
+    return None
 
 
 def example_spec(kernel: Any) -> str:
@@ -72,6 +104,10 @@ def build_call(kernel: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
                 dtype = jnp.dtype(p[2])
             except TypeError:
                 raise CLIUsageError(f"unknown dtype {p[2]!r} in {spec!r}") from None
+            if math.prod(p[1]) * dtype.itemsize > MAX_ELEMENTS:
+                raise CLIUsageError(f"--shapes {spec!r}: an array of {p[1]} {dtype.name} is "
+                                    f"over {MAX_ELEMENTS} bytes (1 TiB), more than any device "
+                                    "holds")
             return jax.ShapeDtypeStruct(p[1], dtype)
         if p[0] == "arrays":
             return tuple(materialize(x) for x in p[1])
@@ -119,16 +155,35 @@ def spec_items(spec: Any) -> str:
     return ",".join(parts)
 
 
+def read_text(path: str, what: str, *, errors: str = "strict") -> str:
+    """A file named on the command line, as text: at most ``PALLAS_TUNE_MAX_FILE_MB`` of it
+    (``/dev/zero`` or an endless pipe is refused after that). Raises CLIUsageError."""
+    from pallas_tune import _bounded, _settings
+    from pallas_tune.errors import InputTooLargeError
+
+    try:
+        raw = _bounded.read_path(path, _settings.max_file_bytes(), what=what)
+    except InputTooLargeError as e:
+        raise CLIUsageError(str(e)) from None
+    except OSError as e:
+        raise CLIUsageError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
+    except ValueError:  # A NUL in the name.
+        raise CLIUsageError(f"{what} {path!r} is not a file name") from None
+    try:
+        return raw.decode("utf-8", errors)
+    except UnicodeDecodeError as e:
+        raise CLIUsageError(f"{what} {path} is not UTF-8 text (byte {e.start}); give a text "
+                            "file") from None
+
+
 def read_shapes(args: argparse.Namespace) -> list[str]:
     specs: list[str] = []
     for s in getattr(args, "shapes", None) or []:
         if s.startswith("@") or (os.path.isfile(s) and "=" not in s):
             path = s.lstrip("@")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    specs += [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
-            except OSError as e:
-                raise CLIUsageError(f"cannot read shapes file {path}: {e}") from None
+            text = read_text(path, "shapes file")
+            specs += [ln.strip() for ln in text.splitlines()
+                      if ln.strip() and not ln.startswith("#")]
         else:
             specs.append(s)
     return specs

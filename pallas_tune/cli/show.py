@@ -1,4 +1,5 @@
-"""``pallas-tune show``: what the caches hold, as a table, JSON or CSV, with no key cut."""
+"""``pallas-tune show``: what the caches hold, as a table (no real key cut; cells over 1,000
+characters are), JSON or CSV (whole)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from pallas_tune.cli.registry import KernelRegistry
 __all__ = ["cmd_show", "code_state", "judge_entries", "kernels_of", "show_problems", "show_rows"]
 
 _HEADER = ("kernel", "chip", "key", "best config", "median_ms", "how", "code", "cache")
+_PAD = 160  # Columns are padded to at most this many characters.
+_MAX_CELL = 1000  # Longer cells are cut in the table (no real key comes near it).
 
 
 def _esc(value: Any, width: int | None = None) -> str:
@@ -128,6 +131,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from pallas_tune import chips
     from pallas_tune.cache import default_cache
     from pallas_tune.cache.inventory import inventory
+    from pallas_tune.cli import check
 
     cache = default_cache()
     chip = chips.normalize_chip(args.chip) if args.chip else None
@@ -152,29 +156,46 @@ def cmd_show(args: argparse.Namespace) -> int:
                   default=str)
         print()
         return 0
-    if fmt == "csv":
+    if fmt == "csv":  # Whole cells, control characters escaped as in the table.
         w = csv.writer(sys.stdout)
         w.writerow(_HEADER)
-        w.writerows(rows)
+        w.writerows(tuple(_esc(c) for c in r) for r in rows)
         return 0
     if not rows:
         print(_esc(f"no cache entries (looked in {cache.roots()})"))
         return 0
-    rows = [tuple(_esc(c) for c in r) for r in rows]
-    # Config, how and cache columns wrap at 70; the key and kernel are never cut.
-    widths = [max(len(r[i]) for r in [*rows, _HEADER]) for i in range(len(_HEADER))]
-    print("  ".join(h.ljust(w) for h, w in zip(_HEADER, widths, strict=True)).rstrip())
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    _print_table(rows)
     problems = show_problems(reports) + unchecked
+    root = check.root_problem(cache.user_root)
+    problems = problems + [root] if root else problems
     if problems:
         print("\nproblems (entries not served, or served with a warning; files are left as "
               "they are):")
         for line in problems:
-            print(_esc(f"  {line}"))
+            text = _esc(f"  {line}")
+            print(text if len(text) <= 2 * _MAX_CELL else text[:2 * _MAX_CELL - 1] + "…")
     if args.trials:
         _print_trials(reports, args.key)
     return 0
+
+
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
+    """The rows as columns padded to at most ``_PAD`` characters (a longer cell overflows its
+    own row only), no cell over ``_MAX_CELL`` (cut with an ellipsis: the JSON and CSV formats
+    hold them whole)."""
+    cut = 0
+    shown = []
+    for r in rows:
+        cells = [_esc(c) for c in r]
+        cut += sum(len(c) > _MAX_CELL for c in cells)
+        shown.append([c if len(c) <= _MAX_CELL else c[:_MAX_CELL - 1] + "…" for c in cells])
+    widths = [min(_PAD, max(len(r[i]) for r in [*shown, _HEADER])) for i in range(len(_HEADER))]
+    print("  ".join(h.ljust(w) for h, w in zip(_HEADER, widths, strict=True)).rstrip())
+    for r in shown:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if cut:
+        print(f"({cut} cell(s) cut at {_MAX_CELL} characters; --format json or csv shows them "
+              "whole)")
 
 
 def _runs_of(reports: Sequence[Any], kernel: str, chip: str, key: str) -> list[Any]:

@@ -19,7 +19,14 @@ from typing import Any
 
 from pallas_tune.cli.options import tune_options
 from pallas_tune.cli.registry import KernelRegistry, import_path, load_kernel
-from pallas_tune.cli.shapes import CLIUsageError, build_call, check_specs, read_shapes, spec_items
+from pallas_tune.cli.shapes import (
+    CLIUsageError,
+    build_call,
+    check_specs,
+    read_shapes,
+    read_text,
+    spec_items,
+)
 from pallas_tune.measure.records import describe_tally
 
 # import_path and load_kernel live in cli.registry (what may be imported); re-exported here.
@@ -31,18 +38,13 @@ def read_record(path: str) -> dict[str, list[str]]:
     Lines that are not records are skipped with a warning (the file is production's)."""
     jobs: dict[str, list[str]] = {}
     bad = 0
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.readlines()
-    except OSError as e:
-        raise CLIUsageError(f"--from-record {path}: cannot read it ({e})") from None
-    for line in lines:
+    for line in read_text(path, "--from-record", errors="replace").splitlines():
         try:
             rec = json.loads(line)
             ref, spec = rec["ref"], rec["shapes"]
             if not isinstance(ref, str) or not isinstance(spec, str):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             bad += line.strip() != ""
             continue
         specs = jobs.setdefault(ref, [])
@@ -104,15 +106,48 @@ def _allowed_records(args: argparse.Namespace, jobs: dict[str, list[str]]
 
 
 def _storage(args: argparse.Namespace) -> str | None:
+    """The storage URL, checked (an SQLite file given must be a database); nothing created."""
+    from pallas_tune.tuning.storage import check_url, default_storage_url
+
     if args.no_storage:
         if args.storage:
             raise CLIUsageError("give --storage or --no-storage, not both")
         return None
     if args.storage:
+        check_url(args.storage, files=True)
         return args.storage
-    from pallas_tune.tuning.storage import default_storage_url
+    args.default_storage = True
+    return default_storage_url(create=False)
 
-    return default_storage_url()
+
+def _prepare(args: argparse.Namespace, write: bool) -> None:
+    """Creates what the sweep writes to, once every input is checked (a usage error creates
+    nothing): the cache directory and the default storage's; then opens the storage."""
+    from pallas_tune.cache import default_cache
+    from pallas_tune.errors import PallasTuneError
+    from pallas_tune.tuning.storage import open_storage, storage_dir
+
+    root = default_cache().user_root
+    fix = "set PALLAS_TUNE_CACHE_DIR to a writable directory"
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise PallasTuneError(f"the cache directory {root} is a file, not a directory (left as "
+                              f"it is); {fix}")
+    default = getattr(args, "default_storage", False)
+    if args.storage and not default:
+        open_storage(args.storage)  # Unreachable or driverless: say so before any work.
+    dirs = ([root] if write else []) + ([storage_dir()] if default else [])
+    for d in dirs:
+        what, how = ("cache", fix) if d == root else (
+            "study", f"{fix} (or PALLAS_TUNE_STORAGE_DIR), or pass --no-storage or --storage URL")
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise PallasTuneError(f"cannot create the {what} directory {d} "
+                                  f"({e.strerror or e}); {how}") from None
+        if not os.access(d, os.W_OK):
+            raise PallasTuneError(f"the {what} directory {d} is not writable; {how}")
+    if default:
+        open_storage(args.storage)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -132,15 +167,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         _settings.reload()
     chip = chips.normalize_chip(args.chip) if args.chip else chips.current_chip()
     args.storage = _storage(args)
-    if args.storage:
-        from pallas_tune.tuning.storage import open_storage
-
-        open_storage(args.storage)  # Unreachable or driverless: say so before any work.
-    tune_options(args, chip)  # Bad values fail here, before any shape is tuned.
-    failures = 0
-    for kernel_ref, specs in jobs:
+    options = tune_options(args, chip)  # Bad values fail here, before any shape is tuned.
+    loaded = []
+    for kernel_ref, specs in jobs:  # Every kernel and spec checked before anything is made.
         kernel = load_kernel(kernel_ref, args.path or ())
-        calls = [(spec, *build_call(kernel, spec)) for spec in specs]  # All checked first.
+        loaded.append((kernel, [(spec, *build_call(kernel, spec)) for spec in specs]))
+    _prepare(args, options.write)
+    failures = 0
+    for kernel, calls in loaded:
         failures += _sweep_kernel(args, kernel, chip, calls)
     return 1 if failures or skipped else 0
 

@@ -296,10 +296,15 @@ def host_platform() -> tuple[str, bool]:
     wanted = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
     if wanted:
         return ("gpu" if wanted in ("cuda", "rocm") else wanted), False
-    if (importlib.util.find_spec("libtpu") is not None
-            and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))):
+    def installed(module: str) -> bool:
+        try:  # find_spec("a.b") imports "a", and raises when there is no "a".
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    if installed("libtpu") and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
         return "tpu", False
-    cuda = any(importlib.util.find_spec(m) is not None
+    cuda = any(installed(m)
                for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12"))
     if cuda and glob.glob("/dev/nvidia[0-9]*"):
         return "gpu", False

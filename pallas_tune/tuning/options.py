@@ -29,10 +29,12 @@ class TuneOptions:
     """How a kernel is tuned. Build it with keywords; every value is checked here.
 
     Search
-      trials: distinct programs to measure (32). Candidates that are rejected before running,
-        and candidates whose lowered program was already measured (``duplicate_of``), do not
-        count. When the space has no more points than ``trials``, every point is evaluated.
-      seed: seeds the sampler and the random inputs made for ``ShapeDtypeStruct`` arguments.
+      trials: distinct programs to measure (32; at most 100,000). Candidates that are
+        rejected before running, and candidates whose lowered program was already measured
+        (``duplicate_of``), do not count. When the space has no more points than ``trials``,
+        every point is evaluated.
+      seed: seeds the sampler and the random inputs made for ``ShapeDtypeStruct`` arguments
+        (0 to 2**32 - 1).
       sampler: ``"gp"`` (default: a Gaussian process's expected improvement over every
         candidate; TPE over 50,000 points) or ``"tpe"`` (Optuna's multivariate TPE).
       warm_start: how many warm configs to try first (6): the declared default, the winners of
@@ -55,6 +57,7 @@ class TuneOptions:
         ``"tpu-estimate"`` (the TPU compiler's static cycle estimate, deviceless; needs
         libtpu and a TPU ``chip``; written as cache entries of kind ``estimate``).
       chip: the chip to tune for (default: this host's). Another chip needs ``tpu-estimate``.
+        A known chip (``pallas_tune.chips.known_chips()``), or a TPU, NVIDIA or AMD one.
       warmup: untimed calls before timing (1; the first is the correctness check).
       repeats: timed runs per candidate (5), cut short by ``max_time_s`` and ``slow_factor``.
       min_time_s: keep timing until this much time has passed (0).
@@ -78,7 +81,8 @@ class TuneOptions:
       timeout_s: time limit of each phase in a worker: one number for every phase, or a
         mapping over ``trace``, ``compile``, ``run`` (defaults 120, 600 and 300 s). Giving it
         implies ``isolate`` unless that is set.
-      workers: worker processes for ``tpu-estimate`` compiles (2). Measurement uses one.
+      workers: worker processes for ``tpu-estimate`` compiles (2; at most 4 per CPU, or 8).
+        Measurement uses one.
       compile_workers: in-process, compile a batch in this many threads, then measure one at
         a time (default 1 on a CPU backend, 4 on an accelerator).
 
@@ -130,15 +134,9 @@ class TuneOptions:
     callbacks: tuple[Callable[..., Any], ...] = ()
 
     def __post_init__(self) -> None:
-        _whole(self, "trials", 1)
-        _whole(self, "warm_start", 0)
-        _whole(self, "warmup", 0)
-        _whole(self, "repeats", 1)
-        _whole(self, "retime_top", 0)
-        _whole(self, "workers", 1)
-        for name in ("seed", "patience", "max_attempts", "compile_workers"):
-            if getattr(self, name) is not None:
-                _whole(self, name, 0 if name == "seed" else 1)
+        for name, (low, high) in _COUNTS.items():
+            if getattr(self, name) is not None or name not in _OPTIONAL:
+                _whole(self, name, low, high() if callable(high) else high)
         _choice(self, "sampler", SAMPLERS)
         _choice(self, "timer", TIMERS)
         _choice(self, "feasibility", FEASIBILITY)
@@ -163,6 +161,7 @@ class TuneOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise TuneOptionError(f"{name}={value!r} must be a non-empty string or None.")
+        self._check_chip()
         self._check_storage()
         object.__setattr__(self, "timeout_s", _limits(self.timeout_s))
         callbacks = (self.callbacks,) if callable(self.callbacks) else tuple(self.callbacks)
@@ -172,11 +171,22 @@ class TuneOptions:
                                       "functions taking (record, progress).")
         object.__setattr__(self, "callbacks", callbacks)
 
+    def _check_chip(self) -> None:
+        from pallas_tune import chips
+
+        if self.chip is not None and not chips.recognized(self.chip):
+            raise TuneOptionError(
+                f"chip={self.chip!r} is not a chip pallas-tune knows; give one of "
+                f"{chips.known_chips()} (short names such as 'v6e' or a device_kind such as "
+                "'TPU v6 lite' work too), or None for this host's.")
+
     def _check_storage(self) -> None:
         s = self.storage
-        if s is None or (isinstance(s, str) and "://" in s):
-            return
-        if isinstance(s, str) or not hasattr(s, "create_new_study"):
+        if isinstance(s, str):
+            from pallas_tune.tuning.storage import check_url
+
+            check_url(s)
+        elif s is not None and not hasattr(s, "create_new_study"):
             raise TuneOptionError(f"storage={s!r} must be an Optuna storage URL such as "
                                   "'sqlite:///tune.db' or a storage object.")
 
@@ -240,10 +250,28 @@ class TuneOptions:
         return True if self.timeout_s != DEFAULT_LIMITS else None
 
 
-def _whole(o: TuneOptions, name: str, low: int) -> None:
+def _max_workers() -> int:
+    import os
+
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+# Whole-number options: (lowest, highest or a function of the host giving it). The highest are
+# far past any real use; they stop a typo (an extra three zeros) from starting 10**9 processes
+# or a study that never ends.
+_COUNTS: Final[dict[str, tuple[int, int | Callable[[], int]]]] = {
+    "trials": (1, 100_000), "warm_start": (0, 1000), "warmup": (0, 1000),
+    "repeats": (1, 100_000), "retime_top": (0, 1000), "workers": (1, _max_workers),
+    "seed": (0, 2**32 - 1), "patience": (1, 1_000_000), "max_attempts": (1, 10_000_000),
+    "compile_workers": (1, _max_workers),
+}
+_OPTIONAL: Final = ("seed", "patience", "max_attempts", "compile_workers")
+
+
+def _whole(o: TuneOptions, name: str, low: int, high: int) -> None:
     v = getattr(o, name)
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise TuneOptionError(f"{name}={v!r} must be a whole number >= {low}.")
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise TuneOptionError(f"{name}={v!r} must be a whole number from {low} to {high}.")
 
 
 def _number(o: TuneOptions, name: str, low: float, *, strict: bool = False) -> None:

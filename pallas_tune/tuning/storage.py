@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -34,8 +35,8 @@ from typing import Any, Final
 
 from pallas_tune.errors import TuneOptionError
 
-__all__ = ["HEARTBEAT_S", "Heartbeat", "default_storage_url", "fail_dead", "load_or_create",
-           "open_storage", "owner"]
+__all__ = ["HEARTBEAT_S", "Heartbeat", "check_url", "default_storage_url", "fail_dead",
+           "load_or_create", "open_storage", "owner", "storage_dir"]
 
 HEARTBEAT_S: Final = 10  # Seconds between heartbeats of a running trial.
 GRACE_S: Final = 60  # A trial without a heartbeat for this long belongs to a dead worker.
@@ -44,16 +45,77 @@ OWNER_ATTR: Final = "pallas_tune:owner"
 _RETRIES: Final = 8
 
 
-def default_storage_url() -> str:
-    """The embedded default: ``<user cache>/.studies/studies.db``, one SQLite file beside the
-    tuned configs (``$PALLAS_TUNE_STORAGE_DIR`` overrides the directory)."""
+# SQLAlchemy's database dialects (``postgresql+psycopg://`` names a driver too).
+SCHEMES: Final = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")
+_SQLITE_MAGIC: Final = b"SQLite format 3\x00"
+
+
+def storage_dir() -> str:
+    """Where the embedded default storage lives: ``<user cache>/.studies``
+    (``$PALLAS_TUNE_STORAGE_DIR`` overrides it). Not created here."""
     base = os.environ.get("PALLAS_TUNE_STORAGE_DIR")
     if not base:
         from pallas_tune import _settings
 
         base = os.path.join(_settings.cache_dir(), ".studies")
-    os.makedirs(base, exist_ok=True)
-    return "sqlite:///" + os.path.join(os.path.abspath(base), "studies.db")
+    return os.path.abspath(base)
+
+
+def default_storage_url(*, create: bool = True) -> str:
+    """The embedded default: ``<user cache>/.studies/studies.db``, one SQLite file beside the
+    tuned configs (``$PALLAS_TUNE_STORAGE_DIR`` overrides the directory, created unless
+    ``create`` is False)."""
+    base = storage_dir()
+    if create:
+        os.makedirs(base, exist_ok=True)
+    return "sqlite:///" + os.path.join(base, "studies.db")
+
+
+def check_url(url: str, *, files: bool = False) -> None:
+    """Raises TuneOptionError unless ``url`` is a storage URL of a known database; with
+    ``files``, also unless an SQLite URL's directory exists and its file, if there is one, is
+    an SQLite database. Opens nothing for writing, creates nothing."""
+    scheme, sep, rest = url.partition("://")
+    dialect = scheme.partition("+")[0].lower()
+    if not sep or not scheme:
+        raise TuneOptionError(f"storage={url!r} is not a storage URL; give one such as "
+                              "'sqlite:///tune.db' or 'postgresql://user@host/db'.")
+    if dialect not in SCHEMES:
+        raise TuneOptionError(f"storage={url!r}: unknown scheme {scheme!r}; the databases are "
+                              f"{list(SCHEMES)} (e.g. 'sqlite:///tune.db', "
+                              "'postgresql://user@host/db').")
+    if files and dialect == "sqlite":
+        _check_sqlite_file(url, rest.partition("?")[0])
+
+
+def _check_sqlite_file(url: str, rest: str) -> None:
+    path = rest[1:] if rest.startswith("/") else rest  # sqlite:///rel.db, sqlite:////abs.db
+    if path in ("", ":memory:"):
+        return
+    if "\x00" in path:
+        raise TuneOptionError(f"storage={url!r}: {path!r} is not a file name.")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise TuneOptionError(f"storage={url!r}: no such directory {parent}; create it, or "
+                              "give a path in an existing directory.")
+    if not os.path.lexists(path):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            st = os.fstat(fd)
+            head = os.read(fd, len(_SQLITE_MAGIC)) if stat.S_ISREG(st.st_mode) else b""
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise TuneOptionError(f"storage={url!r}: cannot read {path} ({e.strerror or e})"
+                              ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TuneOptionError(f"storage={url!r}: {path} is not a regular file; give the path "
+                              "of an SQLite database, or of a new file to create.")
+    if st.st_size and head != _SQLITE_MAGIC:
+        raise TuneOptionError(f"storage={url!r}: {path} is not an SQLite database (it holds "
+                              "something else, left as it is); give a new file name.")
 
 
 def open_storage(storage: Any) -> Any:
@@ -81,6 +143,9 @@ def open_storage(storage: Any) -> Any:
                 sqlalchemy.exc.OperationalError) as e:
             last = e  # Another worker is creating the same tables: wait, try again.
             time.sleep(0.2 * (attempt + 1))
+        except sqlalchemy.exc.DatabaseError as e:  # Not a database (after check_url said so).
+            raise TuneOptionError(f"storage={storage!r} cannot be opened ({e.orig}); give "
+                                  "the URL of a database, or a new SQLite file.") from None
         except ImportError as e:
             raise TuneOptionError(f"storage={storage!r} needs a database driver that is not "
                                   f"installed ({e}); for PostgreSQL: pip install "
