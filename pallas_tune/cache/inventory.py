@@ -35,6 +35,10 @@ class EntryReport:
     problem: str | None  # Why a reader would skip it; None if it serves.
     kernel_fingerprint: str | None = None  # The kernel code it was tuned on; None: unknown.
     fingerprint_problem: str | None = None  # A malformed recorded fingerprint (then unknown).
+    effective: dict[str, Any] | None = None  # What the config runs as (clamped), if recorded.
+    implementation: str = "pallas"  # "xla" where the reference won and calls run it.
+    default_ms: float | None = None  # The default's time in the same final ranking.
+    xla_ms: float | None = None  # The reference's (XLA) time in the same final ranking.
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,7 +84,10 @@ def _entry_report(key: str, value: Any, problem: str | None) -> EntryReport:
         interpret=prov.get("interpret") if isinstance(prov.get("interpret"), bool) else None,
         trial_count=count if isinstance(count, int) and not isinstance(count, bool) else None,
         outside_space=entry.get("outside_space") is True, problem=problem,
-        kernel_fingerprint=fingerprint, fingerprint_problem=fingerprint_problem)
+        kernel_fingerprint=fingerprint, fingerprint_problem=fingerprint_problem,
+        effective=entry.get("effective") if isinstance(entry.get("effective"), dict) else None,
+        implementation="xla" if entry.get("implementation") == "xla" else "pallas",
+        default_ms=_number(entry.get("default_ms")), xla_ms=_number(entry.get("xla_ms")))
 
 
 def _file_report(path: str, root: str, shipped: bool, chip: str, role: str, kind: str

@@ -155,8 +155,8 @@ def _figures(plt: Any, optuna: Any, study: Any, trials: list[dict[str, Any]],
     if compare:
         fig, ax = plt.subplots(figsize=(5, 2.6))
         ax.barh(list(compare)[::-1], list(compare.values())[::-1],
-                color=["C2", "C1", "C0"][:len(compare)][::-1])
-        ax.set(xlabel=unit, title="tuned vs default vs reference")
+                color=["C2", "C1", "C0", "C3"][:len(compare)][::-1])
+        ax.set(xlabel=unit, title="tuned vs default vs XLA / reference")
         pngs.append(_png(fig, plt, f"{stem}_compare.png"))
         frags.append(go.Figure(go.Bar(x=list(compare.values()), y=list(compare),
                                       orientation="h"),
@@ -209,6 +209,9 @@ def _compare(e: Any, prov: dict[str, Any], reference_ms: float | None) -> dict[s
     for row in ranking if isinstance(ranking, list) else ():
         if isinstance(row, dict) and row.get("default") is True and _finite(row.get("median_ms")):
             out["default"] = float(row["median_ms"])
+        if (isinstance(row, dict) and row.get("implementation") == "xla"
+                and _finite(row.get("median_ms"))):
+            out["xla"] = float(row["median_ms"])  # Timed in the same rounds.
     if reference_ms is not None:
         out["reference"] = reference_ms
     return out
@@ -227,8 +230,9 @@ def unit_label(prov: dict[str, Any]) -> str:
 def _summary(rows: list[dict[str, Any]]) -> str:
     """The page's first table: per shape the best config, its time, the default's, the
     speed-up and the reference's, each cell's number also in a data- attribute."""
-    head = ("<table class=summary><tr><th>shape</th><th>best config</th><th>tuned</th>"
-            "<th>default</th><th>speed-up</th><th>reference</th><th>unit</th></tr>")
+    head = ("<table class=summary><tr><th>shape</th><th>best config (as it runs)</th>"
+            "<th>tuned</th><th>default</th><th>speed-up</th><th>XLA</th><th>calls run</th>"
+            "<th>reference</th><th>unit</th></tr>")
     body = []
     for r in rows:
         c = r["compare"]
@@ -243,6 +247,7 @@ def _summary(rows: list[dict[str, Any]]) -> str:
             f"<tr><td><code>{html.escape(r['key'])}</code></td><td><code>"
             f"{html.escape(json.dumps(r['config']))}</code></td>{cell('tuned', c.get('tuned'))}"
             f"{cell('default', c.get('default'))}{cell('speedup', speed, '{:.2f}x')}"
+            f"{cell('xla', c.get('xla'))}<td class=runs>{html.escape(r['runs'])}</td>"
             f"{cell('reference', c.get('reference'))}<td>{html.escape(r['unit'])}</td></tr>")
     return head + "".join(body) + "</table>"
 
@@ -345,7 +350,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         prov = prov if isinstance(prov, dict) else {}
         unit = unit_label({"kind": r.kind, **prov})
         compare = _compare(e, prov, _time_reference(kernel, e.key))
-        rows.append({"key": e.key, "config": e.config, "compare": compare, "unit": unit})
+        rows.append({"key": e.key, "config": e.effective or e.config, "compare": compare,
+                     "unit": unit, "runs": e.implementation})
         stem = os.path.join(args.out, f"{len(sections):02d}_{_slug(e.key)}")
         p, frags, notes = _figures(plt, optuna, _study(optuna, trials), trials, compare, stem,
                                    unit)

@@ -109,9 +109,38 @@ def show_rows(reports: Sequence[Any], current: Mapping[str, str | None] | None =
                 how += " (outside space)"
             ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
             code = code_state(e, current.get(r.kernel or ""))
-            rows.append((kernel, r.chip, e.key, _fmt_config(e.config or {}), ms, how, code,
-                         where))
+            rows.append((kernel, r.chip, e.key, best_text(e), ms, how, code, where))
     return rows
+
+
+def best_text(e: Any) -> str:
+    """The config a call runs: the effective one where the entry records it (the values that
+    run, clamped to the shapes), and XLA where the reference won."""
+    text = _fmt_config(e.effective or e.config or {})
+    if e.implementation == "xla":
+        xla = f" {e.xla_ms:.4g} ms" if e.xla_ms is not None else ""
+        text = f"XLA{xla} (beat {text})"
+    return text
+
+
+def json_entries(reports: Sequence[Any], rows: Sequence[tuple[str, ...]]) -> list[dict[str, Any]]:
+    """``show --format json``: the table's rows with numbers as numbers, and each served
+    entry's config, effective config, implementation and default/XLA times."""
+    served = {(r.kernel or os.path.basename(r.path), r.chip, e.key, r.path): e
+              for r in reports if r.error is None for e in r.entries if e.problem is None}
+    by_row = {(k, c, key): e for (k, c, key, _), e in served.items()}
+    out = []
+    for row in rows:
+        item: dict[str, Any] = dict(zip(_HEADER, row, strict=True))
+        e = by_row.get((row[0], row[1], row[2]))
+        if e is not None and not row[3].startswith(("SKIPPED", "DAMAGED")):
+            item.update(median_ms=e.median_ms, config=e.config, effective=e.effective,
+                        implementation=e.implementation, default_ms=e.default_ms,
+                        xla_ms=e.xla_ms)
+        else:
+            item["median_ms"] = None
+        out.append(item)
+    return out
 
 
 def show_problems(reports: Sequence[Any]) -> list[str]:
@@ -147,7 +176,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         rows = [r for r in rows if args.key in r[2]]
     fmt = args.format
     if fmt == "json":
-        out = [dict(zip(_HEADER, r, strict=True)) for r in rows]
+        out = json_entries(reports, rows)
         if args.trials:
             for item in out:
                 item["runs"] = _runs_of(reports, item["kernel"], item["chip"], item["key"])
@@ -165,6 +194,12 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(_esc(f"no cache entries (looked in {cache.roots()})"))
         return 0
     _print_table(rows)
+    here = chips.current_chip()
+    others = sorted({r[1] for r in rows} - {here})
+    if others and chip is None:
+        print()
+        print(_esc(f"(this host is {here}; the entries for {', '.join(others)} are listed "
+                   "too: --chip CHIP shows one chip's)"))
     problems = show_problems(reports) + unchecked
     root = check.root_problem(cache.user_root)
     problems = problems + [root] if root else problems

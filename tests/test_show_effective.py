@@ -1,0 +1,46 @@
+"""`pallas-tune show` says what a call runs (issue 26.1, 26.8, 28): the effective config
+where the entry records one, XLA where the reference won; JSON numbers as numbers; entries
+for chips other than this host's pointed out."""
+
+from __future__ import annotations
+
+import json
+
+from pallas_tune.cache import TuningCache
+from pallas_tune.cli import main
+
+
+def _entries(cache_dir):
+    cache = TuningCache(str(cache_dir), use_shipped=False)
+    cache.write("cpu", "k.eff", "x=200x128:float32", {
+        "config": {"b": 256}, "effective": {"b": 200}, "median_ms": 1.5, "default_ms": 3.0,
+        "provenance": {"kind": "measured", "timer": "wallclock"}})
+    cache.write("cpu", "k.eff", "x=64x128:float32", {
+        "config": {"b": 64}, "median_ms": 2.0, "implementation": "xla", "xla_ms": 0.5,
+        "provenance": {"kind": "measured", "timer": "wallclock"}})
+    cache.write("tpu_v6e", "k.eff", "x=64x128:float32", {
+        "config": {"b": 64}, "median_ms": 0.01, "provenance": {"kind": "measured"}})
+
+
+def test_show_table_says_effective_config_and_xla(cache_dir, capsys):
+    _entries(cache_dir)
+    assert main(["show", "--kernel", "k.eff"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[2]: line for line in out.splitlines() if line.startswith("k.eff")}
+    assert "b=200" in rows["x=200x128:float32"] and "b=256" not in rows["x=200x128:float32"]
+    assert "XLA 0.5 ms (beat b=64)" in out
+    assert "this host is cpu; the entries for tpu_v6e are listed too" in out
+    assert main(["show", "--kernel", "k.eff", "--chip", "cpu"]) == 0
+    assert "tpu_v6e" not in capsys.readouterr().out
+
+
+def test_show_json_has_numbers_and_what_runs(cache_dir, capsys):
+    _entries(cache_dir)
+    assert main(["show", "--kernel", "k.eff", "--chip", "cpu", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by_key = {e["key"]: e for e in data["entries"]}
+    eff = by_key["x=200x128:float32"]
+    assert eff["median_ms"] == 1.5 and eff["default_ms"] == 3.0  # Numbers, not strings.
+    assert eff["config"] == {"b": 256} and eff["effective"] == {"b": 200}
+    xla = by_key["x=64x128:float32"]
+    assert xla["implementation"] == "xla" and xla["xla_ms"] == 0.5
