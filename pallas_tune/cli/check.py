@@ -263,6 +263,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     cache = TuningCache(args.into) if args.into else default_cache()
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    sources: dict[tuple[str, str, str, str], str] = {}  # The file each kept entry came from.
     skipped = 0
     for path, chip_dir in _winners_files(args.inputs):
         wf, error = _read(path, as_named=False)
@@ -288,16 +289,41 @@ def cmd_merge(args: argparse.Namespace) -> int:
                 continue
             if _better(target.get(key), value):
                 target[key] = dict(value)
+                sources[(chip, kernel, kind, key)] = path
     written = 0
     for (chip, kernel, kind), entries in groups.items():
         keep = {}
         for key, entry in entries.items():
             current = cache.lookup(chip, kernel, key)
             if current is None or _better(current[0], entry):
-                keep[key] = entry
+                keep[key] = _with_history(entry, sources[(chip, kernel, kind, key)], kernel,
+                                          kind, key)
         if keep:
             path = cache.write_many(chip, kernel, keep, kind=kind)
             written += len(keep)
             print(f"merged {len(keep)} entries of {kernel} on {chip} into {path}")
     print(f"pallas-tune merge: {written} entries written, {skipped} skipped")
     return 1 if skipped and not written else 0
+
+
+def _with_history(entry: dict[str, Any], path: str, kernel: str, kind: str, key: str
+                  ) -> dict[str, Any]:
+    """The entry with its trials and full provenance from the ledger beside the file it came
+    from (the run that chose its config), so the merged cache's ledger has them too: reports
+    and ``show --trials`` on a merged cache show the evidence, not nothing."""
+    from pallas_tune.cache import ledger, names
+
+    beside = os.path.join(os.path.dirname(path),
+                          names.ledger_name(names.kernel_filename(kernel), kind))
+    try:
+        records, _ = ledger.read(beside, key=key)
+    except OSError:
+        return entry
+    for record in reversed(records):
+        if record.get("config") == entry.get("config") and isinstance(record.get("trials"),
+                                                                      list):
+            prov = record.get("provenance")
+            return {**entry, "trials": record["trials"],
+                    **({"provenance": prov} if isinstance(prov, dict) else {})}
+    return entry
+
