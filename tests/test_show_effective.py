@@ -44,3 +44,19 @@ def test_show_json_has_numbers_and_what_runs(cache_dir, capsys):
     assert eff["config"] == {"b": 256} and eff["effective"] == {"b": 200}
     xla = by_key["x=64x128:float32"]
     assert xla["implementation"] == "xla" and xla["xla_ms"] == 0.5
+
+
+def test_show_trials_marks_duplicates_and_counts_as_everywhere(cache_dir, capsys):
+    """`show --trials` uses the one tally and marks a duplicate as such (issue 26.2)."""
+    cache = TuningCache(str(cache_dir), use_shipped=False)
+    trials = [{"number": 0, "config": {"b": 8}, "outcome": "ok", "median_ms": 2.0},
+              {"number": 1, "config": {"b": 16}, "outcome": "ok", "median_ms": 2.0,
+               "duplicate_of": 0},
+              {"number": 2, "config": {"b": 32}, "outcome": "infeasible"}]
+    cache.write("cpu", "k.dup", "x=8x128:float32", {
+        "config": {"b": 8}, "median_ms": 2.0, "provenance": {"kind": "measured"},
+        "trials": trials})
+    assert main(["show", "--kernel", "k.dup", "--trials"]) == 0
+    out = capsys.readouterr().out
+    assert "3 trials: 1 timed, 1 infeasible, 1 duplicate" in out
+    assert "duplicate" in out and "same program as #0" in out

@@ -235,6 +235,7 @@ def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
 
 def _runs_of(reports: Sequence[Any], kernel: str, chip: str, key: str) -> list[Any]:
     from pallas_tune.cache.inventory import trial_history
+    from pallas_tune.measure.records import describe_tally, tally
 
     for r in reports:
         if (r.kernel or os.path.basename(r.path)) == kernel and r.chip == chip and any(
@@ -245,6 +246,7 @@ def _runs_of(reports: Sequence[Any], kernel: str, chip: str, key: str) -> list[A
 
 def _print_trials(reports: Sequence[Any], key_filter: str | None) -> None:
     from pallas_tune.cache.inventory import trial_history
+    from pallas_tune.measure.records import describe_tally, tally
 
     for r in reports:
         for e in r.entries:
@@ -259,7 +261,10 @@ def _print_trials(reports: Sequence[Any], key_filter: str | None) -> None:
             for run in runs:
                 written = run.get("written") or "?"
                 trials = run.get("trials") if isinstance(run.get("trials"), list) else []
-                print(_esc(f"  run written {written}: {len(trials)} trials"))
+                counted = describe_tally(tally(
+                    (str(t.get("outcome")), t.get("duplicate_of") is not None)
+                    for t in trials if isinstance(t, dict)))
+                print(_esc(f"  run written {written}: {counted}"))
                 for t in trials:
                     if not isinstance(t, dict):
                         print(_esc(f"    (not a trial record: {t!r:.60})"))
@@ -269,8 +274,11 @@ def _print_trials(reports: Sequence[Any], key_filter: str | None) -> None:
                         ms, bool) and math.isfinite(ms) else "-"
                     config = t.get("config") if isinstance(t.get("config"), dict) else {}
                     error = f"  {t['error']}" if isinstance(t.get("error"), str) else ""
+                    outcome = t.get("outcome", "?")
+                    if t.get("duplicate_of") is not None:  # Its original's figure, no run.
+                        outcome, error = "duplicate", f"  same program as #{t['duplicate_of']}"
                     print(_esc(f"    #{t.get('number', '?')!s:>4} "
-                               f"{t.get('outcome', '?')!s:14} {ms_text:>10}  "
+                               f"{outcome!s:14} {ms_text:>10}  "
                                f"{_fmt_config(config)}{error}", 200))
 
 
