@@ -45,3 +45,27 @@ def test_top_level_usage_lines_match_the_commands():
         usage = _help("merge")
         words = [w for w in shlex.split(line)[2:] if not w.startswith("[")]
         assert words[0] == "FILE" and "FILE [FILE ...]" in usage, (line, usage)
+
+
+@pytest.mark.parametrize("dtype,guess", [("bf16", "bfloat16"), ("flaot32", "float32")])
+def test_unknown_dtype_suggests_the_name(dtype, guess, capsys):
+    """`x=8x128:bf16` names the dtype it probably meant (issue 26.9)."""
+    code = main(["sweep", "pallas_tune.kernels.matmul:matmul", "--shapes",
+                 f"x=8x128:{dtype},y=128x128:{dtype}", "--no-storage", "--no-write"])
+    assert code == 2
+    assert f"did you mean {guess!r}" in capsys.readouterr().err
+
+
+def test_database_errors_are_one_clean_line(monkeypatch):
+    """A refused PostgreSQL connection's message reads as one line, with no literal tab
+    escapes from the driver's multi-line text (issue 26.9)."""
+    pytest.importorskip("psycopg", reason="needs the postgres extra")
+    from pallas_tune.errors import TuneOptionError
+    from pallas_tune.tuning import storage
+
+    monkeypatch.setattr(storage, "_RETRIES", 1)
+    with pytest.raises(TuneOptionError) as info:
+        storage.open_storage("postgresql://nobody@127.0.0.1:1/db")
+    text = str(info.value)
+    assert "\t" not in text and "\\t" not in text and "\n" not in text, text
+    assert "Connection refused" in text or "connection" in text.lower()

@@ -103,7 +103,8 @@ def build_call(kernel: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
             try:
                 dtype = jnp.dtype(p[2])
             except TypeError:
-                raise CLIUsageError(f"unknown dtype {p[2]!r} in {spec!r}") from None
+                raise CLIUsageError(f"unknown dtype {p[2]!r} in {spec!r}"
+                                    f"{_dtype_hint(p[2])}") from None
             if math.prod(p[1]) * dtype.itemsize > MAX_ELEMENTS:
                 raise CLIUsageError(f"--shapes {spec!r}: an array of {p[1]} {dtype.name} is "
                                     f"over {MAX_ELEMENTS} bytes (1 TiB), more than any device "
@@ -187,3 +188,21 @@ def read_shapes(args: argparse.Namespace) -> list[str]:
         else:
             specs.append(s)
     return specs
+
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "f32": "float32", "fp32": "float32", "f16": "float16",
+                  "fp16": "float16", "half": "float16", "f64": "float64", "i8": "int8",
+                  "i32": "int32", "u8": "uint8", "fp8": "float8_e4m3fn"}
+_DTYPES = ("bfloat16", "float32", "float16", "float64", "int8", "int16", "int32", "int64",
+           "uint8", "uint32", "bool", "float8_e4m3fn", "float8_e5m2")
+
+
+def _dtype_hint(name: str) -> str:
+    """``: did you mean 'bfloat16'?`` for a common short name or a near miss, else ''."""
+    import difflib
+
+    guess = _DTYPE_ALIASES.get(name.lower()) or next(
+        iter(difflib.get_close_matches(name.lower(), _DTYPES, n=1, cutoff=0.6)), None)
+    return f": did you mean {guess!r}?" if guess else (
+        f"; use a NumPy/JAX dtype name such as {', '.join(_DTYPES[:3])}")
+

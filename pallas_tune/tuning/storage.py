@@ -154,8 +154,9 @@ def open_storage(storage: Any) -> Any:
             raise TuneOptionError(f"storage={storage!r} cannot be opened ({e}); give an Optuna "
                                   "storage URL such as 'sqlite:///tune.db' or "
                                   "'postgresql://user@host/db'.") from None
+    why = " ".join(str(getattr(last, "orig", None) or last).split())  # One line, no tabs.
     raise TuneOptionError(f"storage={storage!r} could not be opened after {_RETRIES} tries: "
-                          f"{last}; check that the database server is up and reachable.")
+                          f"{why}; check that the database server is up and reachable.")
 
 
 def load_or_create(storage: Any, name: str, *, sampler: Any) -> tuple[Any, bool]:
