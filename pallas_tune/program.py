@@ -90,6 +90,7 @@ class TunedCall:
     best_ms: float = math.nan
     xla_ms: float = math.nan
     timer: str = ""
+    effective: dict[str, Any] | None = None  # What ``config`` runs as, where clamped.
 
     def as_config(self) -> Config:
         return Config(self.config, source="tuned" if self.source == "tuned" else "cache",
@@ -226,7 +227,7 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool = False,
             kernel=call.kernel.name, key=call.key, chip=result.chip, config=result.best,
             source="tuned", implementation=result.implementation,
             default_ms=result.default_ms, best_ms=result.best_ms, xla_ms=result.xla_ms,
-            timer=str(result.provenance.get("timer", ""))))
+            timer=str(result.provenance.get("timer", "")), effective=result.effective))
     out = AutotuneResult(calls, results=results)
     if step_time:
         out.step_ms, out.step_timer = _step_times(fn, args, kwargs, out)

@@ -105,3 +105,24 @@ def test_autotune_result_rejects_a_damaged_file(tmp_path):
         bad.write_text(text)
         with pytest.raises(ValueError, match="autotune result|call 0"):
             pt.AutotuneResult.load(bad)
+
+
+def test_sweep_program_tunes_a_whole_step(cache_dir, tmp_path, capsys):
+    """`pallas-tune sweep --program MODULE:FN --shapes ...`: every call of the program tuned
+    and written; a second run finds them all in the cache."""
+    from pallas_tune.cli import main
+
+    (tmp_path / "mystep.py").write_text(
+        "import toy_kernels as tk\n\n\ndef step(x, y):\n"
+        "    return tk.scale(x) + tk.scale(tk.scale(x)), tk.add(y, y)\n")
+    argv = ["sweep", "--program", "mystep:step", "--path", str(tmp_path), "--shapes",
+            "x=64x256:float32,y=32x256:float32", "--trials", "2", "--repeats", "1",
+            "--no-storage"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("(tuned, runs pallas") == 2 and "2 calls: 2 tuned" in out, out
+    assert main(argv) == 0
+    assert "2 calls: 0 tuned, 2 from the cache" in capsys.readouterr().out
+    assert main(["sweep", "--program", "mystep:step", "--path", str(tmp_path),
+                 "--shapes", "z=8x8:float32", "--no-storage"]) == 2
+    assert "does not fit" in capsys.readouterr().err

@@ -3,6 +3,7 @@
     pallas-tune sweep MODULE:KERNEL --shapes "x=1024x1024:bfloat16,y=1024x1024:bfloat16" --trials 32
     pallas-tune sweep --space matmul            # kernel and shape sets from search_spaces/matmul.toml
     pallas-tune sweep --from-record misses.jsonl   # the shapes production met (PALLAS_TUNE_RECORD)
+    pallas-tune sweep --program mylib.train:step --path . --shapes "x=...,w=..."  # a whole step
     pallas-tune show [--kernel matmul] [--chip v6e] [--format table|json|csv] [--trials]
     pallas-tune check [PATH ...]                # non-zero exit on a problem (for a library's CI)
     pallas-tune check [PATH ...] --space NAME --chip v6e   # ... or on a shape without an entry
@@ -120,6 +121,9 @@ def _sweep_parser(sub: Any) -> None:
                         "@FILE with one such line per shape")
     s.add_argument("--space", help="a search_spaces/ file name or path; supplies the kernel and "
                                    "shape sets when not given")
+    s.add_argument("--program", metavar="MODULE:FN",
+                   help="tune every tunable call of a whole program (a training or serving "
+                        "step) at once; --shapes gives FN's own arguments")
     s.add_argument("--from-record", metavar="FILE",
                    help="tune exactly the shapes a program met and missed in the cache "
                         "(a file written with PALLAS_TUNE_RECORD=FILE)")

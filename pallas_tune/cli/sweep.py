@@ -151,6 +151,8 @@ def _prepare(args: argparse.Namespace, write: bool) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    if getattr(args, "program", None):
+        return _sweep_program(args)
     jobs, skipped = _jobs(args)
     if not jobs:  # Every recorded kernel was skipped (each said why): nothing to set up.
         print(f"pallas-tune sweep: nothing tuned: all {skipped} recorded kernel(s) were "
@@ -177,6 +179,26 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for kernel, calls in loaded:
         failures += _sweep_kernel(args, kernel, chip, calls)
     return 1 if failures or skipped else 0
+
+
+def _sweep_program(args: argparse.Namespace) -> int:
+    """``--program MODULE:FN``: every tunable call of a whole program (see cli.program)."""
+    from pallas_tune import chips
+    from pallas_tune.cli.program import cmd_program
+
+    if args.kernel or args.space or args.from_record:
+        raise CLIUsageError("--program tunes a whole program: give it without a kernel, "
+                            "--space or --from-record")
+    specs = read_shapes(args)
+    if not specs:
+        raise CLIUsageError("--program needs --shapes with the program's arguments, e.g. "
+                            "--shapes 'x=2048x4096:bfloat16,w=4096x4096:bfloat16'")
+    check_specs(specs)
+    chip = chips.normalize_chip(args.chip) if args.chip else chips.current_chip()
+    args.storage = _storage(args)
+    options = tune_options(args, chip)
+    _prepare(args, options.write)
+    return cmd_program(args, specs, options)
 
 
 def _say(args: argparse.Namespace, text: str) -> None:

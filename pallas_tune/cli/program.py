@@ -1,0 +1,96 @@
+"""``pallas-tune sweep --program MODULE:FN --shapes SPEC``: tune every tunable call of a whole
+program (a training or serving step) at once, through :func:`pallas_tune.autotune`.
+
+The shape spec gives ``FN``'s own arguments (``"x=2048x4096:bfloat16,w=4096x14336:bfloat16"``);
+each call the program traces is tuned unless its key has an entry, and written to the cache
+like any sweep. A table of the calls follows: kernel, key, config, source (cache or tuned),
+implementation (Pallas or XLA), and the default's and the tuned time from the same ranking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pallas_tune.cli.shapes import CLIUsageError
+
+__all__ = ["cmd_program", "program_args"]
+
+
+def program_args(fn: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
+    """``FN``'s arguments from a shape spec (arrays as ShapeDtypeStructs, statics as given),
+    bound to its signature; a usage error names what does not fit."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_tune.cli.shapes import _dtype_hint, _parse
+
+    values = {}
+    for name, p in _parse(spec).items():
+        if p[0] == "array":
+            try:
+                values[name] = jax.ShapeDtypeStruct(p[1], jnp.dtype(p[2]))
+            except TypeError:
+                raise CLIUsageError(f"unknown dtype {p[2]!r} in {spec!r}"
+                                    f"{_dtype_hint(p[2])}") from None
+        elif p[0] == "arrays":
+            values[name] = tuple(jax.ShapeDtypeStruct(x[1], jnp.dtype(x[2])) for x in p[1])
+        else:
+            values[name] = p[1]
+    sig = inspect.signature(fn)
+    try:
+        bound = sig.bind(**values)
+    except TypeError as e:
+        raise CLIUsageError(f"--shapes {spec!r} does not fit {fn.__qualname__}{sig}: {e}"
+                            ) from None
+    return list(bound.args), dict(bound.kwargs)
+
+
+def _load(ref: str, paths: Sequence[str]) -> Any:
+    from pallas_tune import _refs
+    from pallas_tune.cli.registry import import_path
+
+    with import_path(paths):
+        try:
+            fn = _refs.load(ref)
+        except (ValueError, ImportError, AttributeError) as e:
+            raise CLIUsageError(f"cannot load program {ref!r}: {e} (pass --path DIR for a "
+                                "module in a directory of yours)") from None
+    if not callable(fn):
+        raise CLIUsageError(f"--program {ref} is not a function (got {type(fn).__name__})")
+    return fn
+
+
+def _ms(v: float) -> str:
+    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else "-"
+
+
+def cmd_program(args: argparse.Namespace, specs: Sequence[str], options: Any) -> int:
+    """Autotunes the program once per shape spec; prints each call. Exit 1 if one failed."""
+    import pallas_tune as pt
+    from pallas_tune.errors import PallasTuneError
+
+    fn = _load(args.program, args.path or ())
+    calls = [(spec, *program_args(fn, spec)) for spec in specs]  # All checked first.
+    failures = 0
+    for spec, call_args, call_kwargs in calls:
+        print(f"pallas-tune sweep --program {args.program}: {spec}", flush=True)
+        try:
+            result = pt.autotune(fn, *call_args, options=options, **call_kwargs)
+        except (PallasTuneError, ValueError) as e:
+            failures += 1
+            print(f"pallas-tune sweep: {spec}: FAILED: {e}", file=sys.stderr, flush=True)
+            continue
+        if options.write:
+            result.write()
+        for c in result.calls:
+            runs_as = f" runs as {c.effective}" if c.effective else ""
+            print(f"  {c.kernel}  {c.key}\n    {c.config}{runs_as}  ({c.source}, runs "
+                  f"{c.implementation}; default {_ms(c.default_ms)} ms, tuned "
+                  f"{_ms(c.best_ms)} ms, XLA {_ms(c.xla_ms)} ms)", flush=True)
+        print(f"  {result}", flush=True)
+    return 1 if failures else 0
