@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import _record, chips, dispatch, keys
+from pallas_tune import _record, _vjp, chips, dispatch, keys
 from pallas_tune.cache import TuningCache, default_cache
 from pallas_tune.constraints import Constraint, as_constraints
 from pallas_tune.errors import SearchSpaceError, warn
@@ -46,7 +46,9 @@ class TunableKernel:
                  key: Callable[..., Any] | None, reference: Callable[..., Any] | None,
                  inputs: Callable[..., Any] | None, cache: TuningCache | None = None,
                  vmem_estimate: Callable[..., int] | None = None,
-                 standin: Callable[..., Any] | None = None, version: str | None = None):
+                 standin: Callable[..., Any] | None = None, version: str | None = None,
+                 backward: Any = None, backward_args: Callable[..., Any] | None = None,
+                 backward_residuals: Callable[..., Any] | None = None):
         space.check_function(fn)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -63,6 +65,14 @@ class TunableKernel:
             raise SearchSpaceError(f"version={version!r} must be a non-empty string, e.g. "
                                    "version=\"2\".")
         self.version = version
+        self.backward_backend = _vjp.check_declaration(self.name, backward, backward_args,
+                                                       backward_residuals)
+        if self.backward_backend == "xla" and reference is None:
+            raise SearchSpaceError(f"{self.name}: backward=\"xla\" is jax.vjp of the "
+                                   "reference: declare reference=.")
+        self.backward = backward if self.backward_backend == "pallas" else None
+        self.backward_args = backward_args
+        self.backward_residuals = backward_residuals
         self._fingerprint: Any = _UNSET
         self._cache = cache
         self._sig = inspect.signature(fn)
@@ -109,6 +119,8 @@ class TunableKernel:
                 config = {**config, **explicit}
         else:
             config = explicit
+        if self.backward_backend is not None:  # Differentiable: its declared backward.
+            return _vjp.call_with_vjp(self, args, kwargs, config)
         if chips.should_interpret():
             with chips.interpret_mode():
                 return self.fn(*args, **kwargs, **config)
@@ -215,6 +227,11 @@ class TunableKernel:
         Keywords naming a :class:`pallas_tune.TuneOptions` field (``trials``, ``seed``,
         ``timer``, ``repeats``, ...) are tuning options, unless ``options=`` is given; the rest
         are static arguments of the kernel.
+
+        ``grad=True`` (a tuning option) tunes for training: this kernel for these arguments,
+        then its ``backward=`` kernel for the backward's arguments (``backward_args``), each
+        against its own reference; the result's ``.backward`` is the backward's
+        :class:`~pallas_tune.tuning.TuningResult` (None for an ``"xla"`` backward).
         """
         from pallas_tune import tuning
 
@@ -275,6 +292,9 @@ def tunable(
     constraints: Mapping[str, str | Callable[..., Any]] | Sequence[Constraint] | None = None,
     cache: TuningCache | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     version: str | None = None,
+    backward: Any = None,
+    backward_args: Callable[..., Any] | None = None,
+    backward_residuals: Callable[..., Any] | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -323,6 +343,11 @@ def tunable(
         re-tunes it. Set it when the kernel's code spans several modules (a change elsewhere
         would go unseen), or to decide when caches go stale: bump it when a change may move
         the best tile sizes.
+      backward, backward_args, backward_residuals: the kernel's gradient (a
+        ``jax.custom_vjp``): ``backward`` a ``@tunable`` kernel of its own, called by the
+        gradient with no tile keywords, or ``"xla"`` (``jax.vjp`` of ``reference``);
+        ``backward_args(args, kwargs) -> (bwd_args, bwd_kwargs)`` its example arguments for
+        ``tune(..., grad=True)``. The contract is :mod:`pallas_tune._vjp`'s docstring.
       **choices: parameter name → list of choices.
 
     Raises:
@@ -333,31 +358,40 @@ def tunable(
     extra = {c.name: c for c in as_constraints(constraints)}
 
     def wrap(f: Callable[..., Any]) -> TunableKernel:
-        base: dict[str, Sequence[Any]] = {}
-        base_default = None
-        base_constraints: dict[str, Any] = {}
-        if isinstance(space, str | SearchSpace):
-            loaded = load_space(space)["space"] if isinstance(space, str) else space
-            base = {p.name: p.choices for p in loaded.params}
-            base_default = loaded.default
-            base_constraints = {c.name: c for c in loaded.constraints}
-        elif space is not None:
-            raise SearchSpaceError(f"space={space!r} must be a SearchSpace or a file name.")
-        merged = {**base, **choices}
-        if not merged:
-            raise SearchSpaceError(
-                f"@tunable on {getattr(f, '__qualname__', f)} declares no parameters; pass e.g. "
-                "bm=[128, 256]."
-            )
-        s = SearchSpace.from_choices(
-            merged, default=default if default is not None else base_default,
-            constraints=tuple({**base_constraints, **extra}.values()))
+        s = _merged_space(f, space, default, extra, choices)
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
                              vmem_estimate=vmem_estimate, standin=standin,
-                             cache=_library_cache(cache), version=version)
+                             cache=_library_cache(cache), version=version, backward=backward,
+                             backward_args=backward_args,
+                             backward_residuals=backward_residuals)
 
     if fn is not None:
         if not callable(fn):
             raise SearchSpaceError(f"@tunable expects a function, got {fn!r}.")
         return wrap(fn)
     return wrap
+
+
+def _merged_space(f: Callable[..., Any], space: SearchSpace | str | None,
+                  default: Mapping[str, Any] | None, extra: Mapping[str, Constraint],
+                  choices: Mapping[str, Sequence[Any]]) -> SearchSpace:
+    """A ``space=`` (object or file) with the decorator's own choices and constraints on top."""
+    base: dict[str, Sequence[Any]] = {}
+    base_default = None
+    base_constraints: dict[str, Any] = {}
+    if isinstance(space, str | SearchSpace):
+        loaded = load_space(space)["space"] if isinstance(space, str) else space
+        base = {p.name: p.choices for p in loaded.params}
+        base_default = loaded.default
+        base_constraints = {c.name: c for c in loaded.constraints}
+    elif space is not None:
+        raise SearchSpaceError(f"space={space!r} must be a SearchSpace or a file name.")
+    merged = {**base, **choices}
+    if not merged:
+        raise SearchSpaceError(
+            f"@tunable on {getattr(f, '__qualname__', f)} declares no parameters; pass e.g. "
+            "bm=[128, 256]."
+        )
+    return SearchSpace.from_choices(
+        merged, default=default if default is not None else base_default,
+        constraints=tuple({**base_constraints, **extra}.values()))

@@ -48,6 +48,9 @@ class TuningResult:
     re-ranking. Each trial's own search-phase median stays in ``records`` and ``trials``.
     ``study``: the Optuna study (real parameter values; plots and optuna-dashboard work on it).
     ``provenance``: how the figures were obtained (chip, timer, versions, counts, ...).
+    ``backward``: with ``grad=True``, the result of tuning the kernel's backward kernel (None
+    otherwise, and for a ``"xla"`` backward); ``backward_backend``: ``"pallas"``, ``"xla"`` or
+    None (the kernel declares no backward).
     """
 
     kernel: str
@@ -62,6 +65,8 @@ class TuningResult:
     options: TuneOptions
     study: Any = None
     cache_path: str | None = None
+    backward: TuningResult | None = None
+    backward_backend: str | None = None
 
     @property
     def best(self) -> dict[str, Any]:
