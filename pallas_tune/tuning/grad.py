@@ -35,21 +35,48 @@ def check_grad(kernel: Any) -> None:
 
 def backward_call(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], seed: int
                   ) -> tuple[list[Any], dict[str, Any]]:
-    """The backward's concrete arguments for a forward call with these (ShapeDtypeStructs are
-    made concrete first, as the tuner makes them: the kernel's ``inputs`` or random)."""
+    """The backward's arguments for a forward call with these.
+
+    Concrete forward arguments give concrete backward arguments (``backward_args`` computes
+    the residuals and a cotangent). ``jax.ShapeDtypeStruct`` forward arguments (sweeps) give
+    abstract backward arguments (``jax.eval_shape`` of ``backward_args``) where the backward
+    kernel declares ``inputs=`` to build consistent ones, as any kernel's tuning does; else
+    the forward's are made concrete first (its ``inputs`` or random), then passed through."""
     import jax
 
     from pallas_tune.measure.timing import make_inputs
 
     args, kwargs = list(args), dict(kwargs)
-    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves((args, kwargs))):
-        if kernel.inputs is not None:
-            new_args, new_kwargs = kernel.inputs(*args, **kwargs)
-            args, kwargs = list(new_args), dict(new_kwargs)
-        else:
-            args = make_inputs(args, seed)
+    if not any(isinstance(x, jax.ShapeDtypeStruct)
+               for x in jax.tree_util.tree_leaves((args, kwargs))):
+        bwd_args, bwd_kwargs = kernel.backward_args(args, kwargs)
+        return list(bwd_args), dict(bwd_kwargs)
+    if kernel.backward.inputs is not None:
+        return _abstract_call(kernel.backward_args, args, kwargs)
+    if kernel.inputs is not None:
+        new_args, new_kwargs = kernel.inputs(*args, **kwargs)
+        args, kwargs = list(new_args), dict(new_kwargs)
+    else:
+        args = make_inputs(args, seed)
     bwd_args, bwd_kwargs = kernel.backward_args(args, kwargs)
     return list(bwd_args), dict(bwd_kwargs)
+
+
+def _abstract_call(backward_args: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]
+                   ) -> tuple[list[Any], dict[str, Any]]:
+    """``backward_args`` traced abstractly: arrays out as ShapeDtypeStructs, static values as
+    they are."""
+    import jax
+
+    static: dict[str, Any] = {}
+
+    def arrays(*a: Any) -> Any:
+        bwd_args, bwd_kwargs = backward_args(list(a), dict(kwargs))
+        static.update({k: v for k, v in bwd_kwargs.items() if not hasattr(v, "shape")})
+        return list(bwd_args), {k: v for k, v in bwd_kwargs.items() if hasattr(v, "shape")}
+
+    bwd_args, array_kwargs = jax.eval_shape(arrays, *args)
+    return list(bwd_args), {**static, **array_kwargs}
 
 
 def backward_options(options: TuneOptions) -> TuneOptions:
