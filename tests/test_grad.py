@@ -120,3 +120,20 @@ def test_gradient_declaration_is_not_part_of_the_forward_fingerprint():
     changed = declared.replace("return x", "return x + 1")
     assert source_fingerprint(base) == source_fingerprint(declared)
     assert source_fingerprint(declared) != source_fingerprint(changed)
+
+
+def test_show_says_how_each_kernel_differentiates(cache_dir, capsys):
+    from pallas_tune import cli
+    from pallas_tune.kernels.linear_attention import linear_attention
+    from pallas_tune.kernels.matmul import matmul
+
+    for kernel, config in ((matmul, dict(matmul.space.default)),
+                           (linear_attention, dict(linear_attention.space.default))):
+        kernel.cache.write("cpu", kernel.name, "k", {"key": "k", "config": config,
+                                                     "median_ms": 1.0})
+    assert cli.main(["show", "--chip", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert ("pallas_tune.kernels.matmul.matmul: backward pallas: kernel "
+            "pallas_tune.kernels.matmul_bwd.matmul_bwd") in out
+    assert ("pallas_tune.kernels.linear_attention.linear_attention: backward xla: jax.vjp of "
+            "the reference (not a kernel") in out

@@ -13,7 +13,8 @@ from typing import Any
 
 from pallas_tune.cli.options import _fmt_config
 
-__all__ = ["cmd_show", "code_state", "current_fingerprints", "show_problems", "show_rows"]
+__all__ = ["backward_lines", "cmd_show", "code_state", "current_fingerprints", "show_problems",
+           "show_rows"]
 
 _HEADER = ("kernel", "chip", "key", "best config", "median_ms", "how", "code", "cache")
 
@@ -91,6 +92,29 @@ def show_rows(reports: Sequence[Any], current: Mapping[str, str | None] | None =
     return rows
 
 
+def backward_lines(reports: Sequence[Any]) -> dict[str, str]:
+    """Kernel name -> how its gradient is computed, for the importable kernels of these files
+    that declare a backward: a Pallas kernel of its own (with its own entries), or XLA's
+    ``jax.vjp`` of the reference (declared ``backward="xla"``: no kernel, nothing tuned)."""
+    from pallas_tune.cli.check import kernel_by_name
+
+    memo: dict[str, Any] = {}
+    out: dict[str, str] = {}
+    for r in reports:
+        if r.kernel is None or r.kernel in out:
+            continue
+        try:
+            kernel = kernel_by_name(r.kernel, (), memo)
+        except Exception:  # noqa: BLE001 - not importable: nothing known of its gradient.
+            continue
+        backend = getattr(kernel, "backward_backend", None)
+        if backend == "pallas":
+            out[r.kernel] = f"pallas: kernel {kernel.backward.name} (its own entries)"
+        elif backend == "xla":
+            out[r.kernel] = "xla: jax.vjp of the reference (not a kernel; nothing tuned)"
+    return out
+
+
 def show_problems(reports: Sequence[Any]) -> list[str]:
     """One line per unreadable file, damaged line or skipped entry, in full."""
     out = []
@@ -121,7 +145,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if args.trials:
             for item in out:
                 item["runs"] = _runs_of(reports, item["kernel"], item["chip"], item["key"])
-        json.dump({"roots": cache.roots(), "entries": out,
+        json.dump({"roots": cache.roots(), "entries": out, "backward": backward_lines(reports),
                    "problems": show_problems(reports)}, sys.stdout, indent=1, default=str)
         print()
         return 0
@@ -139,6 +163,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     print("  ".join(h.ljust(w) for h, w in zip(_HEADER, widths, strict=True)).rstrip())
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    gradients = backward_lines(reports)
+    if gradients:
+        print("\ngradients (jax.grad through these kernels):")
+        for name, how in gradients.items():
+            print(_esc(f"  {name}: backward {how}"))
     problems = show_problems(reports)
     if problems:
         print("\nproblems (entries not served, or served with a warning; files are left as "
