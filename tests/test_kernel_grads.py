@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from jax.test_util import check_grads
 from model_kernel_checks import assert_matches_reference, oracle
 
+from pallas_tune.kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from pallas_tune.kernels.grouped_matmul_bwd import grouped_matmul_bwd, grouped_matmul_bwd_reference
 from pallas_tune.kernels.hstu_attention import hstu_attention, hstu_attention_reference
 from pallas_tune.kernels.linear_attention import linear_attention, linear_attention_reference
 from pallas_tune.kernels.mamba2_ssd import mamba2_ssd, mamba2_ssd_reference
@@ -146,6 +148,59 @@ def test_rms_norm_bwd_property(case):
     g = _normal(seed + 2, shape, dtype)
     assert_grads_match(rms_norm_bwd(x, w, g, block_rows=block_rows),
                        oracle(rms_norm_bwd_reference, x, w, g))
+
+
+# ---- grouped_matmul (dlhs in Pallas, drhs in XLA) -------------------------------------------
+
+G128 = dict(dlhs_tm=128, dlhs_tk=128, dlhs_tn=128)
+
+
+def _grouped(seed, m, k, n, sizes, dtype):
+    return (_normal(seed, (m, k), dtype), _normal(seed + 1, (len(sizes), k, n), dtype),
+            jnp.asarray(sizes, jnp.int32), _normal(seed + 2, (m, n), dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_matmul_bwd_kernel_at_ragged_shapes(dtype):
+    """Groups start mid-tile, one is empty, every axis ragged for 128 tiles."""
+    lhs, rhs, sizes, d = _grouped(0, 300, 200, 270, [130, 0, 170], dtype)
+    got = grouped_matmul_bwd(lhs, rhs, sizes, d, **G128)
+    assert got[2] is None
+    assert_grads_match(got[:2], oracle(grouped_matmul_bwd_reference, lhs, rhs, sizes, d)[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_matmul_grad_matches_reference_grad(dtype):
+    lhs, rhs, sizes, _ = _grouped(0, 100, 48, 40, [30, 0, 70], dtype)
+
+    def grads(f, *a):
+        return jax.jit(jax.grad(_loss(lambda a, b: f(a, b, sizes)), argnums=(0, 1)))(*a)
+
+    got = grads(grouped_matmul, lhs, rhs)
+    # The reference's gradient in f32, cast (in bf16 its own drhs sums rows in bf16).
+    f32 = grads(grouped_matmul_reference, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+    assert_grads_match(got, [w.astype(dtype) for w in f32])
+    check_grads(lambda a, b: grouped_matmul(a, b, jnp.asarray([3, 0, 6], jnp.int32)),
+                (_normal(5, (9, 4), jnp.float32), _normal(6, (3, 4, 5), jnp.float32)),
+                order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+@st.composite
+def grouped_bwd_cases(draw):
+    m, groups = draw(st.integers(1, 260)), draw(st.integers(1, 3))
+    cuts = sorted(draw(st.lists(st.integers(0, m), min_size=groups - 1, max_size=groups - 1)))
+    sizes = np.diff([0, *cuts, m]).tolist()
+    tiles = {name: draw(st.sampled_from([128, 256])) for name in G128}
+    return (m, draw(st.integers(1, 140)), draw(st.integers(1, 260)), sizes, tiles,
+            draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2**16)))
+
+
+@given(case=grouped_bwd_cases())
+def test_grouped_matmul_bwd_property(case):
+    m, k, n, sizes, tiles, dtype, seed = case
+    lhs, rhs, sizes, d = _grouped(seed, m, k, n, sizes, dtype)
+    got = grouped_matmul_bwd(lhs, rhs, sizes, d, **tiles)
+    assert_grads_match(got[:2], oracle(grouped_matmul_bwd_reference, lhs, rhs, sizes, d)[:2])
 
 
 # ---- the kernels with a declared plain-XLA backward -----------------------------------------
