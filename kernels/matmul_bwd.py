@@ -132,6 +132,15 @@ def matmul_bwd_args(args, kwargs):
     return [x, y, g.astype(x.dtype)], dict(kwargs)
 
 
+def _inputs(x, y, g):
+    """Tuning inputs from shapes: any x, y and g are valid backward arguments (random normal).
+    Declared so that sweeps over large shapes pass them on abstractly (see tuning.grad)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    return [jax.random.normal(kk, a.shape, jnp.float32).astype(a.dtype)
+            for kk, a in zip(keys, (x, y, g), strict=True)], {}
+
+
 # No stand-in (tpu-estimate compiles the whole problem): shrinking M shrinks dx's parallel axis
 # but dy's reduction, so one scale would not stand for both products.
-matmul_bwd = pt.tunable(space="matmul_bwd", reference=matmul_bwd_reference)(matmul_bwd)
+matmul_bwd = pt.tunable(space="matmul_bwd", reference=matmul_bwd_reference,
+                        inputs=_inputs)(matmul_bwd)

@@ -100,4 +100,14 @@ def rms_norm_bwd_args(args, kwargs):
     return [x, weight, g], dict(kwargs)
 
 
-rms_norm_bwd = pt.tunable(space="rms_norm_bwd", reference=rms_norm_bwd_reference)(rms_norm_bwd)
+def _inputs(x, weight, g, **kwargs):
+    """Tuning inputs from shapes: random x and g, a weight near 1 (any are valid). Declared so
+    that sweeps over large shapes pass them on abstractly (see tuning.grad)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w = 1 + 0.1 * jax.random.normal(k2, weight.shape, jnp.float32)
+    return [jax.random.normal(k1, x.shape, jnp.float32).astype(x.dtype), w.astype(weight.dtype),
+            jax.random.normal(k3, g.shape, jnp.float32).astype(g.dtype)], kwargs
+
+
+rms_norm_bwd = pt.tunable(space="rms_norm_bwd", reference=rms_norm_bwd_reference,
+                          inputs=_inputs)(rms_norm_bwd)

@@ -319,3 +319,47 @@ def _write_entry(kernel, args, config):
     key = kernel.cache_key(*args)
     kernel.cache.write(pt.current_chip(), kernel.name, key,
                        {"key": key, "config": config, "median_ms": 1.0})
+
+
+# ---- the backward kernels lower for TPU -----------------------------------------------------
+
+def _sample(kernel, n=6):
+    configs = [dict(c) for c in kernel.space]
+    return [dict(kernel.space.default)] + configs[:: max(1, len(configs) // n)]
+
+
+@pytest.mark.parametrize("case", ["matmul_bwd", "rms_norm_bwd", "grouped_matmul_bwd"])
+def test_backward_kernels_lower_for_tpu(case):
+    """A sample of each backward's configs (the default, and its space strided), at a Llama/
+    Mixtral-like bf16 shape, lowers to Mosaic kernels (the NT and TN contractions included)."""
+    import pallas_tune as pt
+
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    kernel, args = {
+        "matmul_bwd": (matmul_bwd, (s((4096, 4096), bf), s((4096, 1280), bf),
+                                    s((4096, 1280), bf))),
+        "rms_norm_bwd": (rms_norm_bwd, (s((4096, 4096), bf), s((4096,), bf),
+                                        s((4096, 4096), bf))),
+        "grouped_matmul_bwd": (grouped_matmul_bwd, (s((8192, 1792), bf), s((8, 1792, 4096), bf),
+                                                    s((8,), jnp.int32), s((8192, 4096), bf))),
+    }[case]
+    with pt.target("v6e"):
+        for config in _sample(kernel):
+            assert not kernel.violations(config, args, {}), config
+            text = jax.jit(lambda *a, _c=config: kernel(*a, **_c)).trace(*args).lower(
+                lowering_platforms=("tpu",)).as_text()
+            assert text.count("tpu_custom_call") >= (2 if case == "matmul_bwd" else 1), config
+
+
+def test_training_step_lowers_for_tpu():
+    """jax.grad through matmul and rms_norm lowers for TPU as one program (the forward's and the
+    backward's configs resolved for v6e)."""
+    import pallas_tune as pt
+
+    s = jax.ShapeDtypeStruct
+    x, w, n = s((2048, 1024), jnp.bfloat16), s((1024, 1280), jnp.bfloat16), s((1024,), jnp.bfloat16)
+    f = jax.grad(lambda x, w, n: _loss(matmul)(rms_norm(x, n), w), argnums=(0, 1, 2))
+    with pt.target("v6e"):
+        text = jax.jit(f).trace(x, w, n).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") >= 5  # rms_norm, matmul; matmul_bwd x2, rms_norm_bwd
