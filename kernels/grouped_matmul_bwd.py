@@ -7,8 +7,8 @@ For out[rows of group g] = lhs[rows of g] @ rhs[g] and the cotangent d (m, n):
   (cdiv(k, dlhs_tk), visits, cdiv(n, dlhs_tn)), the n axis the reduction. rhs's block
   (dlhs_tk, dlhs_tn) is contracted on its last dim in the kernel (an "NT" dot_general), so rhsᵀ
   is never materialized; a ragged n tail is zeroed on the last step only.
-- drhs = tgmm(lhsᵀ, d): drhs[g] = lhs[rows of g]ᵀ · d[rows of g], **in XLA**: the transpose of
-  ``jax.lax.ragged_dot`` (a ragged-contraction ``ragged_dot_general``), f32 accumulation. Not a
+- drhs = tgmm(lhsᵀ, d): drhs[g] = lhs[rows of g]ᵀ · d[rows of g], **in XLA**, segment-wise
+  (per group a masked lhsᵀ · d, f32 accumulation: groups x the flops of one product). Not a
   Pallas kernel yet (megablox's tgmm scheme would be), so its cost is XLA's and nothing of it
   is tuned; the kernel's tiles are dlhs's only (``dlhs_tm``, ``dlhs_tk``, ``dlhs_tn``), named
   so that a Pallas drhs can add its own.
@@ -33,6 +33,7 @@ from pallas_tune.kernels import _ragged
 __all__ = ["grouped_matmul_bwd", "grouped_matmul_bwd_args", "grouped_matmul_bwd_reference"]
 
 _NT = (((1,), (1,)), ((), ()))  # (a, c) · (b, c) -> (a, b)
+_TN = (((0,), (0,)), ((), ()))  # (c, a) · (c, b) -> (a, b)
 
 
 # Registered as a tunable kernel (search_spaces/grouped_matmul_bwd.toml) at the end of the file.
@@ -141,13 +142,19 @@ def _kernel(starts_ref, ends_ref, group_ref, tile_ref, d_ref, rhs_ref, o_ref, ac
 
 
 def _drhs(lhs, d, group_sizes):
-    """tgmm in XLA: the transpose of ragged_dot with respect to its rhs."""
-    rhs = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], d.shape[1]), jnp.float32)
+    """tgmm in XLA, segment-wise: per group, lhs with the other groups' rows zeroed, transposed
+    into a dot with d (f32 accumulation). Costs groups x the flops of one xᵀ·g product; the
+    transpose of ``jax.lax.ragged_dot`` would not, but JAX 0.12 cannot trace it under an
+    explicit-sharding mesh (``pallas_tune.target``'s, and users')."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    rows = jax.lax.broadcasted_iota(jnp.int32, (lhs.shape[0], 1), 0)
 
-    def forward(rhs):
-        return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs, group_sizes.astype(jnp.int32))
+    def one(bounds):
+        start, end = bounds
+        mine = jnp.where((rows >= start) & (rows < end), lhs, jnp.zeros((), lhs.dtype))
+        return jax.lax.dot_general(mine, d, _TN, preferred_element_type=jnp.float32)
 
-    return jax.linear_transpose(forward, rhs)(d.astype(jnp.float32))[0].astype(lhs.dtype)
+    return jax.lax.map(one, (ends - group_sizes.astype(jnp.int32), ends)).astype(lhs.dtype)
 
 
 def _forward_reference(lhs, rhs, group_sizes):
