@@ -18,6 +18,10 @@ A forward kernel declares its backward with ``@tunable(backward=..., backward_ar
 forward when it is differentiated and returns its output and what BWD takes before ``g`` (e.g.
 flash attention's ``(q, k, v, o, lse)``). Positional arguments that are not arrays and every
 keyword are static: they are not differentiated (no cotangent is returned for them).
+
+The declaration is checked when decorated (:func:`check_signatures`): a backward that cannot
+take the residuals and the cotangent, or the forward's non-tuned keywords, is refused then,
+not at the first ``jax.grad``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 
 from pallas_tune import chips
 
-__all__ = ["BACKENDS", "call_with_vjp"]
+__all__ = ["BACKENDS", "call_with_vjp", "check_declaration", "check_signatures"]
 
 BACKENDS = ("pallas", "xla")
 
@@ -140,3 +144,35 @@ def check_declaration(name: str, backward: Any, backward_args: Any, residuals: A
         raise SearchSpaceError(f"{name}: backward_args={backward_args!r} must be a function "
                                "(args, kwargs) -> (backward args, backward kwargs).")
     return "pallas"
+
+
+def check_signatures(name: str, forward: Callable[..., Any], tuned: frozenset[str],
+                     backward: Any, residuals: Any) -> None:
+    """At declaration, what the gradient would otherwise find at its first trace: the backward
+    takes the forward's positional arguments and the cotangent (unless ``backward_residuals``
+    says what it takes) and every non-tuned keyword of the forward."""
+    import inspect
+
+    from pallas_tune.errors import SearchSpaceError
+
+    fwd = inspect.signature(forward).parameters.values()
+    bwd = list(inspect.signature(backward.fn).parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if residuals is None and not any(p.kind is p.VAR_POSITIONAL for p in bwd):
+        n_fwd = sum(p.kind in positional for p in fwd)
+        takes = [p for p in bwd if p.kind in positional]
+        required = sum(p.default is p.empty for p in takes)
+        if not required <= n_fwd + 1 <= len(takes):
+            raise SearchSpaceError(
+                f"{name}: its backward {backward.name} takes {len(takes)} positional "
+                f"argument(s), but the gradient passes the forward's {n_fwd} and the cotangent; "
+                "declare backward_residuals= for other residuals (e.g. the output, a "
+                "log-sum-exp).")
+    if not any(p.kind is p.VAR_KEYWORD for p in bwd):
+        names = {p.name for p in bwd}
+        missing = [p.name for p in fwd if p.kind is p.KEYWORD_ONLY and p.name not in tuned
+                   and p.name not in names]
+        if missing:
+            raise SearchSpaceError(f"{name}: its backward {backward.name} does not take the "
+                                   f"forward's keyword(s) {missing}, which the gradient passes "
+                                   "on to it.")

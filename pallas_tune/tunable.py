@@ -71,6 +71,9 @@ class TunableKernel:
             raise SearchSpaceError(f"{self.name}: backward=\"xla\" is jax.vjp of the "
                                    "reference: declare reference=.")
         self.backward = backward if self.backward_backend == "pallas" else None
+        if self.backward is not None:
+            _vjp.check_signatures(self.name, fn, frozenset(space.names), backward,
+                                  backward_residuals)
         self.backward_args = backward_args
         self.backward_residuals = backward_residuals
         self._fingerprint: Any = _UNSET

@@ -137,3 +137,20 @@ def test_show_says_how_each_kernel_differentiates(cache_dir, capsys):
             "pallas_tune.kernels.matmul_bwd.matmul_bwd") in out
     assert ("pallas_tune.kernels.linear_attention.linear_attention: backward xla: jax.vjp of "
             "the reference (not a kernel") in out
+
+
+def test_a_backward_that_cannot_take_what_the_gradient_passes_is_refused():
+    import grad_kernels
+
+    def fwd(q, k, v, *, causal=False, bq):
+        return q
+
+    with pytest.raises(pt.SearchSpaceError, match="declare backward_residuals="):
+        pt.tunable(name="t.attn", bq=[1], backward=grad_kernels.square_bwd)(fwd)
+
+    @pt.tunable(name="t.attn_bwd", c=[1])
+    def attn_bwd(q, k, v, g, *, c):
+        return q, k, v
+
+    with pytest.raises(pt.SearchSpaceError, match=r"keyword\(s\) \['causal'\]"):
+        pt.tunable(name="t.attn2", bq=[1], backward=attn_bwd)(fwd)
