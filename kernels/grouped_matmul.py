@@ -25,6 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
 from pallas_tune.kernels import _ragged
+from pallas_tune.kernels.grouped_matmul_bwd import grouped_matmul_bwd, grouped_matmul_bwd_args
 
 __all__ = ["grouped_matmul", "grouped_matmul_reference", "make_group_metadata"]
 
@@ -170,5 +171,8 @@ def grouped_matmul_reference(lhs, rhs, group_sizes):
     return out.astype(lhs.dtype)
 
 
+# Differentiable: jax.grad calls grouped_matmul_bwd (dlhs in Pallas, drhs in XLA; its own
+# tunable kernel and cache entries).
 grouped_matmul = pt.tunable(space="grouped_matmul", reference=grouped_matmul_reference,
-                            standin=_standin, inputs=_inputs)(grouped_matmul)
+                            standin=_standin, inputs=_inputs, backward=grouped_matmul_bwd,
+                            backward_args=grouped_matmul_bwd_args)(grouped_matmul)

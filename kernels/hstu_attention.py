@@ -279,7 +279,10 @@ def _standin(args, kwargs, config):
     return [shape(q), shape(k), shape(v), rel_bias], kwargs, scale
 
 
-@pt.tunable(space="hstu_attention", reference=hstu_attention_reference, standin=_standin)
+# backward="xla": jax.grad is jax.vjp of the reference, recomputed from the inputs (no backward
+# kernel yet: nothing of the gradient is tuned).
+@pt.tunable(space="hstu_attention", reference=hstu_attention_reference, standin=_standin,
+            backward="xla")
 def hstu_attention(q, k, v, rel_bias, *, alpha: float | None = None, norm: float | None = None,
                    bq: int, bkv: int):
     """Causal HSTU attention; see the module docstring. ``rel_bias``: (num_buckets,), any float.

@@ -243,7 +243,9 @@ def _standin(args, kwargs, config):
     return [sub(x), sub(dt), A, sub(B), sub(C), D], kwargs, scale
 
 
-@pt.tunable(space="mamba2_ssd", reference=mamba2_ssd_reference, standin=_standin)
+# backward="xla": jax.grad is jax.vjp of the reference (the step recurrence), recomputed from the
+# inputs (no backward kernel yet: nothing of the gradient is tuned).
+@pt.tunable(space="mamba2_ssd", reference=mamba2_ssd_reference, standin=_standin, backward="xla")
 def mamba2_ssd(x, dt, A, B, C, D, *, groups: int = 1, chunk: int, heads_per_block: int):
     """Mamba-2 SSD forward; see the module docstring for layouts. Returns y like x.
 

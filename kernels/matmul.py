@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
 from pallas_tune.kernels import _ragged
+from pallas_tune.kernels.matmul_bwd import matmul_bwd, matmul_bwd_args
 
 __all__ = ["matmul", "matmul_reference"]
 
@@ -110,4 +111,6 @@ def matmul_reference(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-matmul = pt.tunable(space="matmul", reference=matmul_reference, standin=_standin)(matmul)
+# Differentiable: jax.grad calls matmul_bwd (its own tunable kernel and cache entries).
+matmul = pt.tunable(space="matmul", reference=matmul_reference, standin=_standin,
+                    backward=matmul_bwd, backward_args=matmul_bwd_args)(matmul)

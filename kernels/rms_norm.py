@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
+from pallas_tune.kernels.rms_norm_bwd import rms_norm_bwd, rms_norm_bwd_args
 
 __all__ = ["rms_norm", "rms_norm_reference"]
 
@@ -85,4 +86,6 @@ def rms_norm_reference(x, weight, *, eps: float = 1e-6):
     return (xf * inv * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-rms_norm = pt.tunable(space="rms_norm", reference=rms_norm_reference, standin=_standin)(rms_norm)
+# Differentiable: jax.grad calls rms_norm_bwd (its own tunable kernel and cache entries).
+rms_norm = pt.tunable(space="rms_norm", reference=rms_norm_reference, standin=_standin,
+                      backward=rms_norm_bwd, backward_args=rms_norm_bwd_args)(rms_norm)

@@ -80,10 +80,35 @@ def _canon(node: Any, out: list[str]) -> None:
 
 
 def source_fingerprint(source: str) -> str:
-    """The fingerprint of a module's source text (SyntaxError if it does not parse)."""
+    """The fingerprint of a module's source text (SyntaxError if it does not parse), without
+    the kernel's gradient declaration (see :func:`_without_gradient`)."""
     out: list[str] = []
-    _canon(ast.parse(source), out)
+    _canon(_without_gradient(ast.parse(source)), out)
     return _digest("".join(out).encode("utf-8"))
+
+
+# ``@tunable(backward=..., backward_args=..., backward_residuals=...)``: the forward's gradient.
+GRADIENT_KEYWORDS: Final = ("backward", "backward_args", "backward_residuals")
+
+
+def _without_gradient(tree: ast.Module) -> ast.Module:
+    """The module without its gradient declaration: the ``backward*`` keywords of every call
+    and the module-level imports that bring in only names those keywords use. Declaring (or
+    changing) a backward does not change the forward's program, so it does not stale the
+    forward's cache entries; the backward kernel has a fingerprint of its own."""
+    used: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            kept = [k for k in node.keywords if k.arg not in GRADIENT_KEYWORDS]
+            for k in node.keywords:
+                if k.arg in GRADIENT_KEYWORDS:
+                    used.update(n.id for n in ast.walk(k.value) if isinstance(n, ast.Name))
+            node.keywords = kept
+    if used:
+        tree.body = [n for n in tree.body if not (
+            isinstance(n, ast.Import | ast.ImportFrom)
+            and all((a.asname or a.name).split(".")[0] in used for a in n.names))]
+    return tree
 
 
 def code_fingerprint(fn: Callable[..., Any]) -> str | None:

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import _record, chips, dispatch, keys
+from pallas_tune import _record, _vjp, chips, dispatch, keys
 from pallas_tune._declare import declared_space, default_name, key_names, library_cache
 from pallas_tune.cache import TuningCache, default_cache
 from pallas_tune.constraints import Constraint
@@ -50,7 +50,9 @@ class TunableKernel:
                  cache: TuningCache | None = None,
                  vmem_estimate: Callable[..., int] | None = None,
                  standin: Callable[..., Any] | None = None, version: str | None = None,
-                 fallback: str | None = None):
+                 fallback: str | None = None, backward: Any = None,
+                 backward_args: Callable[..., Any] | None = None,
+                 backward_residuals: Callable[..., Any] | None = None):
         space.check_function(fn)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -77,6 +79,17 @@ class TunableKernel:
             raise SearchSpaceError("fallback=\"reference\" needs a reference= implementation "
                                    "to fall back to.")
         self.fallback = fallback
+        self.backward_backend = _vjp.check_declaration(self.name, backward, backward_args,
+                                                       backward_residuals)
+        if self.backward_backend == "xla" and reference is None:
+            raise SearchSpaceError(f"{self.name}: backward=\"xla\" is jax.vjp of the "
+                                   "reference: declare reference=.")
+        self.backward = backward if self.backward_backend == "pallas" else None
+        if self.backward is not None:
+            _vjp.check_signatures(self.name, fn, frozenset(space.names), backward,
+                                  backward_residuals)
+        self.backward_args = backward_args
+        self.backward_residuals = backward_residuals
         self._fingerprint: Any = _UNSET
         self._cache = cache
         self._sig = inspect.signature(fn)
@@ -125,6 +138,8 @@ class TunableKernel:
                 return self.reference(*args, **kwargs)  # type: ignore[misc]
         else:
             config = explicit
+        if self.backward_backend is not None:  # Differentiable: its declared backward.
+            return _vjp.call_with_vjp(self, args, kwargs, config)
         if chips.should_interpret():
             with chips.interpret_mode():
                 return self.fn(*args, **kwargs, **config)
@@ -250,6 +265,11 @@ class TunableKernel:
         Keywords naming a :class:`pallas_tune.TuneOptions` field (``trials``, ``seed``,
         ``timer``, ``repeats``, ...) are tuning options, unless ``options=`` is given; the rest
         are static arguments of the kernel.
+
+        ``grad=True`` (a tuning option) tunes for training: this kernel for these arguments,
+        then its ``backward=`` kernel for the backward's arguments (``backward_args``), each
+        against its own reference; the result's ``.backward`` is the backward's
+        :class:`~pallas_tune.tuning.TuningResult` (None for an ``"xla"`` backward).
         """
         from pallas_tune import tuning
 
@@ -312,6 +332,9 @@ def tunable(
     cache: TuningCache | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     version: str | None = None,
     fallback: str | None = None,
+    backward: Any = None,
+    backward_args: Callable[..., Any] | None = None,
+    backward_residuals: Callable[..., Any] | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -369,6 +392,11 @@ def tunable(
       fallback: ``"reference"``: the reference (plain JAX, compiled by XLA) is a candidate
         implementation: where a device measures, tuning times it beside the best configs and,
         where it is faster, the cache entry says so and calls run it (``TuneOptions.xla``).
+      backward, backward_args, backward_residuals: the kernel's gradient (a
+        ``jax.custom_vjp``): ``backward`` a ``@tunable`` kernel of its own, called by the
+        gradient with no tile keywords, or ``"xla"`` (``jax.vjp`` of ``reference``);
+        ``backward_args(args, kwargs) -> (bwd_args, bwd_kwargs)`` its example arguments for
+        ``tune(..., grad=True)``. The contract is :mod:`pallas_tune._vjp`'s docstring.
       **choices: parameter name → list of choices.
 
     Raises:
@@ -381,7 +409,9 @@ def tunable(
         return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
                              vmem_estimate=vmem_estimate, standin=standin,
                              cache=library_cache(cache), version=version,
-                             fallback=fallback if fallback is not None else file_fallback)
+                             fallback=fallback if fallback is not None else file_fallback,
+                             backward=backward, backward_args=backward_args,
+                             backward_residuals=backward_residuals)
 
     if fn is not None:
         if not callable(fn):

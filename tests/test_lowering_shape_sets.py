@@ -27,6 +27,10 @@ CASES = []
 for path in sorted(glob.glob(os.path.join(REPO, "search_spaces", "*.toml"))):
     if os.path.basename(path).startswith("gpu_"):
         continue
+    if "_training_" in os.path.basename(path):
+        # Training sets: their forward shapes differ from the model sets' above only in the
+        # token count; their backward kernels lower in tests/test_kernel_grads.py.
+        continue
     loaded = load_space(path)
     for i, shape in enumerate(loaded["shapes"]):
         CASES.append(pytest.param(loaded["kernel"], cli._spec_items(shape),

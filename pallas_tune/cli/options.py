@@ -16,7 +16,7 @@ _OPTION_TYPES: dict[str, Any] = {
     **dict.fromkeys(("min_time_s", "max_time_s", "slow_factor", "vreg_limit"), float),
     **dict.fromkeys(("sampler", "storage", "study_name", "timer", "chip", "feasibility",
                      "estimate_fallback"), str),
-    **dict.fromkeys(("isolate", "standin", "write", "xla"), bool),
+    **dict.fromkeys(("isolate", "standin", "write", "xla", "grad"), bool),
     "timeout_s": "limits",
 }
 _OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("auto", "wallclock", "profiler", "tpu-estimate"),
@@ -72,10 +72,10 @@ def _limits_arg(text: str) -> float | dict[str, float]:
         ) from None
 
 
-def tune_options(args: argparse.Namespace, chip: str, *, callbacks: tuple[Any, ...] | None = None
-                 ) -> Any:
+def tune_options(args: argparse.Namespace, chip: str, *, callbacks: tuple[Any, ...] | None = None,
+                 **overrides: Any) -> Any:
     """The ``TuneOptions`` of a sweep's flags; ``callbacks``: the progress display's (else
-    ``-v`` prints every trial)."""
+    ``-v`` prints every trial); ``overrides``: options set over the flags."""
     from pallas_tune.tuning.options import TuneOptions
 
     given = {n: getattr(args, n) for n in TuneOptions.names()
@@ -86,7 +86,7 @@ def tune_options(args: argparse.Namespace, chip: str, *, callbacks: tuple[Any, .
         given["callbacks"] = callbacks
     elif getattr(args, "verbose", False):
         given["callbacks"] = (_print_trial,)
-    return TuneOptions.build(**given)
+    return TuneOptions.build(**{**given, **overrides})
 
 
 def _print_trial(record: Any, progress: Any) -> None:

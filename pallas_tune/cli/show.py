@@ -16,7 +16,8 @@ from typing import Any
 from pallas_tune.cli.options import _fmt_config
 from pallas_tune.cli.registry import KernelRegistry
 
-__all__ = ["cmd_show", "code_state", "judge_entries", "kernels_of", "show_problems", "show_rows"]
+__all__ = ["backward_lines", "cmd_show", "code_state", "judge_entries", "kernels_of",
+           "show_problems", "show_rows"]
 
 _HEADER = ("kernel", "chip", "key", "best config", "median_ms", "how", "code", "cache")
 _PAD = 160  # Columns are padded to at most this many characters.
@@ -143,6 +144,20 @@ def json_entries(reports: Sequence[Any], rows: Sequence[tuple[str, ...]]) -> lis
     return out
 
 
+def backward_lines(kernels: Mapping[str, tuple[Any, str | None]]) -> dict[str, str]:
+    """Kernel name -> how its gradient is computed, for the kernels this command could import
+    that declare a backward: a Pallas kernel of its own (with its own entries), or XLA's
+    ``jax.vjp`` of the reference (declared ``backward="xla"``: no kernel, nothing tuned)."""
+    out: dict[str, str] = {}
+    for name, (kernel, _) in sorted(kernels.items()):
+        backend = getattr(kernel, "backward_backend", None)
+        if backend == "pallas":
+            out[name] = f"pallas: kernel {kernel.backward.name} (its own entries)"
+        elif backend == "xla":
+            out[name] = "xla: jax.vjp of the reference (not a kernel; nothing tuned)"
+    return out
+
+
 def show_problems(reports: Sequence[Any]) -> list[str]:
     """One line per unreadable file, damaged line or skipped entry, in full."""
     out = []
@@ -180,7 +195,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if args.trials:
             for item in out:
                 item["runs"] = _runs_of(reports, item["kernel"], item["chip"], item["key"])
-        json.dump({"roots": cache.roots(), "entries": out,
+        json.dump({"roots": cache.roots(), "entries": out, "backward": backward_lines(kernels),
                    "problems": show_problems(reports) + unchecked}, sys.stdout, indent=1,
                   default=str)
         print()
@@ -200,6 +215,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         print()
         print(_esc(f"(this host is {here}; the entries for {', '.join(others)} are listed "
                    "too: --chip CHIP shows one chip's)"))
+    gradients = backward_lines(kernels)
+    if gradients:
+        print("\ngradients (jax.grad through these kernels):")
+        for name, how in gradients.items():
+            print(_esc(f"  {name}: backward {how}"))
     problems = show_problems(reports) + unchecked
     root = check.root_problem(cache.user_root)
     problems = problems + [root] if root else problems

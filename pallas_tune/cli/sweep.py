@@ -208,54 +208,89 @@ def _say(args: argparse.Namespace, text: str) -> None:
 
 def _sweep_kernel(args: argparse.Namespace, kernel: Any, chip: str,
                   calls: list[tuple[str, list[Any], dict[str, Any]]]) -> int:
+    options = tune_options(args, chip)
+    if options.grad:
+        _check_grad(kernel)
+    where = args.storage or "no storage (--no-storage: not resumable)"
+    backward = f", then its backward ({_backward_label(kernel)})" if options.grad else ""
+    _say(args, f"pallas-tune sweep: {kernel.name} on {chip} ({len(calls)} shape(s), "
+               f"{options.trials} trials each, space of {kernel.space.size}, timer "
+               f"{options.timer}; studies in {where}){backward}")
+    failures = 0
+    for i, (_, call_args, call_kwargs) in enumerate(calls):
+        label = f"[{i + 1}/{len(calls)}]"
+        failures += _sweep_shape(args, kernel, chip, label, call_args, call_kwargs)
+        if options.grad and kernel.backward_backend == "pallas":
+            # The backward, for the backward arguments of this shape (its own key and entry).
+            from pallas_tune.tuning.grad import backward_call
+
+            bwd_args, bwd_kwargs = backward_call(kernel, call_args, call_kwargs,
+                                                 options.seed or 0)
+            failures += _sweep_shape(args, kernel.backward, chip, f"{label} backward",
+                                     bwd_args, bwd_kwargs)
+    return failures
+
+
+def _check_grad(kernel: Any) -> None:
+    from pallas_tune.errors import TuneOptionError
+    from pallas_tune.tuning.grad import check_grad
+
+    try:
+        check_grad(kernel)
+    except TuneOptionError as e:
+        raise CLIUsageError(f"--grad: {e}") from None
+
+
+def _backward_label(kernel: Any) -> str:
+    if kernel.backward_backend == "xla":
+        return "xla: jax.vjp of the reference, no kernel to tune"
+    return f"Pallas kernel {kernel.backward.name}"
+
+
+def _sweep_shape(args: argparse.Namespace, kernel: Any, chip: str, label: str,
+                 call_args: list[Any], call_kwargs: dict[str, Any]) -> int:
+    """Tunes one shape of one kernel unless cached; the number of failures (0 or 1)."""
     from pallas_tune.errors import PallasTuneError
 
     options = tune_options(args, chip)
     kind = "estimate" if options.timer == "tpu-estimate" else "measured"
-    where = args.storage or "no storage (--no-storage: not resumable)"
-    _say(args, f"pallas-tune sweep: {kernel.name} on {chip} ({len(calls)} shape(s), "
-               f"{options.trials} trials each, space of {kernel.space.size}, timer "
-               f"{options.timer}; studies in {where})")
-    failures = 0
-    for i, (spec, call_args, call_kwargs) in enumerate(calls):
-        key = kernel.cache_key(*call_args, **call_kwargs)
-        user_file = kernel.cache.path(chip, kernel.name, kind=kind)
-        found = kernel.cache.lookup(chip, kernel.name, key)
-        if not args.force and found is not None and found[1] == user_file:
-            stale = _stale(kernel, found[0])
-            if stale is None:
-                _say(args, f"  {key}: cached, skipped (--force re-tunes)")
-                continue
-            _say(args, f"  {key}: {stale}; re-tuning")
-        if args.fresh_study and args.storage:
-            from pallas_tune.tuning.study import study_name
+    key = kernel.cache_key(*call_args, **call_kwargs)
+    user_file = kernel.cache.path(chip, kernel.name, kind=kind)
+    found = kernel.cache.lookup(chip, kernel.name, key)
+    if not args.force and found is not None and found[1] == user_file:
+        stale = _stale(kernel, found[0])
+        if stale is None:
+            _say(args, f"  {key}: cached, skipped (--force re-tunes)")
+            return 0
+        _say(args, f"  {key}: {stale}; re-tuning")
+    if args.fresh_study and args.storage:
+        from pallas_tune.tuning.study import study_name
 
-            _delete_study(args.storage, options.study_name or study_name(kernel, chip, key))
-        progress = _progress(args, kernel, options, f"[{i + 1}/{len(calls)}] {key}")
-        t0 = time.perf_counter()
-        try:
-            result = kernel.tune(*call_args, options=tune_options(
-                args, chip, callbacks=(progress.callback,) if progress else ()), **call_kwargs)
-        except KeyboardInterrupt:
-            if progress:
-                progress.close()
-            _interrupted(args, key)
-            raise SystemExit(130) from None
-        except (PallasTuneError, ValueError) as e:
-            failures += 1
-            print(f"pallas-tune sweep: {key}: FAILED: {e}", file=sys.stderr, flush=True)
-            continue
-        finally:
-            if progress:
-                progress.close()
-        label = " (compiler estimate)" if kind == "estimate" else ""
-        if math.isfinite(result.speedup):  # Both from the final re-ranking: like with like.
-            label += f", default {result.default_ms:.4g} ms ({result.speedup:.2f}x)"
-        _say(args, f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
-                   f"({describe_tally(result.tally)}; "
-                   f"{time.perf_counter() - t0:.1f}s) -> "
-                   f"{result.cache_path or 'not written (--no-write)'}")
-    return failures
+        _delete_study(args.storage, options.study_name or study_name(kernel, chip, key))
+    progress = _progress(args, kernel, options, f"{label} {key}")
+    t0 = time.perf_counter()
+    try:  # grad=False: a sweep tunes the backward as a shape of its own (skipped if cached).
+        result = kernel.tune(*call_args, options=tune_options(
+            args, chip, callbacks=(progress.callback,) if progress else (), grad=False),
+            **call_kwargs)
+    except KeyboardInterrupt:
+        if progress:
+            progress.close()
+        _interrupted(args, key)
+        raise SystemExit(130) from None
+    except (PallasTuneError, ValueError) as e:
+        print(f"pallas-tune sweep: {key}: FAILED: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if progress:
+            progress.close()
+    label = " (compiler estimate)" if kind == "estimate" else ""
+    if math.isfinite(result.speedup):  # Both from the final re-ranking: like with like.
+        label += f", default {result.default_ms:.4g} ms ({result.speedup:.2f}x)"
+    _say(args, f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
+               f"({describe_tally(result.tally)}; {time.perf_counter() - t0:.1f}s) -> "
+               f"{result.cache_path or 'not written (--no-write)'}")
+    return 0
 
 
 def _stale(kernel: Any, entry: dict[str, Any]) -> str | None:

@@ -8,6 +8,7 @@ re-ranking, the result, the cache), and :mod:`pallas_tune.measure` below them al
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,7 @@ from typing import Any
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.pool import importing_main_script
 from pallas_tune.measure.records import Outcome, TrialRecord
-from pallas_tune.tuning import finish
+from pallas_tune.tuning import finish, grad
 from pallas_tune.tuning.log import TrialLog
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import make_plan, open_evaluator, settle_chip
@@ -44,12 +45,20 @@ def tune(kernel: Any, *args: Any, options: TuneOptions | None = None, **kwargs: 
 
         result = pallas_tune.tune(matmul, x, y, trials=32)
         result.best, result.best_ms, result.trials, result.study
+        result = pallas_tune.tune(matmul, x, y, trials=32, grad=True)  # and its backward
+        result.backward.best
     """
     if options is None:
         options = TuneOptions.build(**{k: kwargs.pop(k) for k in TuneOptions.names()
                                        if k in kwargs})
     _check_kernel_kwargs(kernel, kwargs)
-    return run(kernel, args, kwargs, options)
+    if options.grad:  # Training: the forward, then its backward kernel (tuning.grad).
+        grad.check_grad(kernel)
+        return grad.tune_backward(kernel, args, kwargs, options,
+                                  run(kernel, args, kwargs, options), run)
+    result = run(kernel, args, kwargs, options)
+    backend = getattr(kernel, "backward_backend", None)
+    return dataclasses.replace(result, backward_backend=backend) if backend else result
 
 
 def _check_kernel_kwargs(kernel: Any, kwargs: Mapping[str, Any]) -> None:

@@ -98,6 +98,12 @@ class TuneOptions:
       estimate_fallback: ``"roofline"``: use the roofline model where libtpu returns no
         estimate (default None: that is an error naming the libtpu version).
 
+    Training
+      grad: also tune the kernel's backward (``@tunable(backward=...)``) for the backward's
+        arguments made from these (``backward_args``), against its own reference, after the
+        forward; the result's ``backward`` holds its result (False). A ``"xla"`` backward has
+        nothing to tune; a kernel without a backward is an error.
+
     Output
       write: write the winner to the user cache (True).
       callbacks: functions called as ``callback(record, progress)`` after every trial (a
@@ -130,6 +136,7 @@ class TuneOptions:
     vreg_limit: float | None = None
     standin: bool = True
     estimate_fallback: str | None = None
+    grad: bool = False
     write: bool = True
     callbacks: tuple[Callable[..., Any], ...] = ()
 
@@ -154,7 +161,7 @@ class TuneOptions:
             if getattr(self, name) not in (None, True, False):
                 raise TuneOptionError(f"{name}={getattr(self, name)!r} must be True, False or "
                                       "None (automatic).")
-        for name in ("standin", "write"):
+        for name in ("standin", "write", "grad"):
             if not isinstance(getattr(self, name), bool):
                 raise TuneOptionError(f"{name}={getattr(self, name)!r} must be True or False.")
         for name in ("chip", "study_name"):

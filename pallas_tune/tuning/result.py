@@ -54,6 +54,9 @@ class TuningResult:
     the call's shapes, where the kernel clamps values larger than a dimension (else None).
     ``xla_ms``: the kernel's reference (XLA) timed in the same final ranking (NaN when not);
     ``implementation``: ``"xla"`` when it beat the best config, and calls then run it.
+    ``backward``: with ``grad=True``, the result of tuning the kernel's backward kernel (None
+    otherwise, and for a ``"xla"`` backward); ``backward_backend``: ``"pallas"``, ``"xla"`` or
+    None (the kernel declares no backward).
     """
 
     kernel: str
@@ -72,6 +75,8 @@ class TuningResult:
     effective: dict[str, Any] | None = None  # What ``best`` runs as, where clamped; else None.
     xla_ms: float = math.nan  # The reference (XLA) in the same final ranking; NaN: not timed.
     implementation: str = "pallas"  # What calls will run: "xla" where the reference won.
+    backward: TuningResult | None = None
+    backward_backend: str | None = None
 
     def __repr__(self) -> str:
         speed = f", {self.speedup:.2f}x the default" if math.isfinite(self.speedup) else ""
@@ -79,6 +84,8 @@ class TuningResult:
         if math.isfinite(self.xla_ms):
             speed += (f"; XLA {self.xla_ms:.4g} ms, "
                       f"{'XLA runs' if self.implementation == 'xla' else 'Pallas runs'}")
+        if self.backward is not None:
+            speed += f"; backward {self.backward.best_ms:.4g} ms"
         return (f"TuningResult({self.kernel} {self.key} on {self.chip}: best {best} "
                 f"{self.best_ms:.4g} ms{speed}; {len(self.records)} trials, "
                 f"{self.provenance.get('timer', '?')})")
