@@ -384,11 +384,9 @@ def tunable(
         the user cache and before ``PALLAS_TUNE_CACHE_PATH`` and pallas-tune's own caches
         (see :mod:`pallas_tune.cache.store`). Or a :class:`~pallas_tune.cache.TuningCache`.
       version: the version of the kernel's code that each new cache entry records (default:
-        a hash of the code of the module defining the function; comments and docstrings do
-        not count). An entry recording another still serves, with one warning, and ``sweep``
-        re-tunes it. Set it when the kernel's code spans several modules (a change elsewhere
-        would go unseen), or to decide when caches go stale: bump it when a change may move
-        the best tile sizes.
+        a hash of the code of its module, comments and docstrings aside; see
+        :mod:`pallas_tune._kernel_hash`). Set it when the code spans several modules, or to
+        decide when caches go stale.
       fallback: ``"reference"``: the reference (plain JAX, compiled by XLA) is a candidate
         implementation: where a device measures, tuning times it beside the best configs and,
         where it is faster, the cache entry says so and calls run it (``TuneOptions.xla``).

@@ -41,7 +41,7 @@ def test_autotune_tunes_each_key_once_applies_and_dispatches_xla(cache_dir, fres
     monkeypatch.setattr(pt.TunableKernel, "tune", counting)
     fresh.scale_or_xla._memo.clear()
     program = _program(fresh)
-    x, y = fresh.ones((64, 256)), jnp.ones((256, 128), jnp.float32)
+    x, y = fresh.ones((64, 256)), jnp.ones((1024, 128), jnp.float32)
     result = pt.autotune(program, x, y, trials=3, repeats=3, xla=True)
     keys = [(c.kernel, c.key) for c in result.calls]
     assert keys == [(fresh.scale.name, fresh.scale.cache_key(x)),
