@@ -26,6 +26,7 @@ Without differentiation the program is the one it was before (same lowering, sam
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -36,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
+from pallas_tune import chips
 from pallas_tune.kernels import _ragged
 from pallas_tune.kernels._attention import DTYPES, check_qkv, flash_attention_reference
 from pallas_tune.kernels._attention import MASK_VALUE as _MASK_VALUE
@@ -77,7 +79,9 @@ def _attention(q, k, v, causal, sm_scale, bq, bkv):
 
 
 def _attention_fwd(q, k, v, causal, sm_scale, bq, bkv):
-    o, lse = _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv, lse=True)
+    # Under jax.checkpoint this rule is traced later, outside the tunable call's interpret mode.
+    with chips.interpret_mode() if chips.should_interpret() else contextlib.nullcontext():
+        o, lse = _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv, lse=True)
     return o, (q, k, v, o, lse)
 
 
