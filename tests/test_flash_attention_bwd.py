@@ -217,3 +217,23 @@ def test_tuned_backward_is_looked_up_when_the_gradient_is_traced(cache_dir, monk
     ref = jax.grad(functools.partial(_loss, flash_attention_reference), argnums=(0, 1, 2))(q, k, v)
     _assert_grads_close(grads, ref, jnp.float32)
     flash_attention_bwd._memo.clear()
+
+
+@pytest.mark.libtpu
+def test_backward_compiles_for_tpu_at_ragged_and_llama_shapes():
+    """Deviceless v6e compiles (the real Mosaic kernels): a ragged GQA shape in bf16 at a few
+    block combinations, and Llama-3.1-8B's attention at 2048 tokens with the default blocks."""
+    from pallas_tune.feasibility.compile import compile_deviceless
+
+    def structs(hq, hkv, s, dtype=jnp.bfloat16):
+        q = jax.ShapeDtypeStruct((1, hq, s, 128), dtype)
+        kv = jax.ShapeDtypeStruct((1, hkv, s, 128), dtype)
+        return [q, kv, kv, q, jax.ShapeDtypeStruct((1, hq, s), jnp.float32), q]
+
+    cases = [(structs(4, 2, 1000), causal, dict(bq_dq=bq, bkv_dq=bkv, bq_dkv=bkv, bkv_dkv=bq))
+             for causal in (False, True) for bq, bkv in ((256, 128), (512, 1024))]
+    cases.append((structs(32, 8, 2048), True, dict(flash_attention_bwd.space.default)))
+    for args, causal, config in cases:
+        res = compile_deviceless(flash_attention_bwd.fn, args, dict(causal=causal, **config),
+                                 chip="v6e")
+        assert res.ok, (causal, config, res.message)
