@@ -138,3 +138,85 @@ def test_megablox_adapter_takes_ragged_k_and_n():
     gs = jnp.array([7, 0, 249], jnp.int32)
     out = upstream.megablox_gmm(lhs, rhs, gs, tm=128, tk=128, tn=128)
     np.testing.assert_allclose(out, grouped_matmul_reference(lhs, rhs, gs), rtol=1e-4, atol=1e-3)
+
+
+# ---- gradients: backward blocks as tunable kernels of their own ------------------------------
+
+def _attention_loss(fn, q, k, v, causal):
+    return jnp.sum(fn(q, k, v, causal=causal) * jnp.cos(q))
+
+
+def _reference_grads(q, k, v, causal):
+    return jax.grad(_attention_loss, argnums=(1, 2, 3))(flash_attention_reference, q, k, v,
+                                                         causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("adapter,shape,blocks", [
+    (upstream.flash_attention, (2, 2, 512, 256, 128),
+     dict(block_q=128, block_k_major=256, block_k=128)),
+    (upstream.splash_attention, (4, 2, 256, 512, 64),
+     dict(block_q=128, block_kv=256, block_kv_compute=128)),
+])
+def test_attention_adapters_are_differentiable(adapter, shape, blocks, causal):
+    """jax.grad through the adapters: upstream's backward kernels, their blocks resolved from
+    the backward adapters' own cache entries (here their defaults) when the gradient is traced."""
+    q, k, v = _qkv_heads(*shape)
+    fwd = lambda a, b, c, causal: adapter(a, b, c, causal=causal, **blocks)  # noqa: E731
+    grads = jax.jit(jax.grad(_attention_loss, argnums=(1, 2, 3)), static_argnums=(0, 4))(
+        fwd, q, k, v, causal)
+    for g, r in zip(grads, _reference_grads(q, k, v, causal), strict=True):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, r, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("adapter,blocks", [
+    (upstream.flash_attention_bwd,
+     dict(block_q_major_dkv=256, block_q_dkv=128, block_k_major_dkv=256, block_k_dkv=128,
+          block_q_dq=128, block_k_major_dq=256, block_k_dq=256)),
+    (upstream.splash_attention_bwd,
+     dict(block_q_dkv=128, block_kv_dkv=256, block_kv_dkv_compute=128, block_q_dq=256,
+          block_kv_dq=128, use_fused_bwd_kernel=False)),
+    (upstream.splash_attention_bwd,
+     dict(block_q_dkv=256, block_kv_dkv=256, block_kv_dkv_compute=256, block_q_dq=128,
+          block_kv_dq=128, use_fused_bwd_kernel=True)),
+])
+def test_backward_adapters_match_reference(adapter, blocks):
+    q, k, v = _qkv_heads(2, 2, 256, 256, 128)
+    do = jnp.cos(q)
+    if adapter is upstream.flash_attention_bwd:
+        (q, k, v, o, lse, do), _ = upstream.flash_attention_bwd_args((q, k, v), {"causal": True})
+        grads = adapter(q, k, v, o, jnp.ones_like(lse), lse, do, causal=True, **blocks)
+    else:
+        grads = adapter(q, k, v, do, causal=True, **blocks)
+    _, vjp = jax.vjp(lambda a, b, c: flash_attention_reference(a, b, c, causal=True), q, k, v)
+    for g, r in zip(grads, vjp(do), strict=True):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, r, atol=2e-3, rtol=2e-3)
+
+
+def test_backward_adapters_refuse_blocks_upstream_cannot_run():
+    q, k, v = _qkv_heads(2, 2, 256, 384, 128)
+    lse = jnp.zeros((1, 2, 256))
+    fa = dict(block_q_major_dkv=128, block_q_dkv=128, block_k_major_dkv=256, block_k_dkv=128,
+              block_q_dq=128, block_k_major_dq=128, block_k_dq=128)
+    with pytest.raises(pt.InvalidConfig, match="block_k_major_dkv=256 must divide kv_len=384"):
+        upstream.flash_attention_bwd(q, k, v, q, lse, lse, q, **fa)
+    with pytest.raises(pt.InvalidConfig, match="block_k_dq=384 must divide block_k_major_dq"):
+        upstream.flash_attention_bwd(q, k, v, q, lse, lse, q,
+                                     **{**fa, "block_k_major_dkv": 128, "block_k_dq": 512})
+    with pytest.raises(pt.InvalidConfig, match="block_kv_dq=256 must divide kv_len=384"):
+        upstream.splash_attention_bwd(
+            q, k, v, q, block_q_dkv=128, block_kv_dkv=128, block_kv_dkv_compute=128,
+            block_q_dq=128, block_kv_dq=256, use_fused_bwd_kernel=False)
+
+
+def test_adapter_gradients_lower_for_tpu():
+    q = jax.ShapeDtypeStruct((1, 8, 2048, 128), jnp.bfloat16)
+    with pt.target("v6e"):
+        for fn in (upstream.flash_attention, upstream.splash_attention):
+            cfg = fn.space.default
+            grad = jax.grad(lambda a, b, c: jnp.sum(fn(a, b, c, causal=True, **cfg).astype(
+                jnp.float32)), argnums=(0, 1, 2))
+            text = jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("tpu",)).as_text()
+            assert text.count("tpu_custom_call") >= 3, fn.name  # Forward, dK/dV, dQ.
