@@ -12,8 +12,9 @@ when the gradient is traced: :func:`flash_attention_bwd` (upstream's backward Bl
 dK/dV and dQ kernels through upstream's own VJP rule, on the residuals o, l, m that upstream's
 forward saves) and :func:`splash_attention_bwd` (splash's backward BlockSizes and
 ``use_fused_bwd_kernel``; splash keeps its residuals private, so this one recomputes upstream's
-forward before upstream's VJP). Without differentiation the forwards lower as before. Megablox's
-``tgmm`` (its weight gradient) is not adapted.
+forward before upstream's VJP). :func:`megablox_gmm` likewise, its gradient
+:func:`megablox_gmm_bwd` with tilings of its own for dlhs (gmm against rhs transposed) and drhs
+(``tgmm``). Without differentiation the forwards lower as before.
 
 Each adapter checks what its upstream kernel accepts (read from its source and tried in interpret
 mode and in deviceless v6e compiles, JAX 0.12) before tracing it, and raises ``ValueError`` for
@@ -45,8 +46,8 @@ from pallas_tune.kernels.flash_attention_bwd import (flash_attention_bwd_args,
 from pallas_tune.kernels.grouped_matmul import _inputs as _group_inputs
 from pallas_tune.kernels.grouped_matmul import grouped_matmul_reference
 
-__all__ = ["flash_attention", "flash_attention_bwd", "megablox_gmm", "splash_attention",
-           "splash_attention_bwd"]
+__all__ = ["flash_attention", "flash_attention_bwd", "megablox_gmm", "megablox_gmm_bwd",
+           "splash_attention", "splash_attention_bwd"]
 
 # The megablox package re-exports the function `gmm` under its module's name; take the module.
 _gmm = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -323,8 +324,73 @@ def megablox_gmm(lhs, rhs, group_sizes, *, tm: int, tk: int, tn: int):
     _check_tile("tm", tm, "m", m, _SUBLANES)
     _check_tile("tk", tk, "k", k, _LANES)
     _check_tile("tn", tn, "n", n, _LANES)
-    return _gmm.gmm(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
-                    tiling=(tm, tk, tn))
+    return _gmm_fn(lhs, rhs, group_sizes, (tm, tk, tn))
+
+
+# Differentiable with tilings of its own for the gradient (`megablox_gmm_bwd`), resolved when
+# the gradient is traced; not differentiated, the forward is upstream's call as before.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm_fn(lhs, rhs, group_sizes, tiling):
+    return _gmm.gmm(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype, tiling=tiling)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, tiling):
+    with chips.interpret_mode() if chips.should_interpret() else contextlib.nullcontext():
+        return _gmm_fn(lhs, rhs, group_sizes, tiling), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(tiling, residuals, grad):
+    lhs, rhs, group_sizes = residuals
+    dlhs, drhs = megablox_gmm_bwd(lhs, rhs, group_sizes, grad)
+    return dlhs, drhs, None
+
+
+_gmm_fn.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _gmm_bwd_reference(lhs, rhs, group_sizes, grad):
+    _, vjp = jax.vjp(lambda a, b: grouped_matmul_reference(a, b, group_sizes), lhs, rhs)
+    return vjp(grad.astype(lhs.dtype))
+
+
+def _gmm_bwd_inputs(lhs, rhs, group_sizes, grad):
+    (lhs, rhs, group_sizes), _ = _group_inputs(lhs, rhs, group_sizes)
+    key = jax.random.key(1)
+    return [lhs, rhs, group_sizes, jax.random.normal(key, grad.shape).astype(grad.dtype)], {}
+
+
+@pt.tunable(tm=[128, 256, 512], tk=[128, 256, 512, 1024], tn=[128, 256, 512, 1024],
+            tm_t=[128, 256, 512], tk_t=[128, 256, 512, 1024], tn_t=[128, 256, 512, 1024],
+            default={"tm": 128, "tk": 128, "tn": 128, "tm_t": 128, "tk_t": 128, "tn_t": 128},
+            reference=_gmm_bwd_reference, inputs=_gmm_bwd_inputs,
+            name="jax.ops.tpu.megablox.gmm_bwd")
+def megablox_gmm_bwd(lhs, rhs, group_sizes, grad, *, tm: int, tk: int, tn: int, tm_t: int,
+                     tk_t: int, tn_t: int):
+    """The gradient of megablox gmm for the cotangent grad (m, n): (dlhs, drhs), as upstream's
+    own VJP computes them, dlhs by gmm against rhs transposed (tiling tm, tk, tn over its m, n
+    and k) and drhs by tgmm (tiling tm_t, tk_t, tn_t over m, k and n).
+
+    Accepts what ``megablox_gmm`` accepts, tm and tm_t dividing m.
+    """
+    m, k = lhs.shape
+    n = rhs.shape[2]
+    if grad.shape != (m, n):
+        raise ValueError(f"megablox gmm's gradient needs grad of shape {(m, n)}; got "
+                         f"{grad.shape}")
+    tiles = {"tm": min(tm, m), "tk": min(tk, n), "tn": min(tn, k), "tm_t": min(tm_t, m),
+             "tk_t": min(tk_t, k), "tn_t": min(tn_t, n)}
+    for name, dim_name, dim, multiple in (("tm", "m", m, _SUBLANES), ("tk", "n", n, _LANES),
+                                          ("tn", "k", k, _LANES), ("tm_t", "m", m, _SUBLANES),
+                                          ("tk_t", "k", k, _LANES), ("tn_t", "n", n, _LANES)):
+        if name.startswith("tm") and m % tiles[name]:
+            raise pt.InvalidConfig(f"{name}={tiles[name]} must divide m={m} in megablox's "
+                                   "gradient: choose one that divides m")
+        _check_tile(name, tiles[name], dim_name, dim, multiple)
+    dlhs = _gmm.gmm(grad.astype(lhs.dtype), rhs, group_sizes, lhs.dtype,
+                    (tiles["tm"], tiles["tk"], tiles["tn"]), transpose_rhs=True)
+    drhs = _gmm.tgmm(lhs.swapaxes(0, 1), grad.astype(lhs.dtype), group_sizes, rhs.dtype,
+                     (tiles["tm_t"], tiles["tk_t"], tiles["tn_t"]))
+    return dlhs, drhs
 
 
 def _check_attention(name: str, q, k, v, *, gqa: bool) -> None:
