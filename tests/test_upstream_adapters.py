@@ -220,6 +220,13 @@ def test_adapter_gradients_lower_for_tpu():
                 jnp.float32)), argnums=(0, 1, 2))
             text = jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("tpu",)).as_text()
             assert text.count("tpu_custom_call") >= 3, fn.name  # Forward, dK/dV, dQ.
+        lhs = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 1024, 2048), jnp.bfloat16)
+        gs = jnp.full((8,), 256, jnp.int32)
+        grad = jax.grad(lambda a, b: jnp.sum(upstream.megablox_gmm(
+            a, b, gs, **upstream.megablox_gmm.space.default).astype(jnp.float32)), argnums=(0, 1))
+        text = jax.jit(grad).trace(lhs, rhs).lower(lowering_platforms=("tpu",)).as_text()
+        assert text.count("tpu_custom_call") == 2  # gmm (rhs transposed), tgmm: a linear loss.
 
 
 def test_megablox_adapter_is_differentiable():
