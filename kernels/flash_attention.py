@@ -16,10 +16,17 @@ is independent, so nothing leaks into valid rows); when no bkv divides kv_len, t
 gives the keys past kv_len the mask value and zeroes the values past it (``0 * NaN`` would
 poison the sum). That masking is emitted only for ragged kv_len, so shapes that divide compile to
 the same program as without it.
+
+Differentiable (``jax.grad``, ``jax.vjp``, under ``jit``, ``checkpoint`` and ``vmap``) through a
+custom VJP: when differentiated, the forward also writes each query row's log-sum-exp (a second
+output of the same kernel), and the gradient is ``flash_attention_bwd.flash_attention_bwd``, a
+tunable kernel of its own whose blocks are resolved from the cache when the gradient is traced.
+Without differentiation the program is the one it was before (same lowering, same cache entries).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -30,12 +37,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
+from pallas_tune import chips
 from pallas_tune.kernels import _ragged
+from pallas_tune.kernels._attention import DTYPES, check_qkv, flash_attention_reference
+from pallas_tune.kernels._attention import MASK_VALUE as _MASK_VALUE
+from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd
 
-__all__ = ["flash_attention", "flash_attention_reference"]
+__all__ = ["DTYPES", "flash_attention", "flash_attention_reference"]
 
-DTYPES = (jnp.float32, jnp.bfloat16)
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _STRIP = 256  # Query columns per stair of the diagonal staircase (best of 128-1024 by the
 #                v6e estimate at S=2048: 197,002 cycles against 209,066 / 217,930 / 245,898).
 _LAG = 5  # Parts between a part's q kᵀ and its softmax in program order (best of 0-6 by the
@@ -56,19 +65,39 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
       ValueError: the shapes do not match (see the module docstring), q_heads is not a multiple
         of kv_heads, or the dtypes are not one of float32 and bfloat16.
     """
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"flash_attention needs q (batch, q_heads, q_len, head_dim) and k, v "
-                         f"(batch, kv_heads, kv_len, head_dim); got q {q.shape}, k {k.shape}, "
-                         f"v {v.shape}")
+    check_qkv("flash_attention", q, k, v)
+    return _attention(q, k, v, causal, sm_scale, bq, bkv)
+
+
+# Differentiable through a custom VJP (FlashAttention-2): the forward also saves the log-sum-exp
+# of each query row, and the backward is the tunable ``flash_attention_bwd``, called with no
+# block sizes so that its own are resolved from the cache when the gradient is traced. Without
+# differentiation the forward is the one pallas_call below, unchanged (same cache entries).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q, k, v, causal, sm_scale, bq, bkv):
+    return _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv)
+
+
+def _attention_fwd(q, k, v, causal, sm_scale, bq, bkv):
+    # Under jax.checkpoint this rule is traced later, outside the tunable call's interpret mode.
+    with chips.interpret_mode() if chips.should_interpret() else contextlib.nullcontext():
+        o, lse = _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv, lse=True)
+    return o, (q, k, v, o, lse)
+
+
+def _attention_bwd(causal, sm_scale, bq, bkv, residuals, do):
+    q, k, v, o, lse = residuals
+    return flash_attention_bwd(q, k, v, o, lse, do, causal=causal, sm_scale=sm_scale)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _forward(q, k, v, *, causal, sm_scale, bq, bkv, lse=False):
+    """The forward pallas_call: o, and with ``lse=True`` also the log-sum-exp of each query
+    row's scaled scores, (batch, q_heads, q_len) float32."""
     b, hq, sq, d = q.shape
-    bk_, hkv, sk, dk = k.shape
-    if (bk_, dk) != (b, d):
-        raise ValueError(f"batch and head_dim must match: q {q.shape}, k {k.shape}, v {v.shape}")
-    if hq % hkv:
-        raise ValueError(f"q_heads={hq} must be a multiple of kv_heads={hkv} (GQA)")
-    if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES:
-        raise ValueError(f"flash_attention supports float32 or bfloat16 q, k, v of one dtype; "
-                         f"got {q.dtype}, {k.dtype}, {v.dtype}: cast them to one of these")
+    hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
     bq, bkv = min(bq, sq), min(bkv, sk)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
@@ -87,29 +116,36 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
     # Only when every query block has a diagonal block (q_len <= kv_len).
     early = causal and _staircase_ok(bq, bkv, sk % bkv) and sq <= sk
     kernel = functools.partial(_kernel, sm_scale=scale, causal=causal, bq=bq, bkv=bkv,
-                               kv_tail=sk % bkv, early=early)
-    return pl.pallas_call(
+                               kv_tail=sk % bkv, early=early, lse=lse)
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_specs = pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0))
+    if lse:  # A (1, bq) row per block, as the kernel holds its softmax statistics.
+        out_shape = [out_shape, jax.ShapeDtypeStruct((b, hq, 1, sq), jnp.float32)]
+        out_specs = [out_specs,
+                     pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j: (bi, h, 0, i))]
+    out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_shape,
         grid=(b, hq, pl.cdiv(sq, bq), nk),
         in_specs=[
             pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
             pl.BlockSpec((None, None, bkv, d), kv_index),
             pl.BlockSpec((None, None, bkv, d), kv_index),
         ],
-        out_specs=pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0)),
+        out_specs=out_specs,
         scratch_shapes=[
             pltpu.VMEM((1, bq), jnp.float32),
             pltpu.VMEM((d + _SUM_ROWS, bq), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        name=f"flash_attention_{bq}x{bkv}",
+        name=f"flash_attention{'_lse' if lse else ''}_{bq}x{bkv}",
     )(q, k, v)
+    return (out[0], out[1].reshape(b, hq, sq)) if lse else out
 
 
-def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq, bkv,
-            kv_tail, early):
+def _kernel(q_ref, k_ref, v_ref, o_ref, *refs, sm_scale, causal, bq, bkv, kv_tail, early,
+            lse):
     """Works on transposed scores, sᵀ = k qᵀ (bkv, bq), and a transposed accumulator oᵀ (d, bq).
 
     On a 256x256 MXU a head_dim of 128 fills half of it in q kᵀ whichever way round; but in
@@ -117,6 +153,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq,
     the full (bkv, bq) pᵀ as the weights. The softmax statistics are then per column: their
     reductions run down sublanes (element-wise across vregs), not across lanes.
     """
+    lse_ref, m_ref, acc_ref = refs if lse else (None, *refs)
     i, j = pl.program_id(2), pl.program_id(3)
     # exp(scale * (s - m)) as exp2(s' - m') with s' = (c q) kᵀ: the scale and exp's own
     # log2(e) multiply the (bq, d) query block once, not each of the (bkv, bq) scores.
@@ -195,10 +232,11 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, m_ref, acc_ref, *, sm_scale, causal, bq,
         """o for query rows [lo, hi) from their accumulator oᵀ (with the sums below it)."""
         d = o_ref.shape[-1]
         o_ref[lo:hi, :] = (acc[:d, :] * (1.0 / acc[d:d + 1, :])).T.astype(o_ref.dtype)
+        if lse_ref is not None:  # m and the sum are in log2 units of the scaled scores.
+            lse_ref[:, lo:hi] = (m_ref[:, lo:hi] + jnp.log2(acc[d:d + 1, :])) * math.log(2.0)
 
-    # Every query row sees a valid key in KV block 0 (key 0), so l > 0 at the end: even the rows
-    # of a ragged last query block, which are dropped on store, never divide by zero.
-    # Causal: blocks above the diagonal are skipped, blocks wholly below it need no mask.
+    # Every query row sees a valid key in KV block 0 (key 0), so l > 0 at the end, even in rows
+    # dropped on store. Causal: blocks above the diagonal are skipped, below it need no mask.
     if not (causal or kv_tail):
         update()
     else:
@@ -271,22 +309,6 @@ def _standin(args, kwargs, config):
     q2 = jax.ShapeDtypeStruct((nb, nh * group, sq, d), q.dtype)
     kv2 = jax.ShapeDtypeStruct((nb, nh, sk, d), k.dtype)
     return [q2, kv2, kv2], kwargs, scale
-
-
-def flash_attention_reference(q, k, v, *, causal: bool = False, sm_scale: float | None = None):
-    """Plain-JAX attention with the same semantics (f32 softmax)."""
-    group = q.shape[1] // k.shape[1]
-    k = jnp.repeat(k, group, axis=1)
-    v = jnp.repeat(v, group, axis=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-    if causal:
-        qi = lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
-        ki = lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1)
-        s = jnp.where(qi >= ki, s, _MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v,
-                      preferred_element_type=jnp.float32).astype(q.dtype)
 
 
 flash_attention = pt.tunable(space="flash_attention", reference=flash_attention_reference,

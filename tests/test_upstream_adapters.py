@@ -138,3 +138,117 @@ def test_megablox_adapter_takes_ragged_k_and_n():
     gs = jnp.array([7, 0, 249], jnp.int32)
     out = upstream.megablox_gmm(lhs, rhs, gs, tm=128, tk=128, tn=128)
     np.testing.assert_allclose(out, grouped_matmul_reference(lhs, rhs, gs), rtol=1e-4, atol=1e-3)
+
+
+# ---- gradients: backward blocks as tunable kernels of their own ------------------------------
+
+def _attention_loss(fn, q, k, v, causal):
+    return jnp.sum(fn(q, k, v, causal=causal) * jnp.cos(q))
+
+
+def _reference_grads(q, k, v, causal):
+    return jax.grad(_attention_loss, argnums=(1, 2, 3))(flash_attention_reference, q, k, v,
+                                                         causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("adapter,shape,blocks", [
+    (upstream.flash_attention, (2, 2, 512, 256, 128),
+     dict(block_q=128, block_k_major=256, block_k=128)),
+    (upstream.splash_attention, (4, 2, 256, 512, 64),
+     dict(block_q=128, block_kv=256, block_kv_compute=128)),
+])
+def test_attention_adapters_are_differentiable(adapter, shape, blocks, causal):
+    """jax.grad through the adapters: upstream's backward kernels, their blocks resolved from
+    the backward adapters' own cache entries (here their defaults) when the gradient is traced."""
+    q, k, v = _qkv_heads(*shape)
+    fwd = lambda a, b, c, causal: adapter(a, b, c, causal=causal, **blocks)  # noqa: E731
+    grads = jax.jit(jax.grad(_attention_loss, argnums=(1, 2, 3)), static_argnums=(0, 4))(
+        fwd, q, k, v, causal)
+    for g, r in zip(grads, _reference_grads(q, k, v, causal), strict=True):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, r, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("adapter,blocks", [
+    (upstream.flash_attention_bwd,
+     dict(block_q_major_dkv=256, block_q_dkv=128, block_k_major_dkv=256, block_k_dkv=128,
+          block_q_dq=128, block_k_major_dq=256, block_k_dq=256)),
+    (upstream.splash_attention_bwd,
+     dict(block_q_dkv=128, block_kv_dkv=256, block_kv_dkv_compute=128, block_q_dq=256,
+          block_kv_dq=128, use_fused_bwd_kernel=False)),
+    (upstream.splash_attention_bwd,
+     dict(block_q_dkv=256, block_kv_dkv=256, block_kv_dkv_compute=256, block_q_dq=128,
+          block_kv_dq=128, use_fused_bwd_kernel=True)),
+])
+def test_backward_adapters_match_reference(adapter, blocks):
+    q, k, v = _qkv_heads(2, 2, 256, 256, 128)
+    do = jnp.cos(q)
+    if adapter is upstream.flash_attention_bwd:
+        (q, k, v, o, lse, do), _ = upstream.flash_attention_bwd_args((q, k, v), {"causal": True})
+        grads = adapter(q, k, v, o, jnp.ones_like(lse), lse, do, causal=True, **blocks)
+    else:
+        grads = adapter(q, k, v, do, causal=True, **blocks)
+    _, vjp = jax.vjp(lambda a, b, c: flash_attention_reference(a, b, c, causal=True), q, k, v)
+    for g, r in zip(grads, vjp(do), strict=True):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, r, atol=2e-3, rtol=2e-3)
+
+
+def test_backward_adapters_refuse_blocks_upstream_cannot_run():
+    q, k, v = _qkv_heads(2, 2, 256, 384, 128)
+    lse = jnp.zeros((1, 2, 256))
+    fa = dict(block_q_major_dkv=128, block_q_dkv=128, block_k_major_dkv=256, block_k_dkv=128,
+              block_q_dq=128, block_k_major_dq=128, block_k_dq=128)
+    with pytest.raises(pt.InvalidConfig, match="block_k_major_dkv=256 must divide kv_len=384"):
+        upstream.flash_attention_bwd(q, k, v, q, lse, lse, q, **fa)
+    with pytest.raises(pt.InvalidConfig, match="block_k_dq=384 must divide block_k_major_dq"):
+        upstream.flash_attention_bwd(q, k, v, q, lse, lse, q,
+                                     **{**fa, "block_k_major_dkv": 128, "block_k_dq": 512})
+    with pytest.raises(pt.InvalidConfig, match="block_kv_dq=256 must divide kv_len=384"):
+        upstream.splash_attention_bwd(
+            q, k, v, q, block_q_dkv=128, block_kv_dkv=128, block_kv_dkv_compute=128,
+            block_q_dq=128, block_kv_dq=256, use_fused_bwd_kernel=False)
+
+
+def test_adapter_gradients_lower_for_tpu():
+    q = jax.ShapeDtypeStruct((1, 8, 2048, 128), jnp.bfloat16)
+    with pt.target("v6e"):
+        for fn in (upstream.flash_attention, upstream.splash_attention):
+            cfg = fn.space.default
+            grad = jax.grad(lambda a, b, c: jnp.sum(fn(a, b, c, causal=True, **cfg).astype(
+                jnp.float32)), argnums=(0, 1, 2))
+            text = jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("tpu",)).as_text()
+            assert text.count("tpu_custom_call") >= 3, fn.name  # Forward, dK/dV, dQ.
+        lhs = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 1024, 2048), jnp.bfloat16)
+        gs = jnp.full((8,), 256, jnp.int32)
+        grad = jax.grad(lambda a, b: jnp.sum(upstream.megablox_gmm(
+            a, b, gs, **upstream.megablox_gmm.space.default).astype(jnp.float32)), argnums=(0, 1))
+        text = jax.jit(grad).trace(lhs, rhs).lower(lowering_platforms=("tpu",)).as_text()
+        assert text.count("tpu_custom_call") == 2  # gmm (rhs transposed), tgmm: a linear loss.
+
+
+def test_megablox_adapter_is_differentiable():
+    """jax.grad through megablox gmm: dlhs by gmm against rhs transposed, drhs by tgmm, their
+    tilings resolved from megablox_gmm_bwd's own cache entries (here its default); an empty
+    group gets a zero gradient."""
+    k1, k2 = jax.random.split(jax.random.key(1))
+    lhs = jax.random.normal(k1, (512, 256), jnp.float32)
+    rhs = jax.random.normal(k2, (3, 256, 384), jnp.float32)
+    gs = jnp.array([200, 0, 312], jnp.int32)
+    weights = jnp.cos(jnp.arange(384.0))
+
+    def loss(fn, a, b):
+        return jnp.sum(fn(a, b, gs) * weights)
+
+    gmm = lambda a, b, c: upstream.megablox_gmm(a, b, c, tm=128, tk=128, tn=256)  # noqa: E731
+    grads = jax.jit(jax.grad(loss, argnums=(1, 2)), static_argnums=0)(gmm, lhs, rhs)
+    ref = jax.grad(loss, argnums=(1, 2))(grouped_matmul_reference, lhs, rhs)
+    for g, r in zip(grads, ref, strict=True):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-3)
+    assert not np.asarray(grads[1][1]).any()
+    with pytest.raises(pt.InvalidConfig, match="tm_t=256 must divide m=384"):
+        upstream.megablox_gmm_bwd(lhs[:384], rhs, gs, jnp.zeros((384, 384)), tm=128, tk=128,
+                                  tn=128, tm_t=256, tk_t=128, tn_t=128)
