@@ -26,7 +26,6 @@ Without differentiation the program is the one it was before (same lowering, sam
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -37,11 +36,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
-from pallas_tune import chips
 from pallas_tune.kernels import _ragged
 from pallas_tune.kernels._attention import DTYPES, check_qkv, flash_attention_reference
 from pallas_tune.kernels._attention import MASK_VALUE as _MASK_VALUE
-from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd
+from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd, flash_attention_bwd_args
 
 __all__ = ["DTYPES", "flash_attention", "flash_attention_reference"]
 
@@ -66,31 +64,19 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
         of kv_heads, or the dtypes are not one of float32 and bfloat16.
     """
     check_qkv("flash_attention", q, k, v)
-    return _attention(q, k, v, causal, sm_scale, bq, bkv)
-
-
-# Differentiable through a custom VJP (FlashAttention-2): the forward also saves the log-sum-exp
-# of each query row, and the backward is the tunable ``flash_attention_bwd``, called with no
-# block sizes so that its own are resolved from the cache when the gradient is traced. Without
-# differentiation the forward is the one pallas_call below, unchanged (same cache entries).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention(q, k, v, causal, sm_scale, bq, bkv):
     return _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv)
 
 
-def _attention_fwd(q, k, v, causal, sm_scale, bq, bkv):
-    # Under jax.checkpoint this rule is traced later, outside the tunable call's interpret mode.
-    with chips.interpret_mode() if chips.should_interpret() else contextlib.nullcontext():
-        o, lse = _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv, lse=True)
+# Differentiable through the tunable contract (FlashAttention-2): when differentiated, the same
+# forward kernel also saves the log-sum-exp of each query row (``_residuals``), and the backward
+# is the tunable ``flash_attention_bwd``, called with no block sizes so that its own are
+# resolved from the cache when the gradient is traced (see ``backward=`` below). Without
+# differentiation the forward is the one pallas_call below, unchanged (same cache entries).
+def _residuals(q, k, v, *, causal: bool = False, sm_scale: float | None = None, bq: int,
+               bkv: int):
+    check_qkv("flash_attention", q, k, v)
+    o, lse = _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv, lse=True)
     return o, (q, k, v, o, lse)
-
-
-def _attention_bwd(causal, sm_scale, bq, bkv, residuals, do):
-    q, k, v, o, lse = residuals
-    return flash_attention_bwd(q, k, v, o, lse, do, causal=causal, sm_scale=sm_scale)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _forward(q, k, v, *, causal, sm_scale, bq, bkv, lse=False):
@@ -312,4 +298,6 @@ def _standin(args, kwargs, config):
 
 
 flash_attention = pt.tunable(space="flash_attention", reference=flash_attention_reference,
-                             standin=_standin)(flash_attention)
+                             standin=_standin, backward=flash_attention_bwd,
+                             backward_args=flash_attention_bwd_args,
+                             backward_residuals=_residuals)(flash_attention)
