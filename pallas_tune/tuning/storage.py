@@ -14,6 +14,8 @@ study use Optuna's own mechanisms, nothing home-made:
   (prunes its trial) when another RUNNING or COMPLETE trial has the same params. Two workers
   that propose a config at the same moment each write before they read, so at least one sees
   the other: a config is never evaluated twice (rarely both back off; it is proposed again).
+  Programs (the lowered code several configs may share) are claimed the same way, by
+  fingerprint, in :mod:`.programs`.
 - **Liveness**: every RUNNING trial of ours gets heartbeats (``storage.record_heartbeat``);
   ``optuna.storages.fail_stale_trials`` fails those of dead workers after the grace period and
   :class:`optuna.storages.RetryFailedTrialCallback` puts their params back in the queue. A

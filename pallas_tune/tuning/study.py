@@ -16,7 +16,8 @@ from typing import Any, Final
 from pallas_tune.errors import SearchSpaceError
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 
-__all__ = ["GP_MAX_CANDIDATES", "ParamCodec", "Search", "quiet_optuna", "study_name"]
+__all__ = ["GP_MAX_CANDIDATES", "ParamCodec", "Search", "quiet_optuna", "stored_record",
+           "study_name"]
 
 # Spaces up to this size are searched by the GP over every candidate; larger ones by TPE.
 GP_MAX_CANDIDATES: Final = 50_000
@@ -140,6 +141,11 @@ class Search:
         search._heartbeat = _storage.Heartbeat(study._storage, lambda: list(search._active))
         return search
 
+    @property
+    def shared(self) -> bool:
+        """Whether the study is in a storage other workers may share (not in memory)."""
+        return self.study._storage.__class__.__name__ != "InMemoryStorage"
+
     def running(self) -> list[Any]:
         """The study's RUNNING trials (of any worker)."""
         from optuna.trial import TrialState
@@ -148,7 +154,7 @@ class Search:
 
     def pending_elsewhere(self) -> int:
         """Trials other workers are evaluating now (dead workers' trials failed first)."""
-        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+        if not self.shared:
             return 0
         from pallas_tune.tuning import storage as _storage
 
@@ -170,7 +176,7 @@ class Search:
                 config = self.codec.decode(t.params)
             except KeyError:
                 continue  # Not a point of this space (an older version of it).
-            out.append((config, _stored_record(t, config)))
+            out.append((config, stored_record(t, config)))
         return out
 
     def ask(self, n: int, *, budget: int | None = None
@@ -210,7 +216,7 @@ class Search:
     def _claimed_elsewhere(self, trial: Any) -> bool:
         """Whether another worker's RUNNING trial holds the same params (read after ours were
         written, so of two simultaneous claims at least one sees the other)."""
-        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+        if not self.shared:
             return False
         params = trial.params
         for t in self.running():
@@ -224,7 +230,7 @@ class Search:
         ``trials`` budget is shared: of workers that ask at once, the later ones wait)."""
         from optuna.trial import TrialState
 
-        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+        if not self.shared:
             return 0
         n = 0
         for t in self.study.get_trials(deepcopy=False,
@@ -254,7 +260,7 @@ class Search:
         for trial in list(self._active.values()):
             try:
                 self._drop(trial)
-                if self.study._storage.__class__.__name__ != "InMemoryStorage":
+                if self.shared:
                     _storage._retry()(self.study, self.study._storage.get_trial(
                         trial._trial_id))
             except Exception:  # noqa: BLE001  Best effort: heartbeats expire otherwise.
@@ -288,7 +294,7 @@ class Search:
         self.study.tell(trial, record.median_ms if record.outcome.timed else math.inf)
 
 
-def _stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:
+def stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:
     attrs = t.user_attrs
     try:
         outcome = Outcome(attrs.get("outcome", "ok" if t.value is not None else
