@@ -30,7 +30,7 @@ import time
 from typing import Any, Final
 
 from pallas_tune.measure.records import TrialRecord
-from pallas_tune.tuning.study import Search, stored_record
+from pallas_tune.tuning.study import Search
 
 __all__ = ["PROGRAM_ATTR", "ProgramClaims"]
 
@@ -50,8 +50,6 @@ class ProgramClaims:
     def __init__(self, search: Search):
         self.search = search
         self._trials: dict[int, Any] = {}  # Candidate number -> our Optuna trial.
-        self._done: dict[str, TrialRecord] = {}  # Fingerprint -> a COMPLETE original's record.
-        self._scanned: set[int] = set()  # COMPLETE trial numbers read for _done.
         self.waited_s = 0.0  # Time spent waiting for other workers' programs.
 
     def bind(self, number: int, trial: Any) -> None:
@@ -99,21 +97,9 @@ class ProgramClaims:
               ) -> tuple[TrialRecord | None, list[tuple[int | None, int]]]:
         """(the record of a COMPLETE original of ``fingerprint``, or None; the other RUNNING
         trials claiming it, as (ticket or None, trial number))."""
-        from optuna.trial import TrialState
-
         others = []
         for t in self.search.running():
             claim = t.system_attrs.get(PROGRAM_ATTR)
             if t.number != mine and isinstance(claim, list) and claim[:1] == [fingerprint]:
                 others.append((claim[1], t.number))
-        for t in self.search.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.number in self._scanned:
-                continue
-            self._scanned.add(t.number)
-            fp = t.user_attrs.get("fingerprint")
-            if fp and not t.user_attrs.get("duplicate") and fp not in self._done:
-                try:
-                    self._done[fp] = stored_record(t, self.search.codec.decode(t.params))
-                except KeyError:
-                    continue  # Not a point of this space (an older version of it).
-        return self._done.get(fingerprint), others
+        return self.search.timed_program(fingerprint), others
