@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import platform
 import statistics
@@ -38,9 +39,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-import pallas_tune as pt  # noqa: E402
-from pallas_tune.measure.evaluate import Evaluator  # noqa: E402
-from pallas_tune.measure.records import Measurement, Outcome, TrialRecord  # noqa: E402
+import pallas_tune as pt
+from pallas_tune.measure.evaluate import Evaluator
+from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 
 
 @pt.tunable(a=list(range(12)), b=list(range(12)), c=list(range(12)), name="bench.synthetic")
@@ -136,7 +137,7 @@ def one_run(storage, trials, meter):
                        study_name=f"overhead-{time.time_ns()}")
     run(synthetic, (jnp.ones((8, 128)),), {}, opts, evaluator=evaluator)
     rows = []
-    for a, b in zip(marks, marks[1:]):
+    for a, b in itertools.pairwise(marks):
         d = [y - x for x, y in zip(a, b)]
         rows.append({"wall": d[0] - d[2] - d[4], "cpu": d[1] - d[3] - d[5],
                      "sampler wall": d[2], "sampler cpu": d[3], "reads": d[6]})
@@ -162,18 +163,20 @@ def main():
     import optuna
 
     meter = Meter()
-    lines = [f"# $ python benchmarks/sweep_overhead.py {' '.join(sys.argv[1:])}".rstrip()
-             + f"   ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)",
-             f"# host: {platform.node()}, {os.cpu_count()} CPU cores shared with other "
-             f"engineers' jobs; jax {jax.__version__}; optuna {optuna.__version__}; Python "
-             f"{platform.python_version()}.",
-             f"# {args.trials} trials of a 1728-config space, GP sampler, stub evaluation; "
-             "per-trial medians over windows of 10 trials (" + ", ".join(
-                 f"{lo + 2}-{hi + 1}" for lo, hi in windows(args.trials - 1))
-             + f"), then the median of {args.runs} runs. ms per trial; reads: trials the "
-             "loop's reads of the study went through, per trial (Search.examined).",
-             f"{'storage':<10} {'figure':<22} {'trial 1':>9} {'trial 100':>10} "
-             f"{'trial 300':>10} {'300/1':>7}"]
+    spans = ", ".join(f"{lo + 2}-{hi + 1}" for lo, hi in windows(args.trials - 1))
+    when = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+    lines = [
+        f"# $ python benchmarks/sweep_overhead.py {' '.join(sys.argv[1:])}".rstrip()
+        + f"   ({when})",
+        (f"# host: {platform.node()}, {os.cpu_count()} CPU cores shared with other engineers' "
+         f"jobs; jax {jax.__version__}; optuna {optuna.__version__}; Python "
+         f"{platform.python_version()}."),
+        (f"# {args.trials} trials of a 1728-config space, GP sampler, stub evaluation; "
+         f"per-trial medians over windows of 10 trials ({spans}), then the median of "
+         f"{args.runs} runs. ms per trial; reads: trials the loop's reads of the study went "
+         "through, per trial (Search.examined)."),
+        (f"{'storage':<10} {'figure':<22} {'trial 1':>9} {'trial 100':>10} "
+         f"{'trial 300':>10} {'300/1':>7}")]
     for name in args.storages.split(","):
         with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
             if name == "memory":
@@ -199,8 +202,8 @@ def main():
             ratio = cells[2] / cells[0] if cells[0] else float("nan")
             lines.append(f"{name:<10} {figure:<22} {cells[0]:>9.1f} {cells[1]:>10.1f} "
                          f"{cells[2]:>10.1f} {ratio:>7.2f}")
-        print(lines[-1], file=sys.stderr, flush=True)
-    print("\n".join(lines))
+        print("\n".join(lines), flush=True)  # Each storage's rows as soon as they are known.
+        lines = []
 
 
 if __name__ == "__main__":

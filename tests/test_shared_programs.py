@@ -111,7 +111,8 @@ def test_a_claim_waits_for_the_worker_that_claimed_first(tmp_path, wait):
     from pallas_tune.tuning.study import Search
 
     url = f"sqlite:///{tmp_path / 'claims.db'}"
-    kw = dict(name="claims", storage=url, sampler="gp", seed=0, trials=2, warm=[])
+    kw = {"name": "claims", "storage": url, "sampler": "gp", "seed": 0, "trials": 2,
+          "warm": []}
     first, second = Search.open(one_program.space, **kw), Search.open(one_program.space, **kw)
     try:
         (t1, _), = first.ask(1)[0]
