@@ -145,3 +145,29 @@ def test_a_claim_waits_for_the_worker_that_claimed_first(tmp_path, wait):
     finally:
         first.close()
         second.close()
+
+
+def test_two_processes_never_pop_one_queued_trial_on_sqlite(tmp_path):
+    """Optuna claims a queued trial by reading WAITING then writing RUNNING; on SQLite both
+    must happen in one write transaction, or two workers both claim it (and both evaluate
+    it: seen as a trial told twice in a two-worker sweep)."""
+    import subprocess
+    import sys
+
+    import optuna
+
+    from pallas_tune.tuning.storage import open_storage
+
+    url = f"sqlite:///{tmp_path / 'queue.db'}"
+    study = optuna.create_study(storage=open_storage(url), study_name="queue")
+    for i in range(60):
+        study.enqueue_trial({"i": i})
+    pop = ("import sys, optuna; from pallas_tune.tuning.storage import open_storage; "
+           "optuna.logging.set_verbosity(optuna.logging.ERROR); "
+           "s = optuna.load_study(study_name='queue', storage=open_storage(sys.argv[1])); "
+           "print(*[s.ask().number for _ in range(30)])")
+    procs = [subprocess.Popen([sys.executable, "-c", pop, url], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    popped = [int(n) for p in procs for n in p.communicate(timeout=300)[0].split()]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(popped) == 60 and len(set(popped)) == len(popped), sorted(popped)

@@ -76,9 +76,12 @@ def open_storage(storage: Any) -> Any:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
+                opened = optuna.storages.RDBStorage(
                     storage, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S,
                     grace_period=GRACE_S, **{_callback_kw(): _retry()})
+            if storage.startswith("sqlite"):
+                _immediate_transactions(opened.engine)
+            return opened
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError,
                 sqlalchemy.exc.OperationalError) as e:
             last = e  # Another worker is creating the same tables: wait, try again.
@@ -93,6 +96,24 @@ def open_storage(storage: Any) -> Any:
                                   "'postgresql://user@host/db'.") from None
     raise TuneOptionError(f"storage={storage!r} could not be opened after {_RETRIES} tries: "
                           f"{last}; check that the database server is up and reachable.")
+
+
+def _immediate_transactions(engine: Any) -> None:
+    """Every SQLite transaction begins IMMEDIATE (holding the write lock from its first read).
+    Python's sqlite3 begins a transaction only at the first write, so Optuna's read-then-write
+    claim of a queued trial (WAITING -> RUNNING) let two processes both read WAITING and both
+    claim it. SQLAlchemy's recipe for SQLite transactions; pooled connections are reopened."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # sqlite3 issues no BEGIN of its own.
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()
 
 
 def load_or_create(storage: Any, name: str, *, sampler: Any) -> tuple[Any, bool]:
