@@ -8,6 +8,8 @@ study use Optuna's own mechanisms, nothing home-made:
   version row race when several processes create them at once); the study is created by one
   worker (``load_if_exists=False``: the unique study name decides), the others load it. Only
   the creator enqueues the study's first trials, so the queue holds each of them once.
+  On SQLite every transaction begins IMMEDIATE, so that Optuna's claim of a queued trial
+  (a read, then a write) is atomic between processes there too.
 - **Claims**: a trial popped from the queue is claimed atomically by Optuna
   (``WAITING -> RUNNING`` under a row lock). A config the sampler proposes is a claim once
   its trial is RUNNING with those params; the worker then reads the study, and backs off
