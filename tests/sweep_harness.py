@@ -58,17 +58,18 @@ def worker_env(cache_dir: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def sweep_command(storage: str | None, trials: int, *extra: str, shapes: str = SHAPES
-                  ) -> list[str]:
-    cmd = [sys.executable, "-m", "pallas_tune", "sweep", KERNEL, "--shapes", shapes,
+def sweep_command(storage: str | None, trials: int, *extra: str, shapes: str = SHAPES,
+                  kernel: str = KERNEL) -> list[str]:
+    cmd = [sys.executable, "-m", "pallas_tune", "sweep", kernel, "--shapes", shapes,
            "--trials", str(trials), "--repeats", "1", "--max-time-s", "0.05", "--force",
            *extra]
     return cmd + (["--storage", storage] if storage else [])
 
 
-def start_workers(n: int, storage: str | None, trials: int, cache_dir: str, *extra: str
-                  ) -> list[subprocess.Popen[str]]:
-    return [subprocess.Popen(sweep_command(storage, trials, *extra), stdout=subprocess.PIPE,
+def start_workers(n: int, storage: str | None, trials: int, cache_dir: str, *extra: str,
+                  **command: str) -> list[subprocess.Popen[str]]:
+    return [subprocess.Popen(sweep_command(storage, trials, *extra, **command),
+                             stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=worker_env(cache_dir))
             for _ in range(n)]
 
@@ -103,6 +104,21 @@ def accounts(storage: str, study: str = STUDY) -> dict[str, Any]:
     return {"evaluated": len(evaluated), "duplicates": sum(n - 1 for n in evaluated.values()),
             "timed": timed, "running": states.get("RUNNING", 0), "states": dict(states),
             "workers": len(workers)}
+
+
+def program_timings(storage: str, study: str) -> collections.Counter[str]:
+    """How many trials of the stored study timed each program (by fingerprint): a duplicate
+    (the same program as an earlier trial) is not timed."""
+    import optuna
+    from optuna.trial import TrialState
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    s = optuna.load_study(study_name=study, storage=storage)
+    return collections.Counter(
+        t.user_attrs["fingerprint"] for t in s.get_trials(deepcopy=False)
+        if t.state == TrialState.COMPLETE and t.user_attrs.get("fingerprint")
+        and not t.user_attrs.get("duplicate") and t.value is not None
+        and math.isfinite(t.value))
 
 
 def wait_for_timed(storage: str, at_least: int, timeout: float = 300) -> None:

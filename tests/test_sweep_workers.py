@@ -9,8 +9,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from sweep_harness import (accounts, kill9, postgres_url, start_workers, sweep_command,
-                           wait_all, wait_for_timed, worker_env)
+from sweep_harness import (accounts, kill9, postgres_url, program_timings, start_workers,
+                           sweep_command, wait_all, wait_for_timed, worker_env)
 
 TRIALS = 6  # Of a space of 16 configs (8 distinct programs): the sampler proposes, so
 SPACE = 16  # workers can collide on a config.
@@ -60,3 +60,23 @@ def test_kill9_then_the_same_command_resumes(tmp_path, backend):
                                text=True, env=worker_env(cache), timeout=600)
         acc = _assert_clean(stored, [(again.returncode, again.stdout, again.stderr)])
         assert acc["workers"] == 2, acc  # The killed run's trials were kept, not redone.
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_two_workers_never_time_one_program_twice(tmp_path, backend):
+    """toy_kernels.clamped at 16 rows: 10 configs, 2 programs (clamped tiles; the buffer depth
+    changes nothing in interpret mode), every config enqueued. The workers pop neighbouring
+    configs of one program; each program is timed by one trial, the others are duplicates."""
+    import contextlib
+
+    ctx = (postgres_url(str(tmp_path / "pg")) if backend == "postgres" else
+           contextlib.nullcontext(f"sqlite:///{tmp_path / 'study.db'}"))
+    with ctx as url:
+        procs = start_workers(2, url, 10, str(tmp_path / "cache"), "-q", "--study-name",
+                              "programs", kernel="toy_kernels:clamped",
+                              shapes="x=16x128:float32")
+        for rc, out, err in wait_all(procs):
+            assert rc == 0 and "Traceback" not in err, (out[-2000:], err[-3000:])
+        timings = program_timings(url, "programs")
+        assert len(timings) == 2 and set(timings.values()) == {1}, timings
+        assert accounts(url, "programs")["evaluated"] == 10

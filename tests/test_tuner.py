@@ -435,3 +435,38 @@ def test_xla_wins_where_it_is_faster_and_calls_then_run_it(cache_dir, fresh, tmp
     assert fresh.CALLS["reference"] == before + 1  # Traced once, through the reference.
     assert json.loads(receipts.read_text().splitlines()[0])["implementation"] == "xla"
     assert k.config_for(x, br=8).implementation == "pallas"  # Explicit keywords: the kernel.
+
+
+def test_the_work_of_a_trial_does_not_grow_with_the_study(cache_dir, tmp_path, monkeypatch):
+    """Each trial reads only what changed in the stored study since the last (issue 25: a
+    300-trial sweep's bookkeeping grew with every trial). Counted, not timed: the trials the
+    loop's reads go through, per trial, are as many at trial 60 as at trial 10."""
+    from pallas_tune.tuning import TuneOptions, run
+    from pallas_tune.tuning.study import Search
+
+    @pt.tunable(a=list(range(12)), b=list(range(12)), name="flat_work")
+    def flat(x, *, a, b):
+        return x
+
+    searches = []
+    init = Search.__init__
+
+    def kept(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        searches.append(self)
+
+    monkeypatch.setattr(Search, "__init__", kept)
+    examined = []  # (trials the reads went through, configs asked) at each trial's record.
+    opts = TuneOptions(trials=60, seed=0, write=False, retime_top=0, warm_start=0,
+                       storage=f"sqlite:///{tmp_path / 'work.db'}", sampler="tpe",
+                       callbacks=[lambda record, progress: examined.append(
+                           (searches[-1].examined, progress.asked))])
+    result = run(flat, (jnp.ones((8, 128)),), {}, opts,
+                 evaluator=Landscape(lambda c: 1.0 + abs(c["a"] - 6) + abs(c["b"] - 3)))
+    assert result.counts["timed"] == 60 and len(examined) == 60
+
+    def per_ask(lo, hi):  # A config asked again (TPE repeats some) is a pass of the loop too.
+        return (examined[hi][0] - examined[lo][0]) / (examined[hi][1] - examined[lo][1])
+
+    early, late = per_ask(1, 16), per_ask(44, 59)
+    assert 0 < late <= early * 1.2 and late <= 12, (early, late)

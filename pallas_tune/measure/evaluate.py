@@ -13,7 +13,9 @@ Three implementations:
 
 Every implementation measures each program once: a candidate whose lowered program has the
 fingerprint of one already evaluated (here or in a resumed study, see :meth:`Evaluator.learn`)
-is recorded with ``duplicate_of`` and that trial's outcome, at no device time.
+is recorded with ``duplicate_of`` and that trial's outcome, at no device time. With a
+:class:`SharedPrograms` (:meth:`Evaluator.share`: the tuning loop's stored study), a program
+evaluated or being evaluated by another worker on the same study counts too.
 """
 
 from __future__ import annotations
@@ -22,13 +24,24 @@ import abc
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pallas_tune.measure.records import Outcome, TrialRecord
 
-__all__ = ["Evaluator", "InProcessEvaluator", "PoolEvaluator"]
+__all__ = ["Evaluator", "InProcessEvaluator", "PoolEvaluator", "SharedPrograms"]
 
 Candidates = Sequence[tuple[int, Mapping[str, Any]]]
+
+
+class SharedPrograms(Protocol):
+    """The programs of a study shared by several workers (implemented by the tuning loop)."""
+
+    def claim(self, fingerprint: str, number: int, *, wait: bool) -> TrialRecord | None:
+        """None when trial ``number`` is to evaluate ``fingerprint`` (no other worker's trial
+        holds it); else the record of the trial elsewhere that evaluated it. ``wait``: while
+        another worker's trial is evaluating it, wait for its outcome (else evaluate it here:
+        the caller holds unevaluated programs of its own, which that worker may be waiting
+        for)."""
 
 
 class Evaluator(abc.ABC):
@@ -51,6 +64,13 @@ class Evaluator(abc.ABC):
         self._programs: dict[str, int] = {}  # Fingerprint -> the trial that evaluated it.
         self._claimed: dict[int, str] = {}  # Trial number -> the fingerprint it claimed.
         self._done: dict[int, TrialRecord] = {}
+        self._open: set[int] = set()  # Trials that claimed a program and have no record yet.
+        self._shared: SharedPrograms | None = None
+        self._elsewhere = 0  # Programs another worker evaluated (keys -2, -3, ... of _done).
+
+    def share(self, programs: SharedPrograms | None) -> None:
+        """Checks each new program against ``programs`` too (other workers on one study)."""
+        self._shared = programs
 
     @abc.abstractmethod
     def start(self) -> dict[str, Any]:
@@ -104,11 +124,21 @@ class Evaluator(abc.ABC):
         assert kind == "claim", question
         if fingerprint in self._programs:
             return self._programs[fingerprint]
+        if self._shared is not None:
+            held = self._shared.claim(fingerprint, number, wait=not self._open)
+            if held is not None:  # Another worker's trial: kept under a number of its own.
+                key = -2 - self._elsewhere
+                self._elsewhere += 1
+                self._done[key] = held
+                self._programs[fingerprint] = key
+                return key
         self._programs[fingerprint] = number
         self._claimed[number] = fingerprint
+        self._open.add(number)
         return None
 
     def _note(self, record: TrialRecord) -> None:
+        self._open.discard(record.number)
         if record.duplicate_of is None:
             self._done[record.number] = record
             if record.outcome is Outcome.OK:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -23,7 +24,10 @@ def config_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 class TrialLog:
-    """Records in trial order; a config is evaluated once per run (or study)."""
+    """Records in trial order; a config is evaluated once per run (or study).
+
+    What is asked of it each trial (the budget, the stop rules, the progress) is kept as
+    running figures, so a trial costs the same at the 300th as at the first."""
 
     def __init__(self, options: TuneOptions, space_size: int):
         self.options = options
@@ -33,6 +37,14 @@ class TrialLog:
         self.imported: set[int] = set()
         self.asked = 0
         self.started = time.perf_counter()
+        self.timed = 0  # Distinct programs timed (imported ones included: a resumed study
+        # only measures what is missing).
+        self._timed_imported = 0
+        self._duplicates_here = 0
+        self._best: TrialRecord | None = None
+        self._lowest: list[float] = []  # Lowest median of the first i+1 timed trials.
+        self._recent: collections.deque[float] = collections.deque(
+            maxlen=max(1, options.patience or 1))
 
     # ---- what is known --------------------------------------------------------------------
 
@@ -79,14 +91,20 @@ class TrialLog:
     def _store(self, record: TrialRecord) -> None:
         self.records.append(record)
         self.by_config[config_key(record.config)] = record
+        imported = record.number in self.imported
+        if record.duplicate_of is not None and not imported:
+            self._duplicates_here += 1
+        if record.spent_device_time:
+            self.timed += 1
+            self._timed_imported += imported
+            ms = record.median_ms
+            self._lowest.append(min(ms, self._lowest[-1]) if self._lowest else ms)
+            self._recent.append(ms)
+        if record.outcome is Outcome.OK and record.duplicate_of is None and (
+                self._best is None or record.median_ms < self._best.median_ms):
+            self._best = record
 
     # ---- budget and stop rules ------------------------------------------------------------
-
-    @property
-    def timed(self) -> int:
-        """Distinct programs timed (imported ones included: a resumed study only measures what
-        is missing)."""
-        return sum(r.spent_device_time for r in self.records)
 
     def wants_more(self, pending: int = 0) -> bool:
         """Whether to ask for more; ``pending``: trials other workers run now (they count
@@ -102,30 +120,25 @@ class TrialLog:
     def _plateaued(self) -> bool:
         """``patience`` timed trials in a row without improving the best by more than 1%."""
         n = self.options.patience
-        if not n:
+        if not n or self.timed <= n:
             return False
-        times = [r.median_ms for r in self.records if r.spent_device_time]
-        if len(times) <= n:
-            return False
-        return min(times[-n:]) > min(times[:-n]) * 0.99
+        return min(self._recent) > self._lowest[-n - 1] * 0.99
 
     # ---- summaries ------------------------------------------------------------------------
 
     def best(self) -> TrialRecord | None:
-        ok = [r for r in self.records if r.outcome is Outcome.OK and r.duplicate_of is None]
-        return min(ok, key=lambda r: r.median_ms) if ok else None
+        """The fastest ``ok`` trial that timed its program (the first of equals)."""
+        return self._best
 
     def progress(self) -> Progress:
-        best = self.best()
-        here = [r for r in self.records if r.number not in self.imported]
-        return Progress(asked=self.asked, evaluated=len(here),
-                        timed=sum(r.spent_device_time for r in here),
-                        duplicates=sum(r.duplicate_of is not None for r in here),
+        best = self._best
+        return Progress(asked=self.asked, evaluated=len(self.records) - len(self.imported),
+                        timed=self.timed - self._timed_imported,
+                        duplicates=self._duplicates_here,
                         budget=self.options.trials, best_ms=best.median_ms if best else math.inf,
                         best=dict(best.config) if best else None,
                         elapsed_s=time.perf_counter() - self.started,
-                        from_storage=sum(r.spent_device_time for r in self.records
-                                         if r.number in self.imported))
+                        from_storage=self._timed_imported)
 
     def counts(self) -> dict[str, int]:
         """Asked of the sampler, evaluated, distinct programs, device timings spent, ..."""

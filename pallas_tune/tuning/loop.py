@@ -18,9 +18,10 @@ from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.pool import importing_main_script
 from pallas_tune.measure.records import Outcome, TrialRecord
 from pallas_tune.tuning import finish, grad
-from pallas_tune.tuning.log import TrialLog
+from pallas_tune.tuning.log import TrialLog, config_key
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import make_plan, open_evaluator, settle_chip
+from pallas_tune.tuning.programs import ProgramClaims
 from pallas_tune.tuning.result import TuningResult
 from pallas_tune.tuning.study import Search, quiet_optuna, study_name
 from pallas_tune.tuning.warm import warm_start_configs
@@ -95,8 +96,10 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
                              sampler=options.sampler, seed=options.seed, trials=options.trials,
                              warm=warm)
         log = TrialLog(options, space.size)
+        claims = ProgramClaims(search) if search.shared else None
+        evaluator.share(claims)  # Programs other workers on the study evaluate count too.
         try:
-            _search_loop(search, log, evaluator, kernel, args, kwargs)
+            _search_loop(search, log, evaluator, kernel, args, kwargs, claims)
         except BaseException:
             search.release()  # Ctrl-C, a crash: our running trials go back to the queue.
             raise
@@ -111,7 +114,8 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
 
 
 def _search_loop(search: Search, log: TrialLog, evaluator: Evaluator, kernel: Any,
-                 args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+                 args: Sequence[Any], kwargs: Mapping[str, Any],
+                 claims: ProgramClaims | None = None) -> None:
     """Ask, skip what is known, evaluate, tell, until the study has its ``trials`` (other
     workers' finished and running trials count: ``trials`` is the study's total)."""
     evaluator.learn(log.adopt(search.finished()))
@@ -129,6 +133,10 @@ def _search_loop(search: Search, log: TrialLog, evaluator: Evaluator, kernel: An
         evaluator.learn(log.adopt(search.finished()))  # What finished while we asked.
         fresh = log.fresh([config for _, config in asked])                  # skip known
         fresh = _declared(kernel, log, fresh, args, kwargs)                 # constraints
+        if claims is not None:  # Their programs are claimed on these trials.
+            trials = {config_key(config): trial for trial, config in asked}
+            for number, config in fresh:
+                claims.bind(number, trials[config_key(config)])
         try:
             for record in evaluator.evaluate(fresh):                        # evaluate
                 log.add(record)                                             # record
@@ -162,8 +170,6 @@ def _fail_fast(kernel: Any, log: TrialLog) -> None:
 def _tell(search: Search, log: TrialLog, asked: Sequence[tuple[Any, dict[str, Any]]],
           new: set[int]) -> None:
     """Tells the study each asked trial whose config has a record (all, after a whole batch)."""
-    from pallas_tune.tuning.log import config_key
-
     for trial, config in asked:
         record = log.by_config.get(config_key(config))
         if record is None:

@@ -8,12 +8,16 @@ study use Optuna's own mechanisms, nothing home-made:
   version row race when several processes create them at once); the study is created by one
   worker (``load_if_exists=False``: the unique study name decides), the others load it. Only
   the creator enqueues the study's first trials, so the queue holds each of them once.
+  On SQLite every transaction begins IMMEDIATE, so that Optuna's claim of a queued trial
+  (a read, then a write) is atomic between processes there too.
 - **Claims**: a trial popped from the queue is claimed atomically by Optuna
   (``WAITING -> RUNNING`` under a row lock). A config the sampler proposes is a claim once
   its trial is RUNNING with those params; the worker then reads the study, and backs off
   (prunes its trial) when another RUNNING or COMPLETE trial has the same params. Two workers
   that propose a config at the same moment each write before they read, so at least one sees
   the other: a config is never evaluated twice (rarely both back off; it is proposed again).
+  Programs (the lowered code several configs may share) are claimed the same way, by
+  fingerprint, in :mod:`.programs`.
 - **Liveness**: every RUNNING trial of ours gets heartbeats (``storage.record_heartbeat``);
   ``optuna.storages.fail_stale_trials`` fails those of dead workers after the grace period and
   :class:`optuna.storages.RetryFailedTrialCallback` puts their params back in the queue. A
@@ -136,9 +140,12 @@ def open_storage(storage: Any) -> Any:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(
+                opened = optuna.storages.RDBStorage(
                     storage, engine_kwargs=kwargs, heartbeat_interval=HEARTBEAT_S,
                     grace_period=GRACE_S, **{_callback_kw(): _retry()})
+            if storage.startswith("sqlite"):
+                _immediate_transactions(opened.engine)
+            return opened
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError,
                 sqlalchemy.exc.OperationalError) as e:
             last = e  # Another worker is creating the same tables: wait, try again.
@@ -157,6 +164,24 @@ def open_storage(storage: Any) -> Any:
     why = " ".join(str(getattr(last, "orig", None) or last).split())  # One line, no tabs.
     raise TuneOptionError(f"storage={storage!r} could not be opened after {_RETRIES} tries: "
                           f"{why}; check that the database server is up and reachable.")
+
+
+def _immediate_transactions(engine: Any) -> None:
+    """Every SQLite transaction begins IMMEDIATE (holding the write lock from its first read).
+    Python's sqlite3 begins a transaction only at the first write, so Optuna's read-then-write
+    claim of a queued trial (WAITING -> RUNNING) let two processes both read WAITING and both
+    claim it. SQLAlchemy's recipe for SQLite transactions; pooled connections are reopened."""
+    from sqlalchemy import event
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # sqlite3 issues no BEGIN of its own.
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()
 
 
 def load_or_create(storage: Any, name: str, *, sampler: Any) -> tuple[Any, bool]:

@@ -8,6 +8,7 @@ strings that map back one to one; parameters with a single choice are study user
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -16,7 +17,8 @@ from typing import Any, Final
 from pallas_tune.errors import SearchSpaceError
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 
-__all__ = ["GP_MAX_CANDIDATES", "ParamCodec", "Search", "quiet_optuna", "study_name"]
+__all__ = ["GP_MAX_CANDIDATES", "ParamCodec", "Search", "quiet_optuna", "stored_record",
+           "study_name"]
 
 # Spaces up to this size are searched by the GP over every candidate; larger ones by TPE.
 GP_MAX_CANDIDATES: Final = 50_000
@@ -111,6 +113,13 @@ class Search:
         self.codec = codec
         self.strategy = strategy
         self._seen: set[int] = set()  # Study trial numbers already imported or told.
+        # The study's finished trials, each read once (see _refresh):
+        self._scan_from = 0  # Every trial numbered below was finished at the last read.
+        self._read: set[int] = set()  # Finished trials read (numbers).
+        self._unadopted: list[tuple[dict[str, Any], TrialRecord]] = []  # For finished().
+        self._timed: list[int] = []  # COMPLETE trials that timed a program, sorted.
+        self.programs: dict[str, TrialRecord] = {}  # Fingerprint -> the trial that timed it.
+        self.examined = 0  # Trials our reads went through (the work per trial stays flat).
         self._active: dict[int, Any] = {}  # Our RUNNING trials, by trial id.
         self._heartbeat: Any = None
 
@@ -148,15 +157,22 @@ class Search:
         search._heartbeat = _storage.Heartbeat(study._storage, lambda: list(search._active))
         return search
 
+    @property
+    def shared(self) -> bool:
+        """Whether the study is in a storage other workers may share (not in memory)."""
+        return self.study._storage.__class__.__name__ != "InMemoryStorage"
+
     def running(self) -> list[Any]:
         """The study's RUNNING trials (of any worker)."""
         from optuna.trial import TrialState
 
-        return self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        self.examined += len(running)
+        return running
 
     def pending_elsewhere(self) -> int:
         """Trials other workers are evaluating now (dead workers' trials failed first)."""
-        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+        if not self.shared:
             return 0
         from pallas_tune.tuning import storage as _storage
 
@@ -167,19 +183,55 @@ class Search:
     def finished(self) -> list[tuple[dict[str, Any], TrialRecord]]:
         """Finished trials not seen before (a resumed study; other hosts sharing it), as
         (config, record) with the outcome, median and fingerprint they stored."""
+        self._refresh()
+        out, self._unadopted = self._unadopted, []
+        return out
+
+    def timed_program(self, fingerprint: str) -> TrialRecord | None:
+        """The record of the COMPLETE trial (of any worker) that timed this program, if any."""
+        self._refresh()
+        return self.programs.get(fingerprint)
+
+    def _refresh(self) -> None:
+        """Reads the trials finished since the last read, each once. Optuna lists a study's
+        trials by number, so a read starts at the first trial that was unfinished at the last
+        one: a trial costs the same to read at the 300th as at the first."""
         from optuna.trial import TrialState
 
-        out = []
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.number in self._seen:
+        trials = self.study.get_trials(deepcopy=False)
+        start = self._scan_from if trials and trials[-1].number == len(trials) - 1 else 0
+        first_open = None
+        for t in trials[start:]:
+            self.examined += 1
+            if not t.state.is_finished():
+                first_open = t.number if first_open is None else first_open
                 continue
-            self._seen.add(t.number)
-            try:
-                config = self.codec.decode(t.params)
-            except KeyError:
-                continue  # Not a point of this space (an older version of it).
-            out.append((config, _stored_record(t, config)))
-        return out
+            if t.number in self._read:
+                continue
+            self._read.add(t.number)
+            if t.state == TrialState.COMPLETE:
+                self._complete(t)
+        self._scan_from = len(trials) if first_open is None else first_open
+
+    def _complete(self, t: Any) -> None:
+        attrs = t.user_attrs
+        timed = ("worker" in attrs and not attrs.get("duplicate") and t.value is not None
+                 and math.isfinite(t.value))
+        if timed:
+            bisect.insort(self._timed, t.number)
+        theirs = t.number not in self._seen
+        if not (theirs or timed):
+            return
+        self._seen.add(t.number)
+        try:
+            config = self.codec.decode(t.params)
+        except KeyError:
+            return  # Not a point of this space (an older version of it).
+        record = stored_record(t, config)
+        if theirs:
+            self._unadopted.append((config, record))
+        if attrs.get("fingerprint") and not attrs.get("duplicate"):
+            self.programs.setdefault(attrs["fingerprint"], record)
 
     def ask(self, n: int, *, budget: int | None = None
             ) -> tuple[list[tuple[Any, dict[str, Any]]], int]:
@@ -218,7 +270,7 @@ class Search:
     def _claimed_elsewhere(self, trial: Any) -> bool:
         """Whether another worker's RUNNING trial holds the same params (read after ours were
         written, so of two simultaneous claims at least one sees the other)."""
-        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+        if not self.shared:
             return False
         params = trial.params
         for t in self.running():
@@ -230,20 +282,11 @@ class Search:
     def _ahead(self, trial: Any) -> int:
         """Trials before this one in the study that are timed or running (the study's
         ``trials`` budget is shared: of workers that ask at once, the later ones wait)."""
-        from optuna.trial import TrialState
-
-        if self.study._storage.__class__.__name__ == "InMemoryStorage":
+        if not self.shared:
             return 0
-        n = 0
-        for t in self.study.get_trials(deepcopy=False,
-                                       states=(TrialState.RUNNING, TrialState.COMPLETE)):
-            if t.number >= trial.number:
-                continue
-            if t.state == TrialState.RUNNING or (
-                    "worker" in t.user_attrs and not t.user_attrs.get("duplicate")
-                    and t.value is not None and math.isfinite(t.value)):
-                n += 1
-        return n
+        self._refresh()
+        return bisect.bisect_left(self._timed, trial.number) + sum(
+            t.number < trial.number for t in self.running())
 
     def _drop(self, trial: Any, *, pruned: bool = False) -> None:
         from optuna.trial import TrialState
@@ -262,7 +305,7 @@ class Search:
         for trial in list(self._active.values()):
             try:
                 self._drop(trial)
-                if self.study._storage.__class__.__name__ != "InMemoryStorage":
+                if self.shared:
                     _storage._retry()(self.study, self.study._storage.get_trial(
                         trial._trial_id))
             except Exception:  # noqa: BLE001  Best effort: heartbeats expire otherwise.
@@ -309,7 +352,7 @@ def _name_metric(study: Any) -> None:
             pass
 
 
-def _stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:
+def stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:
     attrs = t.user_attrs
     try:
         outcome = Outcome(attrs.get("outcome", "ok" if t.value is not None else
