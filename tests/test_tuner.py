@@ -470,3 +470,25 @@ def test_the_work_of_a_trial_does_not_grow_with_the_study(cache_dir, tmp_path, m
 
     early, late = per_ask(1, 16), per_ask(44, 59)
     assert 0 < late <= early * 1.2 and late <= 12, (early, late)
+
+
+def test_candidates_that_did_not_run_are_fail_trials_for_optuna(cache_dir, fresh):
+    """Infeasible and failed candidates are FAIL trials with their outcome attached (issue
+    26.4): Optuna's plots show the study without a warning per trial, and the metric is named;
+    a resumed study still knows them (they are not evaluated again)."""
+    import warnings
+
+    import optuna
+
+    res = fresh.scale_checked.tune(fresh.ones((64, 256)), trials=32, seed=0, repeats=1,
+                                   write=False, retime_top=0)
+    states = {t.state for t in res.study.trials}
+    failed = [t for t in res.study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert failed and optuna.trial.TrialState.COMPLETE in states
+    assert all(t.user_attrs["outcome"] in ("infeasible", "mismatch", "compile_error",
+                                           "runtime_error") for t in failed)
+    assert all(t.value is None for t in failed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Trial N is omitted ... inf" would raise here.
+        optuna.visualization.plot_optimization_history(res.study)
+        optuna.visualization.plot_slice(res.study)

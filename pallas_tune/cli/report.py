@@ -78,10 +78,15 @@ def _study(optuna: Any, trials: list[dict[str, Any]]) -> Any:
         for n in varied:
             v = c.get(n)
             params[n] = v if isinstance(v, int | float | str | bool) else json.dumps(v)
-        value = t.get("median_ms") if _finite(t.get("median_ms")) else math.inf
-        study.add_trial(optuna.trial.create_trial(
-            params=params, distributions=dists, value=value,
-            user_attrs={"outcome": str(t.get("outcome", "?"))}))
+        attrs = {"outcome": str(t.get("outcome", "?"))}
+        if _finite(t.get("median_ms")):
+            trial = optuna.trial.create_trial(params=params, distributions=dists,
+                                              value=t["median_ms"], user_attrs=attrs)
+        else:  # Did not run: a FAIL trial, as Optuna's plots expect (no value, no warning).
+            trial = optuna.trial.create_trial(params=params, distributions=dists,
+                                              state=optuna.trial.TrialState.FAIL,
+                                              user_attrs=attrs)
+        study.add_trial(trial)
     return study
 
 
@@ -104,7 +109,7 @@ def _figures(plt: Any, optuna: Any, study: Any, trials: list[dict[str, Any]],
 
     trials = [t for t in trials if t.get("duplicate_of") is None]
     pngs, frags, notes = [], [], ""
-    values = [t.value for t in study.trials]
+    values = [t.value if t.value is not None else math.inf for t in study.trials]
     done = [v for v in values if math.isfinite(v)]
     fig, ax = plt.subplots(figsize=(6, 3.4))
     xs = [i for i, v in enumerate(values) if math.isfinite(v)]
@@ -120,7 +125,8 @@ def _figures(plt: Any, optuna: Any, study: Any, trials: list[dict[str, Any]],
     history = optuna.visualization.plot_optimization_history(study, target_name=unit)
     frags.append(history)
     finite = optuna.create_study(direction="minimize")
-    finite.add_trials([t for t in study.trials if math.isfinite(t.value)])
+    finite.add_trials([t for t in study.trials if t.value is not None
+                       and math.isfinite(t.value)])
     imp: dict[str, float] = {}
     if len(done) >= 2 and study.trials and study.trials[0].params:
         imp = optuna.importance.get_param_importances(finite)

@@ -209,8 +209,9 @@ class Search:
             if t.number in self._read:
                 continue
             self._read.add(t.number)
-            if t.state == TrialState.COMPLETE:
-                self._complete(t)
+            if t.state == TrialState.COMPLETE or (t.state == TrialState.FAIL
+                                                  and "outcome" in t.user_attrs):
+                self._complete(t)  # A FAIL with an outcome is a told failure, not released.
         self._scan_from = len(trials) if first_open is None else first_open
 
     def _complete(self, t: Any) -> None:
@@ -319,9 +320,12 @@ class Search:
 
     def tell(self, trial: Any, record: TrialRecord, *, new: bool) -> None:
         """Tells the study a trial's value: the median for a timed one (``slow`` included, at
-        the median seen), +inf for a failure (not FAIL: TPE ignores failed trials and would keep
-        proposing there). ``new``: the record was made for this trial (not a config known
-        before), so its details are stored with it."""
+        the median seen). A candidate that did not run (infeasible, failed) is a FAIL trial,
+        as Optuna's plots and optuna-dashboard expect, its outcome and error in its user
+        attributes (our GP sampler reads FAIL as the worst value); under TPE, which ignores
+        FAIL trials and would keep proposing there, it is told +inf instead. ``new``: the
+        record was made for this trial (not a config known before), so its details are
+        stored with it."""
         attrs: dict[str, Any] = {"outcome": record.outcome.value}
         if new:
             from pallas_tune.tuning.storage import owner
@@ -336,7 +340,14 @@ class Search:
                 trial.set_user_attr(k, v)
         self._seen.add(trial.number)
         self._active.pop(trial._trial_id, None)
-        self.study.tell(trial, record.median_ms if record.outcome.timed else math.inf)
+        if record.outcome.timed:
+            self.study.tell(trial, record.median_ms)
+        elif self.strategy == "tpe":
+            self.study.tell(trial, math.inf)
+        else:
+            from optuna.trial import TrialState
+
+            self.study.tell(trial, state=TrialState.FAIL)
 
 
 def _name_metric(study: Any) -> None:
