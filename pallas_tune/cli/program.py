@@ -85,8 +85,6 @@ def cmd_program(args: argparse.Namespace, specs: Sequence[str], options: Any) ->
             failures += 1
             print(f"pallas-tune sweep: {spec}: FAILED: {e}", file=sys.stderr, flush=True)
             continue
-        if options.write:
-            result.write()
         for c in result.calls:
             runs_as = f" runs as {c.effective}" if c.effective else ""
             print(f"  {c.kernel}  {c.key}\n    {c.config}{runs_as}  ({c.source}, runs "
