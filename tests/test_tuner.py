@@ -414,7 +414,7 @@ def test_xla_wins_where_it_is_faster_and_calls_then_run_it(cache_dir, fresh, tmp
     import json
 
     k = fresh.scale_or_xla
-    x = jnp.ones((1024, 128), jnp.float32)  # 64+ interpreted grid steps: robustly slower.
+    x = jnp.ones((1024, 128), jnp.float32)
     plain = k.tune(x, trials=2, repeats=2, write=False)
     assert math.isnan(plain.xla_ms) and plain.implementation == "pallas"  # Off on a CPU.
     res = k.tune(x, trials=2, repeats=3, xla=True)
@@ -422,7 +422,7 @@ def test_xla_wins_where_it_is_faster_and_calls_then_run_it(cache_dir, fresh, tmp
     xla_row = next(r for r in rows if r.get("implementation") == "xla")
     assert res.xla_ms == xla_row["median_ms"] and len(xla_row["times_ms"]) >= 3
     assert res.implementation == ("xla" if res.xla_ms < res.best_ms else "pallas")
-    assert res.implementation == "xla", rows  # 64+ interpreted grid steps vs one multiply.
+    assert res.implementation == "xla", rows  # >= 50 ms a run (see scale_or_xla) vs a multiply.
     entry = k.cache.lookup("cpu", k.name, k.cache_key(x))[0]
     assert entry["implementation"] == "xla" and entry["xla_ms"] == res.xla_ms
     assert entry["margin_over_xla"] == res.xla_ms / res.best_ms < 1

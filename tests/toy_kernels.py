@@ -174,11 +174,18 @@ def counted_reference(x, *, factor=2.0):
     return x * factor
 
 
+def _slow(a):
+    import time
+
+    time.sleep(0.05)  # Every run of the kernel's program takes at least 50 ms: XLA wins,
+    return a          # whatever the load on the host (interpret-mode timings alone do not).
+
+
 @pt.tunable(br=[8, 16], bc=[128], reference=counted_reference, fallback="reference")
 def scale_or_xla(x, *, factor=2.0, br, bc):
-    """``scale`` with small tiles (many interpret-mode grid steps: slow) and its reference
-    declared as the alternative implementation (plain JAX: fast on a CPU)."""
-    return scale.fn(x, factor=factor, br=br, bc=bc, buffering=2)
+    """``scale`` made slow on purpose (a 50 ms host callback in its program) and its
+    reference declared as the alternative implementation (plain JAX: far under 50 ms)."""
+    return _host(_slow, scale.fn(x, factor=factor, br=br, bc=bc, buffering=2))
 
 
 class ToySession:
