@@ -274,22 +274,11 @@ def _step_times(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str
                 times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
-    out = {"default": run(resolution_hook(defaults)), "tuned": run(_Entered(result)),
+    out = {"default": run(resolution_hook(defaults)), "tuned": run(result),
            "xla": run(resolution_hook(xla))}
     timer = ("wall clock (interpret mode on CPU: grid steps, not TPU speed)"
              if chips.should_interpret() else "wall clock")
     return out, timer
-
-
-class _Entered:
-    def __init__(self, result: AutotuneResult):
-        self.result = result
-
-    def __enter__(self) -> None:
-        self.result.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.result.__exit__(*exc)
 
 
 def _concrete(a: Any) -> Any:
