@@ -232,3 +232,12 @@ class ToySession:
 
     def fail(self, channel):
         raise ValueError("a bug in the session")
+
+
+@pt.tunable(br=[8, 16], bc=[128], buffering=[2], reference=scale_reference,
+            fallback="reference")
+def poor_scale(x, *, factor=2.0, br, bc, buffering):
+    """``scale`` with only its smallest tiles: many grid steps of tiny blocks, so that XLA's
+    multiply beats every config on the compiler's estimate (the XLA-wins case for
+    ``tpu-estimate``)."""
+    return scale.fn(x, factor=factor, br=br, bc=bc, buffering=buffering)

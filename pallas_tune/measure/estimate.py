@@ -32,6 +32,7 @@ from typing import Any, Final
 
 from pallas_tune.measure import candidate as cand
 from pallas_tune.measure.evaluate import PoolEvaluator
+from pallas_tune.measure.loops import data_dependent_loops, dynamic_loop_message
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 
@@ -86,54 +87,6 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
                           ops_without_estimate=sum(c == 0 for c in result.estimated_cycles),
                           model_cycles=int(round(sum(result.model_cycles) * scale))
                           if result.model_cycles else None)
-
-
-def data_dependent_loops(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
-                         chip: str) -> int:
-    """How many loops inside the Pallas kernels of ``fn(*args, **kwargs)`` have a trip count
-    that is not static (``while`` in a kernel's jaxpr: ``lax.while_loop``, or ``fori_loop``
-    over traced bounds, e.g. a length read from memory), outside the else branches of
-    conditionals.
-
-    libtpu's static profile cannot know such a trip count and counts a fixed guess whatever the
-    data (libtpu 0.0.50.1: JAX's ragged paged attention over 2.1 GB of KV cache "estimated" at
-    14 us), so an estimate of such a kernel would rank configs on made-up work.
-    """
-    import jax
-
-    from pallas_tune import chips
-    from pallas_tune.feasibility import inspect as _inspect
-
-    def count(jaxpr: Any, inside: bool) -> int:
-        n = 0
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            n += inside and name == "while"
-            if name == "pallas_call":
-                subs = [eqn.params["jaxpr"]]
-            elif name == "cond" and len(eqn.params["branches"]) == 2:
-                # The profile follows the true branch of a data-dependent if (pl.when bodies
-                # count as taken; a loop in an else branch changed nothing: JAX's paged
-                # attention estimates identically with that loop removed).
-                subs = [eqn.params["branches"][1]]
-            else:
-                subs = list(_inspect._subjaxprs(eqn.params))
-            for sub in subs:
-                n += count(getattr(sub, "jaxpr", sub), inside or name == "pallas_call")
-        return n
-
-    flat_fn, arrays = _inspect.array_function(fn, args, kwargs)
-    with chips.target(chip, abstract_mesh=True):
-        closed = jax.make_jaxpr(flat_fn)(*arrays)
-    return count(closed.jaxpr, False)
-
-
-def dynamic_loop_message(ref: str, loops: int) -> str:
-    return (f"no static estimate for {ref}: its Pallas kernel has {loops} loop(s) whose trip "
-            "count is only known at run time (while_loop, or fori_loop over values read from "
-            "the inputs), and libtpu's static profile counts such a loop as a fixed guess, not "
-            "by the data. Time it on a TPU (--timer wallclock), or use a config without such "
-            "loops.")
 
 
 class EstimateSession:
@@ -290,6 +243,8 @@ class EstimateEvaluator(PoolEvaluator):
         wire = dataclasses.replace(setup, args=cand.to_wire(list(setup.args)),
                                    kwargs=cand.to_wire(dict(setup.kwargs)))
         self.has_standin = standin and parts.standin is not None
+        self._reference = (cand.KernelParts.of(parts.reference).refs(), wire
+                           ) if parts.reference is not None else None
         super().__init__(_estimate_pool((refs, wire, self._dump, self.has_standin, fallback),
                                         workers=workers, main_path=refs.main_path,
                                         limits=limits, memory_limit=memory_limit_bytes),
@@ -308,6 +263,17 @@ class EstimateEvaluator(PoolEvaluator):
     def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int) -> None:
         del configs, rounds  # Unused: estimates have no run-to-run noise to re-rank.
         return None
+
+    def estimate_reference(self) -> EstimateResult | None:
+        """The kernel's reference (XLA) estimated whole, never on a stand-in; None without one.
+        ``ops_without_estimate`` > 0: a lower bound (see tuning.finish.xla_estimate)."""
+        if self._reference is None:
+            return None
+        ref, w = self._reference
+        reply = self.pool.call("estimate_for", ref, w.args, w.kwargs, {}, w.chip, False,
+                               phase="compile")
+        return reply.value if reply.kind == "done" else EstimateResult(
+            ok=False, kind=reply.kind, message=reply.message[:500])
 
     def check_standin(self, configs: Sequence[Mapping[str, Any]]) -> tuple[bool, dict[str, Any]]:
         """Estimates one candidate on the stand-in and in full; trusts the stand-in within 5%

@@ -20,7 +20,8 @@ from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import Plan
 from pallas_tune.tuning.result import TuningResult
 
-__all__ = ["build_result", "default_config", "rerank", "versions", "write", "xla_wanted"]
+__all__ = ["build_result", "default_config", "rerank", "versions", "write", "xla_decision",
+           "xla_estimate", "xla_wanted"]
 
 logger = logging.getLogger("pallas_tune.tuning")
 
@@ -45,14 +46,55 @@ def _default_record(log: TrialLog, default: Mapping[str, Any] | None) -> Any:
 
 def xla_wanted(kernel: Any, options: TuneOptions, plan: Plan, device: Mapping[str, Any]
                ) -> bool:
-    """Whether the final ranking also times the kernel's reference (XLA): see
-    ``TuneOptions.xla``. Never for estimates (no XLA estimate is made yet)."""
-    if getattr(kernel, "reference", None) is None or plan.estimating:
+    """Whether the final ranking also times (or, for estimates, estimates) the kernel's
+    reference (XLA): see ``TuneOptions.xla``. By default on for kernels declaring
+    ``fallback="reference"``, except in interpret mode; estimates compare both on the
+    compiler's terms, so interpret mode never applies to them."""
+    if getattr(kernel, "reference", None) is None:
         return False
     if options.xla is not None:
         return options.xla
     return (getattr(kernel, "fallback", None) == "reference"
-            and not bool(device.get("interpret")))
+            and (plan.estimating or not bool(device.get("interpret"))))
+
+
+def xla_estimate(evaluator: Any, chip: str) -> dict[str, Any]:
+    """The reference's (XLA's) estimate, whole program, no stand-in, as the row that
+    :func:`build_result` reads: ``median_ms`` (the summed static estimates of every op,
+    converted at the chip's clock), ``partial`` (ops libtpu gave no estimate: the figure is then
+    a LOWER BOUND on XLA's time), or ``error`` when the compile gave no figure."""
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.measure.estimate import cycles_to_ms
+
+    row: dict[str, Any] = {"implementation": "xla", "timer": "tpu-estimate"}
+    try:
+        r = evaluator.estimate_reference()
+    except Exception as e:  # noqa: BLE001 - no XLA figure is a result, not a failed tuning.
+        return {**row, "error": f"{type(e).__name__}: {e}"[:500]}
+    if r is None or not r.ok or r.cycles is None:
+        return {**row, "error": (r.message[:500] or r.kind) if r is not None else "no reference"}
+    ms = cycles_to_ms(r.cycles, chip_spec(chip).clock_hz)
+    return {**row, "median_ms": ms, "spread_ms": 0.0, "times_ms": [ms], "cycles": r.cycles,
+            "partial": r.ops_without_estimate, "compile_s": round(r.compile_s, 3)}
+
+
+def xla_decision(xla_row: Mapping[str, Any] | None, best_ms: float) -> tuple[float, str, str]:
+    """(xla_ms, implementation, note) from the reference's row. XLA runs only where its figure
+    is lower than the best config's. A partial XLA estimate (some ops without an estimate,
+    counted as 0) is a lower bound: it may show that Pallas wins (the bound is already slower),
+    never that XLA does; such a call keeps Pallas and the note says so."""
+    if xla_row is None or "median_ms" not in xla_row:
+        return math.nan, "pallas", (xla_row or {}).get("error", "")
+    xla_ms = float(xla_row["median_ms"])
+    if not xla_ms < best_ms:
+        return xla_ms, "pallas", ""
+    if xla_row.get("partial"):
+        return xla_ms, "pallas", (
+            f"XLA's estimate ({xla_ms:.4g} ms) is below the best config's ({best_ms:.4g} ms) but "
+            f"partial: {xla_row['partial']} of its ops have no estimate, so it is a lower bound "
+            "and cannot show that XLA wins; Pallas is kept. Time both on a TPU (--xla, "
+            "--timer wallclock) to decide.")
+    return xla_ms, "xla", ""
 
 
 def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions,
@@ -113,18 +155,16 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
     space = extra.get("space", kernel.space)
     base = _default_record(log, default_config(space))
     default_ms = base.median_ms if base is not None else math.nan
-    xla_ms, implementation = math.nan, "pallas"
+    xla_row = extra.get("xla_estimate")
     if ranking:
         first = next(row for row in ranking if "trial" in row)  # The best Pallas config.
         best = log.records[first["trial"]]
         best_ms, best_spread = first["median_ms"], first["spread_ms"]
-        xla_row = next((row for row in ranking if row.get("implementation") == "xla"), None)
-        if xla_row is not None:
-            xla_ms = xla_row["median_ms"]
-            implementation = "xla" if xla_ms < best_ms else "pallas"
+        xla_row = next((row for row in ranking if row.get("implementation") == "xla"), xla_row)
         # The default's figure from the same interleaved runs, never a search-phase one.
         default_ms = next((row["median_ms"] for row in ranking if row.get("default")),
                           math.nan)
+    xla_ms, implementation, xla_note = xla_decision(xla_row, best_ms)
     roofline_used = any("roofline" in r.detail for r in log.records if r.outcome.timed)
     prov = provenance(plan, chip, options, device, {**extra, "roofline_used": roofline_used})
     if space is not kernel.space:  # Clamped: one point per distinct effective config.
@@ -145,11 +185,21 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
                 "you mean to ship.")
     if ranking:
         prov["retimed_interleaved"] = ranking
+    if "xla_estimate" in extra:  # The reference's estimate, labelled as one.
+        prov["xla"] = {**xla_row, "note": "static estimate of the TPU compiler for the "
+                       "reference's whole program (no stand-in), not a measurement"
+                       + (f"; {xla_note}" if xla_note else "")}
+        if xla_note and "median_ms" in xla_row:
+            from pallas_tune import errors
+
+            errors.warn(f"{kernel.name} {plan.key}: {xla_note}")
     return TuningResult(kernel=kernel.name, chip=chip, key=plan.key, records=tuple(log.records),
                         best_record=best, best_ms=best_ms, best_spread_ms=best_spread,
                         ranking=tuple(ranking or ()), provenance=prov, options=options,
                         study=study, default_ms=default_ms, xla_ms=xla_ms,
                         implementation=implementation,
+                        xla_partial=int((xla_row or {}).get("partial") or 0)
+                        if math.isfinite(xla_ms) else 0,
                         effective=_effective(best.config, extra.get("dims") or {}))
 
 

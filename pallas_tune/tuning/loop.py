@@ -104,8 +104,11 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
             search.release()  # Ctrl-C, a crash: our running trials go back to the queue.
             raise
         search.close()
+        xla = finish.xla_wanted(kernel, options, plan, evaluator.device)
         ranking = finish.rerank(evaluator, log, options, finish.default_config(space),
-                                xla=finish.xla_wanted(kernel, options, plan, evaluator.device))
+                                xla=xla and not plan.estimating)
+        if xla and plan.estimating and log.best() is not None:  # Estimated once: no noise.
+            extra["xla_estimate"] = finish.xla_estimate(evaluator, chip)
         extra.update(strategy=search.strategy, evaluator=evaluator.kind, space=space,
                      dims=dims)
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,

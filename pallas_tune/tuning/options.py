@@ -70,8 +70,11 @@ class TuneOptions:
         re-ranking, with the same timer; where it is faster the cache entry says so and calls
         run the reference. Default (None): on where a device measures (TPU, GPU) for kernels
         declaring ``fallback="reference"``, off in CPU interpret mode (whose timings say
-        nothing of a kernel against XLA) and for ``tpu-estimate``. True: for any kernel with a
-        reference, also in interpret mode.
+        nothing of a kernel against XLA). With ``tpu-estimate`` the reference's whole program
+        is estimated (never on a stand-in), on by default for the same kernels; where libtpu
+        gives some of its ops no estimate the figure is a lower bound, recorded as
+        ``xla_partial``, and never makes XLA win. True: for any kernel with a reference, also
+        in interpret mode.
 
     Isolation and resources
       isolate: evaluate every candidate (trace, screening, compile, run) in a worker process

@@ -53,7 +53,9 @@ class TuningResult:
     (default over best) compares like with like. ``effective``: what ``best`` runs as for
     the call's shapes, where the kernel clamps values larger than a dimension (else None).
     ``xla_ms``: the kernel's reference (XLA) timed in the same final ranking (NaN when not);
-    ``implementation``: ``"xla"`` when it beat the best config, and calls then run it.
+    ``implementation``: ``"xla"`` when it beat the best config, and calls then run it. Under
+    ``tpu-estimate`` both are compiler estimates; ``xla_partial``: how many of the reference's
+    ops libtpu gave no estimate (``xla_ms`` is then a lower bound, and never makes XLA win).
     ``backward``: with ``grad=True``, the result of tuning the kernel's backward kernel (None
     otherwise, and for a ``"xla"`` backward); ``backward_backend``: ``"pallas"``, ``"xla"`` or
     None (the kernel declares no backward).
@@ -75,6 +77,7 @@ class TuningResult:
     effective: dict[str, Any] | None = None  # What ``best`` runs as, where clamped; else None.
     xla_ms: float = math.nan  # The reference (XLA) in the same final ranking; NaN: not timed.
     implementation: str = "pallas"  # What calls will run: "xla" where the reference won.
+    xla_partial: int = 0  # Estimates: ops of the reference with no estimate (xla_ms: a bound).
     backward: TuningResult | None = None
     backward_backend: str | None = None
 
@@ -147,6 +150,7 @@ class TuningResult:
             **({"effective": self.effective} if self.effective else {}),
             **({"xla_ms": self.xla_ms, "margin_over_xla": self.xla_ms / self.best_ms}
                if math.isfinite(self.xla_ms) and self.best_ms > 0 else {}),
+            **({"xla_partial": self.xla_partial} if self.xla_partial else {}),
             **({"implementation": "xla"} if self.implementation == "xla" else {}),
             "provenance": self.provenance,
             "trials": [r.to_json() for r in self.records],

@@ -1,0 +1,57 @@
+"""Loops whose trip count only the data knows, inside Pallas kernels: libtpu's static profile
+cannot estimate them (see :mod:`.estimate`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["data_dependent_loops", "dynamic_loop_message"]
+
+
+def data_dependent_loops(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+                         chip: str) -> int:
+    """How many loops inside the Pallas kernels of ``fn(*args, **kwargs)`` have a trip count
+    that is not static (``while`` in a kernel's jaxpr: ``lax.while_loop``, or ``fori_loop``
+    over traced bounds, e.g. a length read from memory), outside the else branches of
+    conditionals.
+
+    libtpu's static profile cannot know such a trip count and counts a fixed guess whatever the
+    data (libtpu 0.0.50.1: JAX's ragged paged attention over 2.1 GB of KV cache "estimated" at
+    14 us), so an estimate of such a kernel would rank configs on made-up work.
+    """
+    import jax
+
+    from pallas_tune import chips
+    from pallas_tune.feasibility import inspect as _inspect
+
+    def count(jaxpr: Any, inside: bool) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            n += inside and name == "while"
+            if name == "pallas_call":
+                subs = [eqn.params["jaxpr"]]
+            elif name == "cond" and len(eqn.params["branches"]) == 2:
+                # The profile follows the true branch of a data-dependent if (pl.when bodies
+                # count as taken; a loop in an else branch changed nothing: JAX's paged
+                # attention estimates identically with that loop removed).
+                subs = [eqn.params["branches"][1]]
+            else:
+                subs = list(_inspect._subjaxprs(eqn.params))
+            for sub in subs:
+                n += count(getattr(sub, "jaxpr", sub), inside or name == "pallas_call")
+        return n
+
+    flat_fn, arrays = _inspect.array_function(fn, args, kwargs)
+    with chips.target(chip, abstract_mesh=True):
+        closed = jax.make_jaxpr(flat_fn)(*arrays)
+    return count(closed.jaxpr, False)
+
+
+def dynamic_loop_message(ref: str, loops: int) -> str:
+    return (f"no static estimate for {ref}: its Pallas kernel has {loops} loop(s) whose trip "
+            "count is only known at run time (while_loop, or fori_loop over values read from "
+            "the inputs), and libtpu's static profile counts such a loop as a fixed guess, not "
+            "by the data. Time it on a TPU (--timer wallclock), or use a config without such "
+            "loops.")

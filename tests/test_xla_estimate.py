@@ -1,0 +1,60 @@
+"""XLA as a candidate under the tpu-estimate timer: the kernel's reference estimated whole
+beside the winner, both on the v6e compiler's terms (issue 28)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_tune as pt
+from pallas_tune.tuning.finish import xla_decision
+
+X = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+
+
+def test_a_partial_xla_estimate_never_makes_xla_win():
+    row = {"implementation": "xla", "median_ms": 0.5, "partial": 0}
+    assert xla_decision(row, 1.0) == (0.5, "xla", "")
+    assert xla_decision(row, 0.4) == (0.5, "pallas", "")
+    ms, impl, note = xla_decision({**row, "partial": 3}, 1.0)  # A lower bound below Pallas.
+    assert (ms, impl) == (0.5, "pallas") and "lower bound" in note and "3 of its ops" in note
+    assert xla_decision({**row, "partial": 3}, 0.4) == (0.5, "pallas", "")  # Pallas wins anyway.
+    ms, impl, note = xla_decision({"implementation": "xla", "error": "compile failed"}, 1.0)
+    assert impl == "pallas" and ms != ms and note == "compile failed"
+    assert xla_decision(None, 1.0)[1] == "pallas"
+
+
+@pytest.mark.libtpu
+def test_estimates_pick_xla_where_its_estimate_is_lower(cache_dir, fresh):
+    res = fresh.poor_scale.tune(X, trials=2, timer="tpu-estimate", chip="v6e")
+    assert res.provenance["kind"] == "estimate"
+    xla = res.provenance["xla"]
+    assert xla["timer"] == "tpu-estimate" and "estimate" in xla["note"] and not xla["partial"]
+    assert res.implementation == "xla" and res.xla_ms < res.best_ms  # Tiny tiles lose.
+    entry = res.to_entry()
+    assert entry["implementation"] == "xla" and entry["xla_ms"] == res.xla_ms
+    assert entry["margin_over_xla"] < 1 and "xla_partial" not in entry
+    assert res.cache_path.endswith(".estimate.json")
+    fresh.poor_scale._memo.clear()
+    with pt.target("v6e"):  # The estimate entry dispatches to the reference on that chip.
+        assert fresh.poor_scale.config_for(X).implementation == "xla"
+    fresh.poor_scale._memo.clear()
+
+
+@pytest.mark.libtpu
+def test_a_partial_xla_estimate_is_recorded_and_keeps_pallas(fresh, monkeypatch):
+    from pallas_tune.measure.estimate import EstimateEvaluator, EstimateResult
+
+    def partial(self):  # As libtpu reports programs with fusions it gives no estimate.
+        return EstimateResult(ok=True, kind="ok", cycles=10, ops_without_estimate=2)
+
+    monkeypatch.setattr(EstimateEvaluator, "estimate_reference", partial)
+    with pytest.warns(pt.PallasTuneWarning, match="lower bound"):
+        res = fresh.poor_scale.tune(X, trials=2, timer="tpu-estimate", chip="v6e", write=False)
+    assert res.implementation == "pallas" and res.xla_partial == 2
+    assert res.xla_ms < res.best_ms and res.to_entry()["xla_partial"] == 2
+    assert "lower bound" in res.provenance["xla"]["note"]
+    off = fresh.poor_scale.tune(X, trials=2, timer="tpu-estimate", chip="v6e", write=False,
+                                xla=False)
+    assert "xla" not in off.provenance and off.xla_ms != off.xla_ms
