@@ -27,12 +27,10 @@ import dataclasses
 import json
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import chips
+from pallas_tune import chips, step
 from pallas_tune.config import Config
 from pallas_tune.tunable import resolution_hook
 
@@ -90,6 +88,7 @@ class TunedCall:
     best_ms: float = math.nan
     xla_ms: float = math.nan
     timer: str = ""
+    xla_partial: int = 0  # Estimates: the reference's ops without an estimate (a lower bound).
     effective: dict[str, Any] | None = None  # What ``config`` runs as, where clamped.
 
     def as_config(self) -> Config:
@@ -100,13 +99,18 @@ class TunedCall:
 class AutotuneResult:
     """What :func:`autotune` returns: the program's calls and their configs (see the module
     docstring). ``step_ms``: the whole program's time with each kernel's default config, with
-    the tuned configs and with XLA for every kernel that has a reference, when asked for."""
+    the tuned configs and with XLA for every kernel that has a reference, when asked for;
+    ``step_timer`` says how it was obtained (wall clock, or a compiler ESTIMATE); under
+    ``tpu-estimate``, ``step_detail`` holds per setting the cycles, the ops without an estimate
+    and whether the figure is ``partial`` (a lower bound); see :mod:`pallas_tune.step`."""
 
     def __init__(self, calls: Sequence[TunedCall], *, step_ms: Mapping[str, float] | None = None,
-                 step_timer: str = "", results: Mapping[tuple[str, str], Any] | None = None):
+                 step_timer: str = "", results: Mapping[tuple[str, str], Any] | None = None,
+                 step_detail: Mapping[str, Any] | None = None):
         self.calls = list(calls)
         self.step_ms = dict(step_ms or {})
         self.step_timer = step_timer
+        self.step_detail = dict(step_detail or {})
         self._results = dict(results or {})
         self._by = {(c.chip, c.kernel, c.key): c for c in self.calls}
         self._hooks: list[Any] = []
@@ -139,7 +143,7 @@ class AutotuneResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": 1, "step_ms": self.step_ms, "step_timer": self.step_timer,
-                "calls": [dataclasses.asdict(c) for c in self.calls]}
+                "step_detail": self.step_detail, "calls": [dataclasses.asdict(c) for c in self.calls]}
 
     def dump(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w", encoding="utf-8") as f:
@@ -161,8 +165,10 @@ class AutotuneResult:
             if not isinstance(c["config"], dict):
                 raise ValueError(f"call {i}: config is not an object")
             out.append(TunedCall(**{k: v for k, v in c.items() if k in fields}))
-        step = data.get("step_ms") if isinstance(data.get("step_ms"), dict) else {}
-        return cls(out, step_ms=step, step_timer=str(data.get("step_timer", "")))
+        step_ms = data.get("step_ms") if isinstance(data.get("step_ms"), dict) else {}
+        detail = data.get("step_detail") if isinstance(data.get("step_detail"), dict) else {}
+        return cls(out, step_ms=step_ms, step_timer=str(data.get("step_timer", "")),
+                   step_detail=detail)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> AutotuneResult:
@@ -207,7 +213,10 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool = False,
     Keywords naming a :class:`pallas_tune.TuneOptions` field are tuning options for every
     call (``write`` defaults to False here: the result holds the configs; :meth:`write`
     stores them); the rest go to ``fn``. ``step_time``: also time the whole program (jitted)
-    with the default configs, the tuned ones and XLA for every kernel with a reference.
+    with the default configs, the tuned ones and XLA for every kernel with a reference; with
+    ``timer="tpu-estimate"``, the whole step compiled deviceless for the chip and every op's
+    static estimate summed instead (:func:`pallas_tune.step.estimates`). Under that timer the
+    calls are looked up in, and tuned for, the target chip's cache (``chip=``).
     """
     from pallas_tune.tuning import TuneOptions
 
@@ -215,9 +224,12 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool = False,
         given = {k: kwargs.pop(k) for k in TuneOptions.names() if k in kwargs}
         given.setdefault("write", False)
         options = TuneOptions.build(**given)
+    estimating = options.timer == "tpu-estimate"
+    # Estimates fill the target chip's cache: its entries are looked up, not this host's.
+    with chips.target(options.chip) if estimating and options.chip else _nothing():
+        found = [(call, _cached(call)) for call in find_calls(fn, *args, **kwargs)]
     calls, results = [], {}
-    for call in find_calls(fn, *args, **kwargs):
-        done = _cached(call)
+    for call, done in found:
         if done is not None:
             calls.append(done)
             continue
@@ -227,11 +239,22 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool = False,
             kernel=call.kernel.name, key=call.key, chip=result.chip, config=result.best,
             source="tuned", implementation=result.implementation,
             default_ms=result.default_ms, best_ms=result.best_ms, xla_ms=result.xla_ms,
+            xla_partial=result.xla_partial,
             timer=str(result.provenance.get("timer", "")), effective=result.effective))
     out = AutotuneResult(calls, results=results)
-    if step_time:
-        out.step_ms, out.step_timer = _step_times(fn, args, kwargs, out)
+    if step_time and estimating:
+        chip = options.chip or (calls[0].chip if calls else "v6e")
+        out.step_ms, out.step_timer, out.step_detail = step.estimates(
+            fn, args, kwargs, out, chip, workers=min(options.workers, 3))
+    elif step_time:
+        out.step_ms, out.step_timer = step.wall_clock(fn, args, kwargs, out)
     return out
+
+
+def _nothing() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _cached(call: Call) -> TunedCall | None:
@@ -241,54 +264,3 @@ def _cached(call: Call) -> TunedCall | None:
     return TunedCall(kernel=call.kernel.name, key=call.key, chip=chips.current_chip(),
                      config=config.to_dict(), source="cache",
                      implementation=config.implementation)
-
-
-def _step_times(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-                result: AutotuneResult) -> tuple[dict[str, float], str]:
-    """Median wall time of the jitted program under three settings, traced afresh for each:
-    every kernel at its default config, the result's configs, and XLA wherever a kernel has
-    a reference."""
-    from pallas_tune.tuning.finish import default_config
-
-    def defaults(kernel: Any, a: Any, kw: Any) -> Config | None:
-        first = default_config(kernel.space)
-        return Config(first, source="default") if first is not None else None
-
-    def xla(kernel: Any, a: Any, kw: Any) -> Config | None:
-        if kernel.reference is None:
-            return None
-        first = default_config(kernel.space)
-        return Config(first or {}, source="default", implementation="xla")
-
-    def run(ctx: Any) -> float:
-        import jax
-
-        real = [_concrete(a) for a in args]
-        with ctx:
-            step = jax.jit(lambda *a: fn(*a, **kwargs))
-            jax.block_until_ready(step(*real))
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                jax.block_until_ready(step(*real))
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    out = {"default": run(resolution_hook(defaults)), "tuned": run(result),
-           "xla": run(resolution_hook(xla))}
-    timer = ("wall clock (interpret mode on CPU: grid steps, not TPU speed)"
-             if chips.should_interpret() else "wall clock")
-    return out, timer
-
-
-def _concrete(a: Any) -> Any:
-    """Random inputs for an abstract argument (concrete ones as they are)."""
-    import jax
-
-    if isinstance(a, jax.ShapeDtypeStruct):
-        import jax.numpy as jnp
-
-        if jnp.issubdtype(a.dtype, jnp.floating):
-            return jax.random.normal(jax.random.PRNGKey(0), a.shape, a.dtype)
-        return jnp.zeros(a.shape, a.dtype)
-    return a

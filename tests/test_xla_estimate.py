@@ -58,3 +58,25 @@ def test_a_partial_xla_estimate_is_recorded_and_keeps_pallas(fresh, monkeypatch)
     off = fresh.poor_scale.tune(X, trials=2, timer="tpu-estimate", chip="v6e", write=False,
                                 xla=False)
     assert "xla" not in off.provenance and off.xla_ms != off.xla_ms
+
+
+@pytest.mark.libtpu
+def test_whole_step_estimates_sum_every_op_under_three_settings(cache_dir, fresh, tmp_path):
+    def program(x):  # Two tunable calls and XLA's own ops between them.
+        return jnp.tanh(fresh.poor_scale(x)) + fresh.scale(x) * 3.0
+
+    fresh.poor_scale._memo.clear()
+    res = pt.autotune(program, X, trials=2, timer="tpu-estimate", chip="v6e", step_time=True)
+    assert [c.source for c in res.calls] == ["tuned", "tuned"]
+    assert {c.kernel: c.implementation for c in res.calls}[fresh.poor_scale.name] == "xla"
+    assert set(res.step_ms) == {"default", "tuned", "xla"}
+    assert "ESTIMATE" in res.step_timer and "not a measurement" in res.step_timer
+    for name, d in res.step_detail.items():
+        assert d["cycles"] > 0 and d["compile_s"] >= 0 and d["dynamic_loops"] == 0, (name, d)
+        assert d["partial"] == bool(d["ops_without_estimate"])
+    # XLA for poor_scale (chosen by tuning) beats its default's 64 tiny tiles.
+    assert res.step_ms["tuned"] < res.step_ms["default"]
+    res.dump(tmp_path / "step.json")
+    again = pt.AutotuneResult.load(tmp_path / "step.json")
+    assert again.step_detail == res.step_detail and again.step_timer == res.step_timer
+    fresh.poor_scale._memo.clear()

@@ -1,0 +1,148 @@
+"""The whole step's time, under three settings: every tunable call at its default config, at
+the configs of an :class:`~pallas_tune.program.AutotuneResult`, and XLA (its reference)
+wherever a kernel has one.
+
+Measured (:func:`wall_clock`): the jitted step run on this host, median of five runs.
+
+Estimated (:func:`estimates`, for ``timer="tpu-estimate"``): the step is traced and exported
+for TPU in this process under :func:`pallas_tune.target` (each setting's configs applied,
+nothing run, no libtpu loaded here), and the exported program compiled deviceless for the chip
+in a worker of :class:`~pallas_tune.measure.estimate.Estimator`, where libtpu's static profile
+annotates every compiled op. The step's figure is the sum of every op's estimate (Pallas
+kernels and XLA fusions alike) at the chip's clock: a compiler ESTIMATE, not a measurement.
+Ops the compiler reports with no estimate (0 cycles) are counted and the figure is then
+``partial``: a lower bound. Kernels looping over run-time lengths are counted too (libtpu
+counts such a loop as a fixed guess).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pallas_tune import chips
+from pallas_tune.config import Config
+from pallas_tune.tunable import resolution_hook
+
+__all__ = ["estimates", "settings", "wall_clock"]
+
+SETTINGS = ("default", "tuned", "xla")
+
+
+def settings(result: Any) -> dict[str, Any]:
+    """The three settings, as context managers applying them (each entered once)."""
+    from pallas_tune.tuning.finish import default_config
+
+    def defaults(kernel: Any, a: Any, kw: Any) -> Config | None:
+        first = default_config(kernel.space)
+        return Config(first, source="default") if first is not None else None
+
+    def xla(kernel: Any, a: Any, kw: Any) -> Config | None:
+        if kernel.reference is None:
+            return None
+        first = default_config(kernel.space)
+        return Config(first or {}, source="default", implementation="xla")
+
+    return {"default": resolution_hook(defaults), "tuned": result, "xla": resolution_hook(xla)}
+
+
+def wall_clock(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+               result: Any) -> tuple[dict[str, float], str]:
+    """Median wall time of the jitted step under each setting, traced afresh for each."""
+    import jax
+
+    def run(ctx: Any) -> float:
+        real = [_concrete(a) for a in args]
+        with ctx:
+            jax.clear_caches()
+            step = jax.jit(lambda *a: fn(*a, **kwargs))
+            jax.block_until_ready(step(*real))
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(step(*real))
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    out = {name: run(ctx) for name, ctx in settings(result).items()}
+    timer = ("wall clock (interpret mode on CPU: grid steps, not TPU speed)"
+             if chips.should_interpret() else "wall clock")
+    return out, timer
+
+
+def _concrete(a: Any) -> Any:
+    """Random inputs for an abstract argument (concrete ones as they are)."""
+    import jax
+
+    if isinstance(a, jax.ShapeDtypeStruct):
+        import jax.numpy as jnp
+
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            return jax.random.normal(jax.random.PRNGKey(0), a.shape, a.dtype)
+        return jnp.zeros(a.shape, a.dtype)
+    return a
+
+
+def call_exported(*arrays: Any, exported: bytes) -> Any:
+    """Runs (here: is compiled as) a step exported by :func:`_export`; a worker imports it."""
+    import pickle
+
+    return pickle.loads(exported).call(*arrays)
+
+
+def _export(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], chip: str,
+            ctx: Any) -> tuple[bytes, list[Any], int]:
+    """The step under ``ctx``, exported for TPU and pickled; its array arguments; and how many
+    loops inside its Pallas kernels have a run-time trip count."""
+    import pickle
+
+    import jax
+    from jax import export
+
+    from pallas_tune.feasibility.inspect import array_function
+    from pallas_tune.measure.loops import data_dependent_loops
+
+    flat_fn, arrays = array_function(fn, args, kwargs)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    with chips.target(chip, abstract_mesh=True), ctx:
+        jax.clear_caches()  # Traced afresh: the configs in force now, not a cached trace's.
+        loops = data_dependent_loops(flat_fn, specs, {}, chip=chip)
+        exp = export.export(jax.jit(flat_fn), platforms=("tpu",))(*specs)
+    # The VJP closure cannot cross a pipe and is not needed to compile the forward program.
+    return pickle.dumps(dataclasses.replace(exp, _get_vjp=None)), specs, loops
+
+
+def estimates(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+              result: Any, chip: str, *, workers: int = 1
+              ) -> tuple[dict[str, float], str, dict[str, Any]]:
+    """The step's compiler estimate (ms) under each setting, the timer's label, and per setting
+    the cycles, ops without an estimate, kernel loops with run-time bounds and compile time
+    (see the module docstring). A setting whose compile fails has no figure and its error."""
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.measure.estimate import Estimator, cycles_to_ms
+
+    spec = chip_spec(chip)
+    blobs, specs, loops = {}, [], {}
+    for name, ctx in settings(result).items():
+        blobs[name], specs, loops[name] = _export(fn, args, kwargs, chip, ctx)
+    with Estimator(workers) as est:
+        replies = est.map(call_exported, specs, {}, [{"exported": b} for b in blobs.values()],
+                          spec.name, standin=False)
+    out: dict[str, float] = {}
+    detail: dict[str, Any] = {}
+    for name, r in zip(blobs, replies, strict=True):
+        if not r.ok or r.cycles is None:
+            detail[name] = {"error": (r.message or r.kind)[:500]}
+            continue
+        out[name] = cycles_to_ms(r.cycles, spec.clock_hz)
+        detail[name] = {"cycles": r.cycles, "ops_without_estimate": r.ops_without_estimate,
+                        "partial": bool(r.ops_without_estimate or loops[name]),
+                        "dynamic_loops": loops[name], "compile_s": round(r.compile_s, 2)}
+    partial = [n for n, d in detail.items() if d.get("partial")]
+    timer = (f"tpu-estimate: {spec.name} compiler ESTIMATE of the whole step (every op's static "
+             f"estimate summed, at {spec.clock_hz / 1e9:g} GHz), not a measurement"
+             + (f"; partial (a lower bound) for {', '.join(partial)}" if partial else ""))
+    return out, timer, detail
