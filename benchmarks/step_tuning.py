@@ -1,0 +1,245 @@
+"""Tune the step, not the kernel (issue 28): whole layers of real models, v6e compiler estimates.
+
+For each layer below, ``pallas_tune.autotune(layer, ..., timer="tpu-estimate", chip="v6e",
+step_time=True)`` finds every tunable call (forward, and backward under ``jax.grad``), tunes
+those without an entry in the estimate caches (user cache, then the shipped ``caches/tpu_v6e``;
+cached calls are not tuned again), with XLA (the kernel's reference) estimated beside each tuned
+winner, and then estimates the whole layer deviceless three ways: every kernel replaced by XLA
+(its reference), every kernel at its default config, and the tuned configs (XLA where XLA's
+estimate won). Each whole-layer figure is the sum of libtpu's static estimates of every compiled
+op (Pallas kernels and XLA fusions), converted at the v6e clock.
+
+Every figure is a COMPILER ESTIMATE (libtpu's static profile, deviceless), not a measurement.
+"partial" marks a figure where libtpu gave some ops no estimate (a lower bound).
+
+Layers (2048 tokens, bf16; RoPE, gating and residuals in plain JAX):
+- llama_fwd / llama_fwd_bwd: a Llama-3.1-8B decoder layer (d 4096, 32 query / 8 KV heads of
+  128, MLP 14336): rms_norm, fused QKV matmul, causal flash attention (GQA), O matmul, rms_norm,
+  gate/up/down matmuls; forward, and jax.grad of its sum over the input and every weight.
+- mixtral_moe: a Mixtral-8x7B MoE MLP (d 4096, 8 experts of 14336, top-2; the router in plain
+  JAX; tokens sorted by expert with fixed group sizes: 2048 tokens x 2 = 4096 rows, 512 each):
+  grouped_matmul for gate, up and down.
+- mamba2: a Mamba-2 2.7B mixer (d 2560, d_inner 5120, 80 heads of 64, d_state 128, 1 group):
+  rms_norm, x/z in-projections (matmul), B/C/dt projections and the short conv in plain JAX,
+  mamba2_ssd, gated output, out-projection (matmul).
+
+    python benchmarks/step_tuning.py [--only llama_fwd mamba2 ...] [--trials 4]
+        [--rows-out rows.json] [--combine a.json b.json] [--out benchmarks/results/step_tuning.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_tune as pt  # noqa: E402
+from pallas_tune.kernels.flash_attention import flash_attention  # noqa: E402
+from pallas_tune.kernels.grouped_matmul import grouped_matmul  # noqa: E402
+from pallas_tune.kernels.mamba2_ssd import mamba2_ssd  # noqa: E402
+from pallas_tune.kernels.matmul import matmul  # noqa: E402
+from pallas_tune.kernels.rms_norm import rms_norm  # noqa: E402
+
+S = jax.ShapeDtypeStruct
+BF = jnp.bfloat16
+T = 2048  # Tokens.
+
+
+def _rope(x):  # x (heads, T, 128): rotary embedding in plain JAX.
+    half = x.shape[-1] // 2
+    freq = 1.0 / (500000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    ang = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq[None]
+    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+    a, b = x[..., :half], x[..., half:]
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+def llama_layer(x, n1, wqkv, wo, n2, wg, wu, wd):
+    """One Llama-3.1-8B decoder layer on x (T, 4096)."""
+    t = x.shape[0]
+    h = rms_norm(x, n1, eps=1e-5)
+    qkv = matmul(h, wqkv)
+    q = _rope(qkv[:, :4096].reshape(t, 32, 128).transpose(1, 0, 2))[None]
+    k = _rope(qkv[:, 4096:5120].reshape(t, 8, 128).transpose(1, 0, 2))[None]
+    v = qkv[:, 5120:].reshape(t, 8, 128).transpose(1, 0, 2)[None]
+    a = flash_attention(q, k, v, causal=True)[0].transpose(1, 0, 2).reshape(t, 4096)
+    x = x + matmul(a, wo)
+    h = rms_norm(x, n2, eps=1e-5)
+    return x + matmul(jax.nn.silu(matmul(h, wg)) * matmul(h, wu), wd)
+
+
+def llama_train(x, *weights):
+    """jax.grad of the layer's output sum, over the input and every weight."""
+    loss = lambda *a: llama_layer(*a).astype(jnp.float32).sum()  # noqa: E731
+    return jax.grad(loss, argnums=tuple(range(1 + len(weights))))(x, *weights)
+
+
+def llama_args():
+    d, f = 4096, 14336
+    return (S((T, d), BF), S((d,), BF), S((d, 6144), BF), S((d, d), BF), S((d,), BF),
+            S((d, f), BF), S((d, f), BF), S((f, d), BF))
+
+
+def moe_layer(x, router, wg, wu, wd):
+    """A Mixtral-8x7B MoE MLP on x (T, 4096): top-2 of 8 experts; rows sorted by expert."""
+    t, e = x.shape[0], router.shape[1]
+    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits), 2)
+    order = jnp.argsort(experts.reshape(-1))
+    rows = x[order // 2]  # Each token twice, grouped by expert (balanced sizes assumed here).
+    sizes = jnp.full((e,), 2 * t // e, jnp.int32)
+    h = jax.nn.silu(grouped_matmul(rows, wg, sizes)) * grouped_matmul(rows, wu, sizes)
+    out = grouped_matmul(h, wd, sizes) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    return jnp.zeros_like(x).at[order // 2].add(out)
+
+
+def moe_args():
+    d, f, e = 4096, 14336, 8
+    return (S((T, d), BF), S((d, e), BF), S((e, d, f), BF), S((e, d, f), BF), S((e, f, d), BF))
+
+
+def mamba2_layer(x, norm, wx, wz, wbc, wdt, conv, A, D, onorm, wout):
+    """A Mamba-2 2.7B mixer on x (T, 2560)."""
+    t, heads, hd = x.shape[0], 80, 64
+    h = rms_norm(x, norm, eps=1e-5)
+    xs, z = matmul(h, wx), matmul(h, wz)
+    # Depthwise causal conv (width 4) in plain JAX, then SiLU.
+    pad = jnp.pad(xs, ((3, 0), (0, 0)))
+    xs = jax.nn.silu(sum(pad[i:i + t] * conv[i] for i in range(4)))
+    bc = h @ wbc
+    dt = jax.nn.softplus((h @ wdt).astype(jnp.float32))
+    y = mamba2_ssd(xs[None], dt[None], A, bc[None, :, :128], bc[None, :, 128:], D)[0]
+    del heads, hd
+    y = rms_norm(y * jax.nn.silu(z), onorm, eps=1e-5)
+    return x + matmul(y, wout)
+
+
+def mamba2_args():
+    d, di, n, nh = 2560, 5120, 128, 80
+    f32 = jnp.float32
+    return (S((T, d), BF), S((d,), BF), S((d, di), BF), S((d, di), BF), S((d, 2 * n), BF),
+            S((d, nh), BF), S((4, di), BF), S((nh,), f32), S((nh,), f32), S((di,), BF),
+            S((di, d), BF))
+
+
+LAYERS = {
+    "llama_fwd": ("Llama-3.1-8B decoder layer, forward", llama_layer, llama_args),
+    "llama_fwd_bwd": ("Llama-3.1-8B decoder layer, forward+backward (jax.grad)", llama_train,
+                      llama_args),
+    "mixtral_moe": ("Mixtral-8x7B MoE MLP, forward", moe_layer, moe_args),
+    "mamba2": ("Mamba-2 2.7B mixer, forward", mamba2_layer, mamba2_args),
+}
+
+
+def run(name: str, trials: int) -> dict:
+    title, fn, make = LAYERS[name]
+    t0 = time.perf_counter()
+    result = pt.autotune(fn, *make(), timer="tpu-estimate", chip="v6e", trials=trials,
+                         workers=1, step_time=True, write=True, seed=0)
+    wall = time.perf_counter() - t0
+    return {"layer": name, "title": title, "tuning_wall_s": round(wall, 1),
+            "step_ms": result.step_ms, "step_timer": result.step_timer,
+            "step_detail": result.step_detail,
+            "calls": [{"kernel": c.kernel.rsplit(".", 1)[-1], "key": c.key, "source": c.source,
+                       "implementation": c.implementation, "config": c.config,
+                       "best_ms": c.best_ms, "xla_ms": c.xla_ms, "default_ms": c.default_ms,
+                       "xla_partial": c.xla_partial} for c in result.calls]}
+
+
+def _ms(rows_step: dict, detail: dict, k: str) -> str:
+    v = rows_step.get(k)
+    if v is None or not math.isfinite(v):
+        return "no estimate: " + str(detail.get(k, {}).get("error", "?"))[:80]
+    return f"{v:.3f}" + (" partial" if detail.get(k, {}).get("partial") else "")
+
+
+def _num(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) and math.isfinite(v) else "-"
+
+
+def render(rows: list[dict], commands: list[str], missing: list[str]) -> str:
+    lines = ["# Step tuning: whole layers, v6e compiler ESTIMATES (issue 28)", "",
+             "Every figure below is an ESTIMATE: libtpu's static cycle profile of a deviceless "
+             "v6e compile, summed over every op of the layer (Pallas kernels and XLA fusions) "
+             "and converted at the v6e clock. Not a measurement; \"partial\" marks a lower bound "
+             "(ops without an estimate). Generated by `benchmarks/step_tuning.py` on a CPU-only "
+             f"host, {datetime.date.today().isoformat()}.", "", "Commands:", ""]
+    lines += [f"    {c}" for c in commands]
+    lines += ["", "| layer | all-XLA ms (ESTIMATE) | default configs ms (ESTIMATE) | tuned ms "
+              "(ESTIMATE) | tuned vs XLA | tuned vs default | calls (tuned here / cached) | "
+              "calls running XLA | tuning wall time |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, d = r["step_ms"], r["step_detail"]
+        def ratio(a: str, b: str, s: dict = s) -> str:
+            return f"{s[a] / s[b]:.2f}x" if a in s and b in s else "-"
+
+        calls = r["calls"]
+        xla = [f"{c['kernel']} {c['key']}" for c in calls if c["implementation"] == "xla"]
+        lines.append(
+            f"| {r['title']} | {_ms(s, d, 'xla')} | {_ms(s, d, 'default')} | "
+            f"{_ms(s, d, 'tuned')} | {ratio('xla', 'tuned')} | {ratio('default', 'tuned')} | "
+            f"{sum(c['source'] == 'tuned' for c in calls)} / "
+            f"{sum(c['source'] == 'cache' for c in calls)} | "
+            f"{'; '.join(xla) if xla else 'none'} | {r['tuning_wall_s']:.0f} s |")
+    for r in rows:
+        lines += ["", f"## {r['title']}", "", f"Step timer: {r['step_timer']}.", "",
+                  "| kernel | key | source | runs | config | tuned ms (EST.) | XLA ms (EST.) |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in r["calls"]:
+            xla = _num(c["xla_ms"]) + (" partial" if c.get("xla_partial") else "")
+            lines.append(f"| {c['kernel']} | `{c['key']}` | {c['source']} | "
+                         f"{c['implementation']} | `{c['config']}` | {_num(c['best_ms'])} | "
+                         f"{xla} |")
+        lines += ["", "Whole-layer compile detail per setting: "
+                  + "; ".join(f"{k}: {v}" for k, v in r["step_detail"].items())]
+    if missing:
+        lines += ["", "## Missing rows", ""] + [f"- {m}" for m in missing]
+    lines += ["", "Tuned and XLA per-call figures are NaN (`-`) for cached calls: the cache "
+              "entry was used without re-tuning; cached entries hold their own xla_ms where "
+              "they were tuned with XLA beside them."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", default=list(LAYERS), choices=list(LAYERS))
+    p.add_argument("--trials", type=int, default=4)
+    p.add_argument("--rows-out")
+    p.add_argument("--combine", nargs="*")
+    p.add_argument("--missing", nargs="*", default=[], help="notes on rows not run")
+    p.add_argument("--out", default="benchmarks/results/step_tuning.md")
+    a = p.parse_args()
+    if a.combine:
+        parts = []
+        for path in a.combine:
+            with open(path, encoding="utf-8") as f:
+                parts.append(json.load(f))
+        rows = [r for part in parts for r in part["rows"]]
+        text = render(rows, [part["command"] for part in parts], a.missing)
+    else:
+        rows = []
+        for name in a.only:
+            print(f"== {name}", flush=True)
+            rows.append(run(name, a.trials))
+            print(json.dumps(rows[-1]["step_ms"]), rows[-1]["tuning_wall_s"], flush=True)
+            if a.rows_out:  # Each layer as it finishes.
+                with open(a.rows_out, "w", encoding="utf-8") as f:
+                    json.dump({"command": "python " + " ".join(sys.argv), "rows": rows}, f,
+                              indent=1, default=str)
+        text = render(rows, ["python " + " ".join(sys.argv)], a.missing)
+    with open(a.out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
