@@ -116,19 +116,24 @@ def _export(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, An
 
 
 def estimates(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-              result: Any, chip: str, *, workers: int = 1
+              result: Any, chip: str, *, workers: int = 1, only: Sequence[str] = SETTINGS,
+              memory_limit_bytes: int | None = -1
               ) -> tuple[dict[str, float], str, dict[str, Any]]:
-    """The step's compiler estimate (ms) under each setting, the timer's label, and per setting
-    the cycles, ops without an estimate, kernel loops with run-time bounds and compile time
-    (see the module docstring). A setting whose compile fails has no figure and its error."""
+    """The step's compiler estimate (ms) under each setting (``only`` those named), the timer's
+    label, and per setting the cycles, ops without an estimate, kernel loops with run-time
+    bounds and compile time (see the module docstring). A setting whose compile fails (or whose
+    worker dies, e.g. at ``memory_limit_bytes``: the LLO profile of many grid steps is large)
+    has no figure and its error."""
     from pallas_tune.chips import chip_spec
     from pallas_tune.measure.estimate import Estimator, cycles_to_ms
 
     spec = chip_spec(chip)
     blobs, specs, loops = {}, [], {}
     for name, ctx in settings(result).items():
+        if name not in only:
+            continue
         blobs[name], specs, loops[name] = _export(fn, args, kwargs, chip, ctx)
-    with Estimator(workers) as est:
+    with Estimator(workers, memory_limit_bytes=memory_limit_bytes) as est:
         replies = est.map(call_exported, specs, {}, [{"exported": b} for b in blobs.values()],
                           spec.name, standin=False)
     out: dict[str, float] = {}
