@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import glob
 import gzip
 import hashlib
 import json
@@ -85,7 +86,7 @@ def parse_settings(label: str) -> dict[str, Any]:
 
 def _cache_path(cache: str, path: str, label: str, budget: int, seed: int) -> str:
     tag = label
-    if label == "default" or label.startswith("default["):
+    if label.startswith("default"):
         tag = f"{label}@{os.environ.get('PT_SEARCH_CACHE_TAG') or _source_hash()}"
     safe = "".join(ch if ch.isalnum() or ch in "-_.=@" else "_" for ch in tag)
     return os.path.join(cache, landscape_id(path).replace("/", "__"), safe,
@@ -152,7 +153,20 @@ def split_labels(text: str) -> list[str]:
     return [x.strip() for x in [*out, cur] if x.strip()]
 
 
+PRIOR = "+prior"
+
+
+@functools.lru_cache(maxsize=4)
+def lodo_prior(path: str) -> Any:
+    """Leave-one-device-out: the other devices' landscapes of the same kernel (the files beside
+    ``path``), as a prior for replaying ``path``; None where there are none."""
+    others = sorted(q for q in glob.glob(os.path.join(os.path.dirname(path), "*.json*"))
+                    if os.path.abspath(q) != os.path.abspath(path))
+    return replay.make_prior(load(path), others) if others else None
+
+
 def strategy_for(label: str) -> Any:
+    label = label.removesuffix(PRIOR)
     if label.startswith("default["):
         return replay.default_with(**parse_settings(label))
     if label in replay.STRATEGIES:
@@ -176,7 +190,10 @@ def replay_unit(path: str, label: str, budget: int, seed: int, cache: str = CACH
         if label.startswith("KT:"):
             tr = _kt_trace(path, land, label[3:], budget, seed)
         else:
-            tr = replay.trace(land, strategy_for(label), budget=budget, seed=seed)
+            prior = lodo_prior(path) if label.endswith(PRIOR) else None
+            if label.endswith(PRIOR) and prior is None:
+                return {"error": "no other device's landscape of this kernel to learn from"}
+            tr = replay.trace(land, strategy_for(label), budget=budget, seed=seed, prior=prior)
     except Exception as e:  # noqa: BLE001 - a peer that crashes is reported, not fatal.
         if not label.startswith("KT:"):
             raise

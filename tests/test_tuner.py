@@ -3,6 +3,7 @@ number, real values in Optuna, options."""
 
 import logging
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -492,3 +493,45 @@ def test_candidates_that_did_not_run_are_fail_trials_for_optuna(cache_dir, fresh
         warnings.simplefilter("error")  # "Trial N is omitted ... inf" would raise here.
         optuna.visualization.plot_optimization_history(res.study)
         optuna.visualization.plot_slice(res.study)
+
+
+def test_tune_learns_from_trials_at_a_neighbour_shape(cache_dir):
+    """Transfer (issue 29): the ledger's trials at another shape are the GP's prior, and the
+    provenance names them. The optimum (a=b=c=9, corners of a 12^3 space) is found in the
+    neighbour's trials' region within 10 trials with the prior; without, a cold GP search
+    (no warm starts either way) finds it later on every seed."""
+    from pallas_tune.cache import ledger
+    from pallas_tune.tuning import TuneOptions, run
+
+    @pt.tunable(a=list(range(12)), b=list(range(12)), c=list(range(12)), name="transfer_toy")
+    def toy(x, *, a, b, c):
+        return x
+
+    def cost(cfg):
+        return 1.0 + abs(cfg["a"] - 9) + abs(cfg["b"] - 9) + 0.5 * abs(cfg["c"] - 9)
+
+    neighbour = jnp.ones((256, 128))
+    rng = np.random.default_rng(0)
+    trials = [{"number": i, "config": cfg, "outcome": "ok", "median_ms": 1.1 * cost(cfg)}
+              for i, cfg in enumerate({"a": int(a), "b": int(b), "c": int(c)}
+                                      for a, b, c in rng.integers(0, 12, (30, 3)))]
+    path = toy.cache.ledger_path("cpu", toy.name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    ledger.append(path, [{"key": toy.cache_key(neighbour), "kind": "measured", "trials": trials}])
+    here = jnp.ones((512, 128))
+    found = {True: [], False: []}
+    for seed in range(3):
+        for transfer in (True, False):
+            ev = Landscape(cost)
+            res = run(toy, (here,), {}, TuneOptions(trials=25, seed=seed, write=False,
+                                                    retime_top=0, warm_start=0,
+                                                    transfer=transfer), evaluator=ev)
+            first = next((i + 1 for i, c in enumerate(ev.evaluated) if cost(c) == 1.0), 99)
+            found[transfer].append(first)
+            if transfer:
+                distinct = len({tuple(t["config"].values()) for t in trials})
+                assert res.provenance["prior"] == {"tasks": [f"cpu:{toy.cache_key(neighbour)}"],
+                                                   "trials": distinct}
+            else:
+                assert "prior" not in res.provenance
+    assert max(found[True]) <= 10 and np.mean(found[True]) < np.mean(found[False]), found

@@ -16,7 +16,7 @@ _OPTION_TYPES: dict[str, Any] = {
     **dict.fromkeys(("min_time_s", "max_time_s", "slow_factor", "vreg_limit"), float),
     **dict.fromkeys(("sampler", "storage", "study_name", "timer", "chip", "feasibility",
                      "estimate_fallback"), str),
-    **dict.fromkeys(("isolate", "standin", "write", "xla", "grad"), bool),
+    **dict.fromkeys(("isolate", "standin", "write", "xla", "grad", "transfer"), bool),
     "timeout_s": "limits",
 }
 _OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("auto", "wallclock", "profiler", "tpu-estimate"),

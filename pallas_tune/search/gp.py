@@ -62,6 +62,15 @@ TUNING_SET: frozenset[str] = frozenset({
 # so a proposal stays cheap on spaces of 10^4 to 10^5 configs (times in search_efficiency.txt).
 MAX_SCORED = 4096
 
+# With a prior (other tasks' trials, :mod:`.prior`): proposals before the GP takes over (the
+# prior's best configs), the pseudo-points its scale is shrunk towards 1 with, and how many of
+# its best free configs every global proposal scores on top of the subsample.
+PRIOR_STARTUP = 2
+PRIOR_EVERY = 2
+PRIOR_HALF = 30.0
+PRIOR_SHRINK = 3.0
+PRIOR_SCORED = 512
+
 
 class CandidateBO:
     """Proposes the next config to measure from a finite list of candidates.
@@ -82,6 +91,14 @@ class CandidateBO:
     densities of the good and the bad configs, per parameter; "m": the same with joint
     densities, as multivariate TPE). Pending configs are filled in with the GP's mean (kriging
     believer), so a batch of proposals spreads out.
+
+    ``prior`` (transfer, :mod:`.prior`): per task already measured elsewhere (other shapes,
+    chips or devices of the same kernel), a score per candidate, lower is faster: a (tasks,
+    candidates) array, or one row. The initial design is then the prior's best configs, and
+    every other global step's GP models the residual from ``a * prior + b`` (fitted on the new
+    task's points, the slope shrunk towards 1 at first and towards 0 as points accumulate; the
+    tasks weighted by how well each orders those points); the other steps ignore the prior,
+    so a misleading one costs evaluations, not the search.
     """
 
     def __init__(self, candidates: Sequence[tuple[Hashable, ...]],
@@ -89,7 +106,8 @@ class CandidateBO:
                  n_startup: int = DEFAULT_STARTUP, refit_every: int = 5,
                  values: Sequence[Sequence[Any]] | None = None,
                  cap_quantile: float = CAP_QUANTILE, xi: float = XI,
-                 cycle: str = CYCLE, local_radius: int = LOCAL_RADIUS, init: str = INIT):
+                 cycle: str = CYCLE, local_radius: int = LOCAL_RADIUS, init: str = INIT,
+                 prior: Sequence[float] | np.ndarray | None = None):
         if not candidates:
             raise ValueError("CandidateBO needs at least one candidate")
         if init not in ("random", "maximin"):
@@ -119,6 +137,21 @@ class CandidateBO:
         self._gp = GP(self.x.shape[1], self.rng)
         self._fitted_at = -1
         self._model_steps = 0
+        # Per prior task, a score per candidate (lower is faster); see _weighted.
+        self._tasks = None if prior is None else np.asarray(prior, dtype=float)
+        if self._tasks is not None:
+            if self._tasks.ndim == 1:
+                self._tasks = self._tasks[None, :]
+            if (self._tasks.ndim != 2 or self._tasks.shape[1] != len(self.candidates)
+                    or not np.isfinite(self._tasks).all()):
+                raise ValueError(f"prior must be finite scores, one per candidate "
+                                 f"({len(self.candidates)}) for each prior task, got shape "
+                                 f"{self._tasks.shape}")
+            if not len(self._tasks):
+                self._tasks = None
+        self.prior = None if self._tasks is None else _standard(self._tasks.mean(0))
+        if self.prior is not None:  # The prior's best configs replace the initial design.
+            self.n_startup = min(self.n_startup, PRIOR_STARTUP)
 
     def propose(self, measured: Mapping[tuple[Hashable, ...], float],
                 pending: Sequence[tuple[Hashable, ...]] = ()) -> tuple[Hashable, ...] | None:
@@ -134,13 +167,19 @@ class CandidateBO:
         known = [(self.index[c], v) for c, v in measured.items() if c in self.index]
         finite = [v for _, v in known if math.isfinite(v) and v > 0]
         if len(known) < self.n_startup or len(finite) < 2 or self.x.shape[1] == 0:
+            if self.prior is not None:  # The best free config by the other tasks.
+                return self.candidates[int(free[np.argmin(self.prior[free])])]
             return self.candidates[self._initial(taken, free)]
         mode = self.cycle[self._model_steps % len(self.cycle)]
         self._model_steps += 1
         try:
             if mode in "tm":
                 return self.candidates[self._tpe_pick(known, pending, free, mode == "m")]
-            return self.candidates[self._ei_pick(known, finite, pending, free, mode == "l")]
+            # With a prior, every other global step ignores it, as do local steps (a hedge: a
+            # prior the new task contradicts must not hold the search where it points).
+            with_prior = self.prior is not None and (self._model_steps - 1) % PRIOR_EVERY == 0
+            return self.candidates[self._ei_pick(known, finite, pending, free, mode == "l",
+                                                 with_prior)]
         except (np.linalg.LinAlgError, ValueError, FloatingPointError):
             # A numerically singular fit: measure a random candidate and refit next time.
             self._fitted_at = -1
@@ -185,22 +224,24 @@ class CandidateBO:
         return int(free[top[self.rng.integers(top.size)]])
 
     def _ei_pick(self, known: list[tuple[int, float]], finite: list[float],
-                 pending: Sequence[tuple[Hashable, ...]], free: np.ndarray, local: bool) -> int:
+                 pending: Sequence[tuple[Hashable, ...]], free: np.ndarray, local: bool,
+                 with_prior: bool = False) -> int:
         idx = np.array([i for i, _ in known])
         ys = self._targets(known, finite)
+        base = self._prior_line(idx, ys, with_prior)  # The prior's mean at every candidate, or zeros.
         n = len(idx)
         # Hyperparameters move less as data accumulates: refit every 5, then 10, then 20.
         every = self.refit_every * (1 if n < 30 else 2 if n < 60 else 4)
         optimize = self._fitted_at < 0 or n - self._fitted_at >= every
-        self._gp.fit(self.x[idx], ys, optimize=optimize)
+        self._gp.fit(self.x[idx], ys - base[idx], optimize=optimize)
         if optimize:
             self._fitted_at = n
         ok = np.array([math.isfinite(v) and v > 0 for _, v in known])
         best = ys[ok].min()
         if local:
-            # The incumbent: the measured config the GP thinks fastest (noise-robust).
+            # The incumbent: the measured config the model thinks fastest (noise-robust).
             mu_m, _ = self._gp.predict(self.x[idx[ok]])
-            inc = idx[ok][int(np.argmin(mu_m))]
+            inc = idx[ok][int(np.argmin(mu_m + base[idx[ok]]))]
             region = free[self._distance(inc, free) <= self.local_radius]
             if region.size:
                 free = region
@@ -208,22 +249,61 @@ class CandidateBO:
         if pend:  # Kriging believer: pending points take the mean prediction.
             mu_p, _ = self._gp.predict(self.x[pend])
             self._gp.fit(np.concatenate([self.x[idx], self.x[pend]]),
-                         np.concatenate([ys, mu_p]), optimize=False)
+                         np.concatenate([ys - base[idx], mu_p]), optimize=False)
         if free.size > MAX_SCORED:
             near = np.zeros(len(self.candidates), dtype=bool)
             for i in idx[ok][np.argsort(ys[ok])[:3]]:
                 near[free[self._distance(i, free) <= 1]] = True
             sample = np.zeros(len(self.candidates), dtype=bool)
             sample[self.rng.choice(free, MAX_SCORED, replace=False)] = True
+            if with_prior:  # And the prior's best free configs.
+                sample[free[np.argsort(self.prior[free])[:PRIOR_SCORED]]] = True
             free = np.flatnonzero(near | sample)
         mu, sd = self._gp.predict(self.x[free])
-        ei = expected_improvement(mu, sd, best - self.xi)
+        ei = expected_improvement(mu + base[free], sd, best - self.xi)
         top = np.flatnonzero(ei >= ei.max() * (1 - 1e-9))
         return int(free[top[self.rng.integers(top.size)]])
+
+    def _prior_line(self, idx: np.ndarray, ys: np.ndarray, use: bool) -> np.ndarray:
+        """The GP's mean at every candidate: ``a * prior + b`` fitted on the measured points
+        (the slope shrunk towards 1 by PRIOR_SHRINK pseudo-points, kept in [0, 3]: a prior the
+        new task contradicts fades), or zeros without a prior."""
+        if self.prior is None or not use:
+            return np.zeros(len(self.candidates))
+        prior = self._weighted(idx, ys)
+        m = prior[idx]
+        mc, yc = m - m.mean(), ys - ys.mean()
+        a = float(np.clip((mc @ yc + PRIOR_SHRINK) / (mc @ mc + PRIOR_SHRINK), 0.0, 3.0))
+        a *= PRIOR_HALF / (PRIOR_HALF + len(idx))  # The new task's own data takes over.
+        b = float(ys.mean() - a * m.mean())
+        return a * prior + b
+
+    def _weighted(self, idx: np.ndarray, ys: np.ndarray) -> np.ndarray:
+        """The prior tasks' scores averaged with weights by how well each orders the new task's
+        measured configs (the share of concordant pairs above chance, squared, as RGPE weighs
+        its base models by ranking loss); equal weights until 4 points, all tasks alike if
+        none orders them better than chance."""
+        tasks = self._tasks
+        if len(tasks) == 1 or len(idx) < 4:
+            return self.prior
+        dy = np.sign(ys[:, None] - ys[None, :])
+        pairs = np.triu(dy != 0, 1)
+        if not pairs.any():
+            return self.prior
+        ds = np.sign(tasks[:, idx][:, :, None] - tasks[:, idx][:, None, :])
+        agree = ((ds == dy[None]) & pairs[None]).sum((1, 2)) / pairs.sum()
+        w = np.maximum(agree - 0.5, 0.0) ** 2
+        if w.sum() <= 0:
+            return self.prior
+        return _standard((w[:, None] * tasks).sum(0) / w.sum())
 
     def _distance(self, center: int, rows: np.ndarray) -> np.ndarray:
         diff = np.abs(self._ranks[rows] - self._ranks[center])
         return np.where(self._ordinal, diff, diff > 0).sum(1)
+
+
+def _standard(v: np.ndarray) -> np.ndarray:
+    return (v - v.mean()) / (v.std() or 1.0)
 
 
 class CandidateSampler(optuna.samplers.BaseSampler):
@@ -233,12 +313,14 @@ class CandidateSampler(optuna.samplers.BaseSampler):
     categorical). ``values``: per parameter, what its choices stand for, where the choices
     are only indices (the features are built from these: log2 tile sizes, not indices).
     Running trials are the pending set, so several hosts or a batch of asks spread out.
-    Enqueued trials (warm starts) keep their fixed parameters."""
+    Enqueued trials (warm starts) keep their fixed parameters. ``prior``: per other task, a
+    score per candidate (see :class:`CandidateBO`, :mod:`.prior`)."""
 
     def __init__(self, candidates: Sequence[Mapping[str, Any]],
                  distributions: Mapping[str, CategoricalDistribution], *,
                  values: Mapping[str, Sequence[Any]] | None = None,
-                 seed: int | None = None, n_startup: int = DEFAULT_STARTUP):
+                 seed: int | None = None, n_startup: int = DEFAULT_STARTUP,
+                 prior: Any = None):
         self._names = list(distributions)
         self._dists = dict(distributions)
         values = values or {}
@@ -246,7 +328,7 @@ class CandidateSampler(optuna.samplers.BaseSampler):
         features = [list(values.get(n, self._dists[n].choices)) for n in self._names]
         # CandidateBO sees choice positions mapped to the values they stand for.
         self._bo = CandidateBO(tuples, [list(self._dists[n].choices) for n in self._names],
-                               seed=seed, n_startup=n_startup, values=features)
+                               seed=seed, n_startup=n_startup, values=features, prior=prior)
         self._random = optuna.samplers.RandomSampler(seed=seed)
 
     def reseed_rng(self) -> None:

@@ -42,7 +42,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Landscape", "STRATEGIES", "Trace", "find_landscapes", "load", "run", "trace"]
+__all__ = ["Landscape", "STRATEGIES", "Trace", "find_landscapes", "load", "make_prior", "run",
+           "trace"]
 
 # Where find_landscapes() looks when no folder is given: this variable, else ../shared/landscapes.
 LANDSCAPES_ENV = "PALLAS_TUNE_LANDSCAPES"
@@ -121,6 +122,7 @@ def find_landscapes(root: str | None = None) -> list[str]:
 
 
 Evaluate = Callable[[tuple[Any, ...]], float]
+PriorArg = Any  # A Prior, or a list of landscape files, Landscapes or (config, time) lists.
 Strategy = Callable[[Landscape, int, int, Evaluate, dict[tuple[Any, ...], float]], None]
 
 
@@ -273,8 +275,8 @@ class Trace:
 
 
 def trace(path: str | Landscape, strategy: str | Strategy = "default", budget: int = 50,
-          seed: int = 0, *, warm_start: Sequence[Mapping[str, Any] | Sequence[Any]] = ()
-          ) -> Trace:
+          seed: int = 0, *, warm_start: Sequence[Mapping[str, Any] | Sequence[Any]] = (),
+          prior: PriorArg = None) -> Trace:
     """Replays ``strategy`` (a name in ``STRATEGIES`` or a callable) on a landscape; see
     :func:`run`."""
     land = path if isinstance(path, Landscape) else load(path)
@@ -282,6 +284,8 @@ def trace(path: str | Landscape, strategy: str | Strategy = "default", budget: i
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r} must be one of {sorted(STRATEGIES)}")
         strategy = STRATEGIES[strategy]
+    if prior is not None:
+        strategy = _with_prior(strategy, land, prior)
     rng = random.Random(seed * 7919 + 1)
     configs: list[tuple[Any, ...]] = []
     out: list[float] = []
@@ -316,13 +320,51 @@ def trace(path: str | Landscape, strategy: str | Strategy = "default", budget: i
 
 
 def run(path: str | Landscape, strategy: str | Strategy = "default", budget: int = 50,
-        seed: int = 0, *, warm_start: Sequence[Mapping[str, Any] | Sequence[Any]] = ()
-        ) -> list[float]:
+        seed: int = 0, *, warm_start: Sequence[Mapping[str, Any] | Sequence[Any]] = (),
+        prior: PriorArg = None) -> list[float]:
     """Replays ``strategy`` on a landscape; returns measured times in evaluation order (inf for
     failed configs). Deterministic for a given seed. ``warm_start`` configs (dicts by parameter
     name, or tuples in the file's key order; those not in the file are skipped) are measured
-    first."""
-    return trace(path, strategy, budget, seed, warm_start=warm_start).values
+    first. ``prior``: what other tasks of the same kernel measured, for the default strategy to
+    learn from (transfer, :mod:`pallas_tune.search.prior`): a list whose items are landscape
+    files or :class:`Landscape` objects (other devices or shapes; each config's mean time) or
+    lists of (config, time) pairs (a dict by parameter name or a tuple in the file's key order),
+    or a ready :class:`~pallas_tune.search.prior.Prior`."""
+    return trace(path, strategy, budget, seed, warm_start=warm_start, prior=prior).values
+
+
+def make_prior(land: Landscape, prior: PriorArg) -> Any:
+    """A :class:`~pallas_tune.search.prior.Prior` over ``land``'s parameters from ``prior``
+    (see :func:`run`)."""
+    from pallas_tune.search.prior import Prior
+
+    if isinstance(prior, Prior):
+        return prior
+    if isinstance(prior, str | os.PathLike | Landscape):
+        raise TypeError("prior= takes a list of landscapes or (config, time) lists, not one "
+                        "landscape: wrap it in a list")
+    tasks, names = [], []
+    for i, item in enumerate(prior or ()):
+        if isinstance(item, str | os.PathLike):
+            item = load(os.fspath(item))
+        if isinstance(item, Landscape):
+            tasks.append([(dict(zip(item.keys, c, strict=True)), m)
+                          for c, m in item.means.items()])
+            names.append(item.name)
+        else:
+            tasks.append([(dict(zip(land.keys, _as_tuple(land, c), strict=True)), t)
+                          for c, t in item])
+            names.append(f"prior {i}")
+    return Prior(land.keys, tasks, names)
+
+
+def _with_prior(strategy: Strategy, land: Landscape, prior: PriorArg) -> Strategy:
+    func = strategy.func if isinstance(strategy, functools.partial) else strategy
+    if func is not _default:
+        raise ValueError("prior= is for the default strategy (and default_with(...)); the "
+                         "other strategies do not learn from other tasks: leave prior out")
+    scores = make_prior(land, prior).scores(land.configs, land.choices)
+    return strategy if scores is None else functools.partial(strategy, prior=scores)
 
 
 def _as_tuple(land: Landscape, config: Mapping[str, Any] | Sequence[Any]) -> tuple[Any, ...]:

@@ -216,6 +216,7 @@ def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str,
     """How the figures were obtained: chip, timer, evaluator, versions, date."""
     common = {"kind": plan.kind, "chip": chip, "timer": options.timer,
               "evaluator": extra.get("evaluator"), "seed": options.seed,
+              **({"prior": extra["prior"]} if extra.get("prior") else {}),
               "versions": versions(),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     if plan.estimating:

@@ -92,9 +92,10 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
         extra = _prepare(evaluator, space, options)
         warm = _warm(evaluator, kernel, space, args, kwargs, chip, plan.key, options)
         name = options.study_name or study_name(kernel, chip, plan.key, space)
+        prior = _prior(kernel, space, chip, plan, options, extra)
         search = Search.open(space, name=name, storage=options.storage,
                              sampler=options.sampler, seed=options.seed, trials=options.trials,
-                             warm=warm)
+                             warm=warm, prior=prior)
         log = TrialLog(options, space.size)
         claims = ProgramClaims(search) if search.shared else None
         evaluator.share(claims)  # Programs other workers on the study evaluate count too.
@@ -227,6 +228,22 @@ def _warm(evaluator: Any, kernel: Any, space: Any, args: Sequence[Any],
         return [next(space.ordered_candidates())]
     return warm_start_configs(kernel, args, kwargs, chip, key, limit=options.warm_start,
                               rank=evaluator.roofline, space=space)
+
+
+def _prior(kernel: Any, space: Any, chip: str, plan: Any, options: TuneOptions,
+           extra: dict[str, Any]) -> Any:
+    """What the kernel measured at other shapes and chips (tuning.transfer), for the GP
+    sampler; recorded in ``extra["prior"]`` for the provenance. None when ``transfer`` is off,
+    the space is evaluated whole, or nothing was measured elsewhere."""
+    if not options.transfer or space.size <= options.trials or options.sampler != "gp":
+        return None
+    from pallas_tune.tuning.transfer import prior_for
+
+    names = [p.name for p in space.params if len(p.choices) > 1]
+    prior, record = prior_for(kernel, chip, plan.key, names, kind=plan.kind)
+    if prior is not None:
+        extra["prior"] = record
+    return prior
 
 
 def _prepare(evaluator: Any, space: Any, options: TuneOptions) -> dict[str, Any]:

@@ -40,6 +40,10 @@ class TuneOptions:
       warm_start: how many warm configs to try first (6): the declared default, the winners of
         the nearest tuned shapes, and for TPU chips the roofline model's picks. 0: only the
         default.
+      transfer: learn from the trials this kernel measured at other shapes and chips (the
+        trial ledgers beside the caches; estimates from estimates, measurements from
+        measurements): they give the GP sampler its prior mean (True). The result's
+        provenance names them (``prior``).
       patience: stop once this many measured trials in a row improved the best by under 1%.
       max_attempts: most candidates to ask the sampler for (default ``max(10 * trials, 100)``).
       storage, study_name: an Optuna storage (URL such as ``sqlite:///tune.db`` or
@@ -118,6 +122,7 @@ class TuneOptions:
     seed: int | None = None
     sampler: str = "gp"
     warm_start: int = 6
+    transfer: bool = True
     patience: int | None = None
     max_attempts: int | None = None
     storage: Any = None

@@ -125,7 +125,7 @@ class Search:
 
     @classmethod
     def open(cls, space: Any, *, name: str, storage: Any, sampler: str, seed: int | None,
-             trials: int, warm: Sequence[Mapping[str, Any]]) -> Search:
+             trials: int, warm: Sequence[Mapping[str, Any]], prior: Any = None) -> Search:
         """A new (or resumed, with ``storage``) study over ``space``. When the space has no
         more points than ``trials`` every point is enqueued (exhaustive); else the ``warm``
         configs are, in order, and the sampler proposes the rest."""
@@ -137,7 +137,7 @@ class Search:
         exhaustive = space.size <= trials
         strategy = ("exhaustive" if exhaustive else
                     sampler if space.size <= GP_MAX_CANDIDATES else "tpe")
-        chosen = _sampler(space, codec, strategy, seed, trials)
+        chosen = _sampler(space, codec, strategy, seed, trials, prior)
         if storage is None:
             study, created = optuna.create_study(direction="minimize", sampler=chosen), True
         else:
@@ -381,9 +381,11 @@ def stored_record(t: Any, config: dict[str, Any]) -> TrialRecord:
                        duplicate_of=-1 if attrs.get("duplicate") else None)
 
 
-def _sampler(space: Any, codec: ParamCodec, strategy: str, seed: int | None, trials: int) -> Any:
+def _sampler(space: Any, codec: ParamCodec, strategy: str, seed: int | None, trials: int,
+             prior: Any = None) -> Any:
     """``gp``: :class:`pallas_tune.search.gp.CandidateSampler` (a GP's expected improvement
-    over every candidate); ``tpe``: multivariate TPE with constant liar; ``exhaustive``: every
+    over every candidate, its mean from ``prior``, a :class:`~pallas_tune.search.prior.Prior`
+    over the parameters with several choices, where given); ``tpe``: multivariate TPE with constant liar; ``exhaustive``: every
     point is enqueued, so the sampler is never consulted. All see running trials as pending."""
     import optuna
 
@@ -392,8 +394,14 @@ def _sampler(space: Any, codec: ParamCodec, strategy: str, seed: int | None, tri
     if strategy == "gp":
         from pallas_tune.search.gp import CandidateSampler
 
-        return CandidateSampler([codec.encode(c) for c in space], codec.distributions,
-                                seed=seed)
+        configs = list(space)
+        scores = None
+        if prior is not None:  # Scored on the real values, aligned with the candidates.
+            names = list(codec.distributions)
+            scores = prior.scores([tuple(c[n] for n in names) for c in configs],
+                                  [space[n].choices for n in names])
+        return CandidateSampler([codec.encode(c) for c in configs], codec.distributions,
+                                seed=seed, prior=scores)
     return optuna.samplers.TPESampler(
         seed=seed, multivariate=True, group=False, constant_liar=True,
         n_startup_trials=max(1, min(5, trials // 5)))
