@@ -99,7 +99,7 @@ def standing(row) -> str:
     """Where the tuned kernel stands against XLA on this row, in words."""
     x, t = row.get("xla_ms"), row.get("tuned_ms")
     if t is None:
-        return "no tuned figure"
+        return "not tuned" if row.get("config") is None else "no tuned estimate"
     if x is None:
         return "XLA not estimated"
     if row.get("xla_partial"):  # XLA's figure is a lower bound on its time.
@@ -142,7 +142,8 @@ def render(rows, header: str) -> str:
     lines += ["", "Upstream default per kernel and pass:"]
     for (name, p), label in dict(((r["kernel"], r["pass"]), r["upstream_label"])
                                  for r in rows).items():
-        lines.append(f"- {name} {p}: {label}")
+        lines.append(f"- {name} {p}: " + (label if label != "—" else "none (JAX ships no "
+                                                                     "Pallas kernel for it)"))
     backward = sorted({f"{r['kernel']} → {r['backward_kernel']}" for r in rows
                        if r.get("backward_kernel")})
     if backward:

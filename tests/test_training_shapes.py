@@ -53,4 +53,6 @@ def test_standing_says_where_xla_is_faster():
     assert ts.standing({"xla_ms": 0.5, "tuned_ms": 1.0, "xla_partial": True}).startswith(
         "undecided")
     assert ts.standing({"xla_ms": None, "tuned_ms": 1.0}) == "XLA not estimated"
-    assert ts.standing({"xla_ms": 1.0, "tuned_ms": None}) == "no tuned figure"
+    assert ts.standing({"xla_ms": 1.0, "tuned_ms": None, "config": None}) == "not tuned"
+    assert ts.standing({"xla_ms": 1.0, "tuned_ms": None, "config": {"bm": 8}}) == (
+        "no tuned estimate")
