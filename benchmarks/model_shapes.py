@@ -190,7 +190,8 @@ def make_row(name, key, clock, *, xla, up, up_label, tuned, tuned_cfg, roof, ski
         "tuned": _fmt_ms(tuned, clock) if tuned_cfg else "not tuned (no cache entry)",
         "config": tuned_cfg, "xla_ratio": ratio(x_ms, bool(xla and xla.ops_without_estimate)),
         "up_ratio": ratio(u_ms),
-        "roofline": (f"{floor_ms / t_ms:.1%}" + (" †" if floor_ms > t_ms else "")) if t_ms else "—",
+        "roofline": (f"{floor_ms / t_ms:.1%}" + (" †" if floor_ms > t_ms else "")) if t_ms
+        else "—",
         "bound": "compute" if flops / PEAK_FLOPS > nbytes / PEAK_BYTES else "memory",
         "seed": SEEDS.get(name, "—"),
         "notes": "; ".join(f"{k}: {r.message[:160]}" for k, r in (("XLA", xla), ("upstream", up),
@@ -259,9 +260,22 @@ def run_header(title: str, command: str, elapsed: float) -> str:
             f"{os.cpu_count()}-core CPU host (no TPU). {_UNITS}")
 
 
-def finish(table: str, out: str | None, elapsed: float) -> None:
-    if out:
-        with open(out, "w", encoding="utf-8") as f:
+def have_libtpu() -> bool:
+    if _compile.libtpu_available():
+        return True
+    print("libtpu is not installed (pip install 'pallas-tune[tpu]'): nothing to estimate.")
+    return False
+
+
+def finish(rows, a: argparse.Namespace, command: str, t0: float, title: str = TITLE,
+           render_fn=render) -> None:
+    """Saves the rows (``--rows-out``), renders the table, writes it (``--out``)."""
+    elapsed = time.perf_counter() - t0
+    if a.rows_out:
+        save_rows(a.rows_out, rows, command, t0)
+    table = render_fn(rows, run_header(title, command, elapsed))
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
             f.write(table)
     print(f"\n{elapsed:.0f} s")
 
@@ -276,8 +290,7 @@ def main() -> None:
     if a.combine:
         combine(a.combine, a.out)
         return
-    if not _compile.libtpu_available():
-        print("libtpu is not installed (pip install 'pallas-tune[tpu]'): nothing to estimate.")
+    if not have_libtpu():
         return
     clock = chip_spec("v6e").clock_hz
     t0 = time.perf_counter()
@@ -302,10 +315,7 @@ def main() -> None:
                 print(f"{name:24s} {_short(row['shape'])[:70]:70s} XLA {row['xla']:>16s} "
                       f"upstream {row['upstream']:>16s} tuned {row['tuned']:>10s} "
                       f"roofline {row['roofline']}", flush=True)
-    elapsed = time.perf_counter() - t0
-    if a.rows_out:
-        save_rows(a.rows_out, rows, command, t0)
-    finish(render(rows, run_header(TITLE, command, elapsed)), a.out, elapsed)
+    finish(rows, a, command, t0)
 
 
 def save_rows(path, rows, command, t0) -> None:
@@ -323,8 +333,9 @@ def combine(paths, out, *, title=TITLE, sets=SETS, render_fn=render) -> None:
     first = parts[0]
     header = (f"# {title}\n\n"
               f"{first['date']}, jax {first['jax']}, libtpu {first['libtpu']}, on a shared "
-              f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs of the same code: {runs}; "
-              f"combined with `--combine` (a shape in several runs: the first run's row). {_UNITS}")
+              f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs of the same code: "
+              f"{runs}; combined with `--combine` (a shape in several runs: the first run's "
+              f"row). {_UNITS}")
     rows, seen = [], set()
     for r in (r for p in parts for r in p["rows"]):
         if (r.get("set"), r["shape"], r.get("pass")) not in seen:

@@ -53,7 +53,6 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_tune import cli  # noqa: E402
 from pallas_tune._refs import kernel_ref  # noqa: E402
 from pallas_tune.chips import chip_spec  # noqa: E402
-from pallas_tune.feasibility import compile as _compile  # noqa: E402
 from pallas_tune.measure.estimate import Estimator  # noqa: E402
 from pallas_tune.space import load_space  # noqa: E402
 from pallas_tune.tuning.grad import backward_call  # noqa: E402
@@ -149,8 +148,8 @@ def render(rows, header: str) -> str:
     if backward:
         lines += ["", "Tuned backward kernels (each with its own cache entries): "
                   + ", ".join(backward) + "."]
-    notes = [f"- {r['kernel']} {r['pass']} {ms._short(r['shape'])}: " + " ".join(r["notes"].split())
-             for r in rows if r["notes"]]
+    notes = [f"- {r['kernel']} {r['pass']} {ms._short(r['shape'])}: "
+             + " ".join(r["notes"].split()) for r in rows if r["notes"]]
     if notes:
         lines += ["", "Figures the compiler did not give (messages shortened):", *notes]
     return "\n".join(lines) + "\n"
@@ -174,8 +173,7 @@ def main() -> None:
     if a.combine:
         ms.combine(a.combine, a.out, title=TITLE, sets=SETS, render_fn=render)
         return
-    if not _compile.libtpu_available():
-        print("libtpu is not installed (pip install 'pallas-tune[tpu]'): nothing to estimate.")
+    if not ms.have_libtpu():
         return
     skip_all = a.skip_xla == []  # A bare --skip-xla: every set.
     extra = ((" --indices " + " ".join(map(str, a.indices)) if a.indices else "")
@@ -209,10 +207,7 @@ def main() -> None:
                           f"{row['xla'][:24]:>24s} upstream {row['upstream']:>16s} tuned "
                           f"{row['tuned'][:26]:>26s} roofline {row['roofline']}; "
                           f"{standing(row)}", flush=True)
-    elapsed = time.perf_counter() - t0
-    if a.rows_out:
-        ms.save_rows(a.rows_out, rows, command, t0)
-    ms.finish(render(rows, ms.run_header(TITLE, command, elapsed)), a.out, elapsed)
+    ms.finish(rows, a, command, t0, TITLE, render)
 
 
 if __name__ == "__main__":

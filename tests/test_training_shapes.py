@@ -22,7 +22,8 @@ def test_matmul_backward_is_two_products_of_the_forward():
     x, y, g = S((m, k), BF16), S((k, n), BF16), S((m, n), BF16)
     flops, nbytes = ts.backward_roofline("matmul", [x, y], {}, [x, y, g])
     assert flops == 2 * (2.0 * m * k * n)  # dX = g Wᵀ and dW = xᵀ g.
-    assert nbytes == 2 * (m * k + k * n + m * n) + 2 * (m * k + k * n)  # Reads x, y, g; writes dx, dy.
+    # Reads x, y and g; writes dx and dy.
+    assert nbytes == 2 * (m * k + k * n + m * n) + 2 * (m * k + k * n)
 
 
 def test_causal_attention_backward_counts_the_lower_triangle_at_2_5x():
