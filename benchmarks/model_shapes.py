@@ -149,34 +149,55 @@ def _ms(r, clock):
     return cycles_to_ms(r.cycles, clock) if r is not None and r.ok else None
 
 
+def cached_config(kernel, key):
+    """The config of ``kernel``'s v6e estimate cache entry for ``key`` (user cache directory,
+    then the shipped caches/tpu_v6e), or None."""
+    found = kernel.cache.lookup("tpu_v6e", kernel.name, key)
+    return dict(found[0]["config"]) if found else None
+
+
+SKIPPED_XLA = "not run (--skip-xla: its compile is too slow or too big for the CPU host)"
+
+
 def _row(est, name, kernel, spec_str, clock, skip_xla=False):
     args, kwargs = cli.build_call(kernel, spec_str)
     key = kernel.cache_key(*args, **kwargs)
-    found = kernel.cache.lookup("tpu_v6e", kernel.name, key)
-    tuned_cfg = dict(found[0]["config"]) if found else None
+    tuned_cfg = cached_config(kernel, key)
     xla = None if skip_xla else est.map(kernel.reference, args, kwargs, [{}], "tpu_v6e",
                                         standin=False)[0]
     up = upstream(name, kernel, args, kwargs)
     up_r = est.map(up[0], up[1], up[2], [up[3]], "tpu_v6e")[0] if up else None
     tuned = est.map(kernel, args, kwargs, [tuned_cfg], "tpu_v6e")[0] if tuned_cfg else None
-    flops, nbytes = roofline(name, args, kwargs)
+    return make_row(name, key, clock, xla=xla, up=up_r, up_label=up[4] if up else "—",
+                    tuned=tuned, tuned_cfg=tuned_cfg, roof=roofline(name, args, kwargs),
+                    skip_xla=skip_xla)
+
+
+def make_row(name, key, clock, *, xla, up, up_label, tuned, tuned_cfg, roof, skip_xla=False):
+    """One table row from the three estimates (None: not run) and the problem's (FLOPs,
+    bytes); the times in ms are kept beside their printed forms."""
+    flops, nbytes = roof
     floor_ms = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES) * 1e3
-    t_ms, x_ms, u_ms = _ms(tuned, clock), _ms(xla, clock), _ms(up_r, clock)
+    t_ms, x_ms, u_ms = _ms(tuned, clock), _ms(xla, clock), _ms(up, clock)
+
     def ratio(a, lower_bound=False):
         return ("≥" if lower_bound else "") + (f"{a / t_ms:.2f}x" if a and t_ms else "—")
 
     return {
         "kernel": name, "shape": key,
-        "xla": "not run (--skip-xla: its compile is too slow or too big for the CPU host)" if skip_xla
-        else _fmt_ms(xla, clock), "upstream": _fmt_ms(up_r, clock),
-        "upstream_label": up[4] if up else "—",
+        "xla": SKIPPED_XLA if skip_xla else _fmt_ms(xla, clock), "upstream": _fmt_ms(up, clock),
+        "upstream_label": up_label,
         "tuned": _fmt_ms(tuned, clock) if tuned_cfg else "not tuned (no cache entry)",
-        "config": tuned_cfg, "xla_ratio": ratio(x_ms, bool(xla and xla.ops_without_estimate)), "up_ratio": ratio(u_ms),
-        "roofline": (f"{floor_ms / t_ms:.1%}" + (" †" if floor_ms > t_ms else "")) if t_ms else "—",
+        "config": tuned_cfg, "xla_ratio": ratio(x_ms, bool(xla and xla.ops_without_estimate)),
+        "up_ratio": ratio(u_ms),
+        "roofline": (f"{floor_ms / t_ms:.1%}" + (" †" if floor_ms > t_ms else "")) if t_ms
+        else "—",
         "bound": "compute" if flops / PEAK_FLOPS > nbytes / PEAK_BYTES else "memory",
         "seed": SEEDS.get(name, "—"),
-        "notes": "; ".join(f"{k}: {r.message[:160]}" for k, r in (("XLA", xla), ("upstream", up_r),
+        "notes": "; ".join(f"{k}: {r.message[:160]}" for k, r in (("XLA", xla), ("upstream", up),
                            ("tuned", tuned)) if r is not None and not r.ok),
+        "xla_ms": x_ms, "upstream_ms": u_ms, "tuned_ms": t_ms,
+        "xla_partial": bool(xla and xla.ok and xla.ops_without_estimate),
     }
 
 
@@ -205,34 +226,75 @@ def render(rows, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--only", nargs="+", help="space files of SETS (e.g. mamba2_ssd llama3_matmul)")
+TITLE = "Model shapes on TPU v6e: compiler ESTIMATES, not measurements"
+_UNITS = ("Times are libtpu's static cycle estimates at 1.75 GHz; roofline: 918 TFLOP/s bf16, "
+          "1.64 TB/s HBM; † marks a tuned estimate faster than the HBM roofline (the compiler's "
+          "HBM model is optimistic: see notes/libtpu-static-cost.md, 2.3-3.4 TB/s in its copy "
+          "estimates). See the module docstring for each column.")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, sets_help: str) -> None:
+    """The options every estimate table's script takes (this one's and training_shapes')."""
+    p.add_argument("--only", nargs="+", help=sets_help)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--max-shapes", type=int, default=None)
-    p.add_argument("--all-shapes", action="store_true",
-                   help="every shape of each set, not only the picks of SETS (e.g. the 8192-token "
-                        "matmuls, with --skip-xla for them)")
+    p.add_argument("--max-shapes", type=int, default=None, help="the first N shapes of each set")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
     p.add_argument("--rows-out", default=None, help="save this run's rows (JSON) here")
     p.add_argument("--skip-xla", nargs="*", default=(),
                    help="space files whose XLA reference is not compiled (too big for the host)")
     p.add_argument("--combine", nargs="+", help="render rows saved by --rows-out runs")
+
+
+def run_command(script: str, a: argparse.Namespace, extra: str = "") -> str:
+    """The command line of this run, as the table's header and the saved rows give it."""
+    return (f"JAX_PLATFORMS=cpu python benchmarks/{script}"
+            + (" --only " + " ".join(a.only) if a.only else "")
+            + (f" --max-shapes {a.max_shapes}" if a.max_shapes else "") + extra
+            + (f" --rows-out {a.rows_out}" if a.rows_out else "")
+            + (" --skip-xla " + " ".join(a.skip_xla) if a.skip_xla else ""))
+
+
+def run_header(title: str, command: str, elapsed: float) -> str:
+    return (f"# {title}\n\n`$ {command}` — {datetime.date.today().isoformat()}, jax "
+            f"{jax.__version__}, libtpu {_libtpu_version()}, {elapsed:.0f} s on a shared "
+            f"{os.cpu_count()}-core CPU host (no TPU). {_UNITS}")
+
+
+def have_libtpu() -> bool:
+    if _compile.libtpu_available():
+        return True
+    print("libtpu is not installed (pip install 'pallas-tune[tpu]'): nothing to estimate.")
+    return False
+
+
+def finish(rows, a: argparse.Namespace, command: str, t0: float, title: str = TITLE,
+           render_fn=render) -> None:
+    """Saves the rows (``--rows-out``), renders the table, writes it (``--out``)."""
+    elapsed = time.perf_counter() - t0
+    if a.rows_out:
+        save_rows(a.rows_out, rows, command, t0)
+    table = render_fn(rows, run_header(title, command, elapsed))
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            f.write(table)
+    print(f"\n{elapsed:.0f} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_run_arguments(p, "space files of SETS (e.g. mamba2_ssd llama3_matmul)")
+    p.add_argument("--all-shapes", action="store_true",
+                   help="every shape of each set, not only the picks of SETS (e.g. the 8192-token "
+                        "matmuls, with --skip-xla for them)")
     a = p.parse_args()
     if a.combine:
-        _combine(a.combine, a.out)
+        combine(a.combine, a.out)
         return
-    if not _compile.libtpu_available():
-        print("libtpu is not installed (pip install 'pallas-tune[tpu]'): nothing to estimate.")
+    if not have_libtpu():
         return
     clock = chip_spec("v6e").clock_hz
     t0 = time.perf_counter()
-    command = ("JAX_PLATFORMS=cpu python benchmarks/model_shapes.py"
-               + (" --only " + " ".join(a.only) if a.only else "")
-               + (f" --max-shapes {a.max_shapes}" if a.max_shapes else "")
-               + (" --all-shapes" if a.all_shapes else "")
-               + (f" --rows-out {a.rows_out}" if a.rows_out else "")
-               + (" --skip-xla " + " ".join(a.skip_xla) if a.skip_xla else ""))
+    command = run_command("model_shapes.py", a, " --all-shapes" if a.all_shapes else "")
     rows = []
     with Estimator(a.workers) as est:
         for space_name, picks in SETS:
@@ -249,54 +311,39 @@ def main() -> None:
                 row["set"] = space_name
                 rows.append(row)
                 if a.rows_out:  # After every row: a run cut short keeps what it did.
-                    _save_rows(a.rows_out, rows, command, t0)
+                    save_rows(a.rows_out, rows, command, t0)
                 print(f"{name:24s} {_short(row['shape'])[:70]:70s} XLA {row['xla']:>16s} "
                       f"upstream {row['upstream']:>16s} tuned {row['tuned']:>10s} "
                       f"roofline {row['roofline']}", flush=True)
-    elapsed = time.perf_counter() - t0
-    if a.rows_out:
-        _save_rows(a.rows_out, rows, command, t0)
-    header = (f"# Model shapes on TPU v6e: compiler ESTIMATES, not measurements\n\n"
-              f"`$ JAX_PLATFORMS=cpu python benchmarks/model_shapes.py{' --only ' + ' '.join(a.only) if a.only else ''}`"
-              f" — {datetime.date.today().isoformat()}, jax {jax.__version__}, libtpu "
-              f"{_libtpu_version()}, {elapsed:.0f} s on a shared {os.cpu_count()}-core CPU host "
-              "(no TPU). Times are libtpu's static cycle estimates at 1.75 GHz; roofline: 918 "
-              "TFLOP/s bf16, 1.64 TB/s HBM. See the module docstring for each column.")
-    table = render(rows, header)
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            f.write(table)
-    print(f"\n{elapsed:.0f} s")
+    finish(rows, a, command, t0)
 
 
-def _save_rows(path, rows, command, t0) -> None:
+def save_rows(path, rows, command, t0) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"command": command, "date": datetime.date.today().isoformat(),
                    "seconds": round(time.perf_counter() - t0), "jax": jax.__version__,
                    "libtpu": _libtpu_version(), "rows": rows}, f, indent=1)
 
 
-def _combine(paths, out) -> None:
+def combine(paths, out, *, title=TITLE, sets=SETS, render_fn=render) -> None:
+    """Renders the rows of several ``--rows-out`` runs as one table (a row in several runs: the
+    first run's), ordered as ``sets``."""
     parts = [json.load(open(p, encoding="utf-8")) for p in paths]
     runs = "; ".join(f"`$ {p['command']}` ({p['seconds']} s)" for p in parts)
     first = parts[0]
-    header = ("# Model shapes on TPU v6e: compiler ESTIMATES, not measurements\n\n"
+    header = (f"# {title}\n\n"
               f"{first['date']}, jax {first['jax']}, libtpu {first['libtpu']}, on a shared "
-              f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs of the same code: {runs}; "
-              "combined with `--combine` (a shape in several runs: the first run's row). Times "
-              "are libtpu's static cycle estimates at 1.75 GHz; "
-              "roofline: 918 TFLOP/s bf16, 1.64 TB/s HBM; † marks a tuned estimate faster than "
-              "the HBM roofline (the compiler's HBM model is optimistic: see "
-              "notes/libtpu-static-cost.md, 2.3-3.4 TB/s in its copy estimates). See the "
-              "module docstring for each column.")
+              f"{os.cpu_count()}-core CPU host (no TPU), in {len(parts)} runs of the same code: "
+              f"{runs}; combined with `--combine` (a shape in several runs: the first run's "
+              f"row). {_UNITS}")
     rows, seen = [], set()
-    for r in (r for p in parts for r in p["rows"]):  # A shape in several parts: the first's row.
-        if (r.get("set"), r["shape"]) not in seen:
-            seen.add((r.get("set"), r["shape"]))
+    for r in (r for p in parts for r in p["rows"]):
+        if (r.get("set"), r["shape"], r.get("pass")) not in seen:
+            seen.add((r.get("set"), r["shape"], r.get("pass")))
             rows.append(r)
-    order = {name: i for i, (name, _) in enumerate(SETS)}
+    order = {name: i for i, (name, _) in enumerate(sets)}
     rows.sort(key=lambda r: order.get(r.get("set", ""), 99))
-    table = render(rows, header)
+    table = render_fn(rows, header)
     if out:
         with open(out, "w", encoding="utf-8") as f:
             f.write(table)

@@ -11,7 +11,8 @@ from pallas_tune import cli
 from pallas_tune.feasibility import inspect as _inspect
 from pallas_tune.space import _spaces_dir, load_space
 
-TRAINING_SETS = ["llama3_training_matmul", "mixtral_training_grouped_matmul"]
+TRAINING_SETS = ["llama3_training_matmul", "mixtral_training_grouped_matmul",
+                 "llama3_training_attention"]
 MODEL_SETS = ["paged_attention", "ragged_paged_attention", "mamba2_ssd", "hstu_attention",
               "llama3_matmul", "mixtral_grouped_matmul", "llama3_flash_attention",
               *TRAINING_SETS]

@@ -1,0 +1,214 @@
+"""Training shapes, forward and backward: XLA vs upstream vs tuned, v6e compiler ESTIMATES.
+
+Every shipped kernel with a Pallas backward (matmul, grouped matmul, flash attention) on the
+training shape sets below: per shape a forward row and a backward row, each compiled deviceless
+for TPU v6e with libtpu, each program's static cycle estimate converted at the chip clock (as in
+benchmarks/model_shapes.py, whose helpers this reuses):
+
+- XLA: forward, the kernel's plain-JAX ``*_reference``; backward, XLA's gradient: ``jax.vjp`` of
+  that reference at the same arguments for the same cotangent (benchmarks/xla_gradient.py,
+  what ``backward="xla"`` runs). "partial": libtpu gave some fusions no estimate (a lower bound).
+- upstream default: JAX's own Pallas kernel with its default blocks, where JAX has one. Forward
+  as in model_shapes.py; backward, the gradient adapters of pallas_tune/kernels/upstream.py with
+  their default (upstream's) backward blocks: flash attention's dK/dV and dQ kernels
+  (``upstream.flash_attention_bwd``, K/V passed with every query head: no GQA upstream) and
+  megablox's gmm against rhsᵀ plus tgmm (``upstream.megablox_gmm_bwd``). JAX has no Pallas
+  matmul.
+- tuned: the config in the v6e estimate caches (user cache directory, then the shipped
+  ``caches/tpu_v6e``). Backward: the backward kernel's own entry (``matmul_bwd``,
+  ``grouped_matmul_bwd``, ``flash_attention_bwd``) for the arguments ``backward_call`` builds
+  from the forward shape, the key ``pallas-tune sweep --space SET --grad`` writes. Estimated
+  again here, so every column comes from the same run; "not tuned (no cache entry)" otherwise.
+- roofline: max(FLOPs / 918 TFLOP/s, bytes / 1.64 TB/s) over the tuned estimate. FLOPs are
+  useful ones: a forward's (causal attention counts the lower triangle), for a backward 2x the
+  forward's for the matmuls (dX and dW) and 2.5x for attention (dS, dQ, dK, dV and the
+  recomputed S). Bytes: a backward reads its arguments (residuals and cotangent) and writes the
+  cotangent of each float input, once.
+- against XLA: where the tuned kernel stands against XLA on that row, XLA's wins included.
+
+Every figure is a COMPILER ESTIMATE, not a measurement.
+
+    python benchmarks/training_shapes.py [--only llama3_training_matmul ...] [--max-shapes N]
+        [--indices I ...] [--passes forward backward] [--skip-xla [SET ...]]
+        [--rows-out part.json] [--out benchmarks/results/training_shapes.md]
+    python benchmarks/training_shapes.py --combine part1.json part2.json --out ...
+
+``--skip-xla`` with no set skips every XLA program (the 8192-token ones take minutes and
+gigabytes each on a CPU host); such cells read "not run (--skip-xla ...)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import model_shapes as ms  # noqa: E402  (sets JAX_PLATFORMS=cpu unless set)
+from xla_gradient import xla_gradient  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_tune import cli  # noqa: E402
+from pallas_tune._refs import kernel_ref  # noqa: E402
+from pallas_tune.chips import chip_spec  # noqa: E402
+from pallas_tune.measure.estimate import Estimator  # noqa: E402
+from pallas_tune.space import load_space  # noqa: E402
+from pallas_tune.tuning.grad import backward_call  # noqa: E402
+
+TITLE = ("Training shapes on TPU v6e, forward and backward: compiler ESTIMATES, not "
+         "measurements")
+SETS = [("llama3_training_matmul", None), ("mixtral_training_grouped_matmul", None),
+        ("llama3_training_attention", None)]
+# A backward's useful FLOPs per forward FLOP: dX and dW for the matmuls; dS = P∘(dO Vᵀ - δ),
+# dV = Pᵀ dO, dQ = dS K, dK = dSᵀ Q and S recomputed (5 products to the forward's 2).
+BACKWARD_FLOPS = {"matmul": 2.0, "grouped_matmul": 2.0, "flash_attention": 2.5}
+PASSES = ("forward", "backward")
+
+
+def backward_roofline(name, args, kwargs, bwd_args) -> tuple[float, float]:
+    """(useful FLOPs, bytes) of the backward of ``name(*args, **kwargs)``, whose backward kernel
+    takes ``bwd_args``: it reads those and writes a cotangent per float input of the forward."""
+    flops, _ = ms.roofline(name, args, kwargs)
+    written = [a for a in args if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.inexact)]
+    return BACKWARD_FLOPS[name] * flops, ms._nbytes(*bwd_args) + ms._nbytes(*written)
+
+
+def upstream_backward(name, bwd_args, bwd_kwargs):
+    """(tunable, args, kwargs, config, label) of JAX's own gradient kernels for this op with
+    their default blocks, or None."""
+    from pallas_tune.kernels import upstream as up
+
+    if name == "flash_attention":
+        q, k, _, o, lse, do = bwd_args
+        full = ms.S(q.shape[:2] + k.shape[2:], k.dtype)  # No GQA upstream, as in the forward.
+        # Upstream's residuals l and m ((batch, heads, q_len) f32) stand where lse does.
+        return (up.flash_attention_bwd, [q, full, full, o, lse, lse, do], bwd_kwargs,
+                dict(up.flash_attention_bwd.space.default),
+                "jax flash_attention backward (dK/dV and dQ kernels), default blocks")
+    if name == "grouped_matmul":
+        return (up.megablox_gmm_bwd, bwd_args, bwd_kwargs,
+                dict(up.megablox_gmm_bwd.space.default),
+                "megablox gmm (against rhsᵀ) + tgmm, default tiling")
+    return None
+
+
+def standing(row) -> str:
+    """Where the tuned kernel stands against XLA on this row, in words."""
+    x, t = row.get("xla_ms"), row.get("tuned_ms")
+    if t is None:
+        return "not tuned" if row.get("config") is None else "no tuned estimate"
+    if x is None:
+        return "XLA not estimated"
+    if row.get("xla_partial"):  # XLA's figure is a lower bound on its time.
+        return (f"tuned ≥{x / t:.2f}x faster (XLA partial)" if x >= t
+                else "undecided (XLA partial, below tuned)")
+    if abs(x / t - 1) < 0.01:
+        return "on par with XLA (within 1%)"
+    return f"tuned {x / t:.2f}x faster" if x > t else f"XLA {t / x:.2f}x faster"
+
+
+def backward_row(est, name, kernel, args, kwargs, clock, skip_xla=False):
+    bwd = kernel.backward
+    bwd_args, bwd_kwargs = backward_call(kernel, args, kwargs, 0)  # As `sweep --grad` makes them.
+    key = bwd.cache_key(*bwd_args, **bwd_kwargs)
+    tuned_cfg = ms.cached_config(bwd, key)
+    g = bwd_args[-1]  # Each backward kernel takes the output's cotangent last.
+    xla = None if skip_xla else est.map(
+        xla_gradient, [*args, g], {**kwargs, "forward": kernel_ref(kernel.reference)}, [{}],
+        "tpu_v6e", standin=False)[0]
+    up = upstream_backward(name, bwd_args, bwd_kwargs)
+    up_r = est.map(up[0], up[1], up[2], [up[3]], "tpu_v6e")[0] if up else None
+    tuned = est.map(bwd, bwd_args, bwd_kwargs, [tuned_cfg], "tpu_v6e")[0] if tuned_cfg else None
+    row = ms.make_row(name, kernel.cache_key(*args, **kwargs), clock, xla=xla, up=up_r,
+                      up_label=up[4] if up else "—", tuned=tuned, tuned_cfg=tuned_cfg,
+                      roof=backward_roofline(name, args, kwargs, bwd_args), skip_xla=skip_xla)
+    return {**row, "backward_kernel": bwd.name, "backward_key": key}
+
+
+def render(rows, header: str) -> str:
+    lines = [header, "",
+             "| kernel | pass | shape (forward's cache key) | XLA ms | upstream default ms | "
+             "tuned ms | XLA/tuned | upstream/tuned | roofline (tuned) | bound | against XLA | "
+             "tuned config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items()) if r["config"] else "—"
+        lines.append(f"| {r['kernel']} | {r['pass']} | {ms._short(r['shape'])} | {r['xla']} | "
+                     f"{r['upstream']} | {r['tuned']} | {r['xla_ratio']} | {r['up_ratio']} | "
+                     f"{r['roofline']} | {r['bound']} | {standing(r)} | {cfg} |")
+    lines += ["", "Upstream default per kernel and pass:"]
+    for (name, p), label in dict(((r["kernel"], r["pass"]), r["upstream_label"])
+                                 for r in rows).items():
+        lines.append(f"- {name} {p}: " + (label if label != "—" else "none (JAX ships no "
+                                                                     "Pallas kernel for it)"))
+    backward = sorted({f"{r['kernel']} → {r['backward_kernel']}" for r in rows
+                       if r.get("backward_kernel")})
+    if backward:
+        lines += ["", "Tuned backward kernels (each with its own cache entries): "
+                  + ", ".join(backward) + "."]
+    notes = [f"- {r['kernel']} {r['pass']} {ms._short(r['shape'])}: "
+             + " ".join(r["notes"].split()) for r in rows if r["notes"]]
+    if notes:
+        lines += ["", "Figures the compiler did not give (messages shortened):", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def _shapes(loaded, a):
+    shapes = loaded["shapes"]
+    if a.indices:
+        shapes = [shapes[i] for i in a.indices if i < len(shapes)]
+    return shapes[: a.max_shapes]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    ms.add_run_arguments(p, "shape sets of SETS (e.g. llama3_training_matmul)")
+    p.add_argument("--indices", nargs="+", type=int,
+                   help="only these shapes (0-based, in each set's file order)")
+    p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    a = p.parse_args()
+    if a.combine:
+        ms.combine(a.combine, a.out, title=TITLE, sets=SETS, render_fn=render)
+        return
+    if not ms.have_libtpu():
+        return
+    skip_all = a.skip_xla == []  # A bare --skip-xla: every set.
+    extra = ((" --indices " + " ".join(map(str, a.indices)) if a.indices else "")
+             + (" --passes " + " ".join(a.passes) if a.passes != list(PASSES) else "")
+             + (" --skip-xla" if skip_all else ""))
+    command = ms.run_command("training_shapes.py", a, extra)
+    clock = chip_spec("v6e").clock_hz
+    t0 = time.perf_counter()
+    rows = []
+    with Estimator(a.workers) as est:
+        for space_name, _ in SETS:
+            if a.only and space_name not in a.only:
+                continue
+            loaded = load_space(space_name)
+            kernel = cli._load_kernel(loaded["kernel"])
+            name = kernel.fn.__name__
+            skip = skip_all or space_name in a.skip_xla
+            for shape in _shapes(loaded, a):
+                spec = cli._spec_items(shape)
+                for pass_ in a.passes:
+                    if pass_ == "forward":
+                        row = ms._row(est, name, kernel, spec, clock, skip_xla=skip)
+                    else:
+                        args, kwargs = cli.build_call(kernel, spec)
+                        row = backward_row(est, name, kernel, args, kwargs, clock, skip)
+                    row.update({"set": space_name, "pass": pass_})
+                    rows.append(row)
+                    if a.rows_out:  # After every row: a run cut short keeps what it did.
+                        ms.save_rows(a.rows_out, rows, command, t0)
+                    print(f"{name:16s} {pass_:8s} {ms._short(row['shape'])[:60]:60s} XLA "
+                          f"{row['xla'][:24]:>24s} upstream {row['upstream']:>16s} tuned "
+                          f"{row['tuned'][:26]:>26s} roofline {row['roofline']}; "
+                          f"{standing(row)}", flush=True)
+    ms.finish(rows, a, command, t0, TITLE, render)
+
+
+if __name__ == "__main__":
+    main()
