@@ -6,7 +6,9 @@ benchmarks/landscapes (full-space v6e compiler ESTIMATES from benchmarks/tpu_est
 evaluation draws one recorded repeat (noisy), a failure costs an evaluation, a repeated proposal
 costs nothing; every strategy runs on the same seeds.
 
-Strategies: pallas-tune's `default`; `random`; Optuna's samplers (`tpe`: TPESampler as it comes,
+Strategies: pallas-tune's `default`; `default+prior`, the same with the other devices'
+landscapes of the same kernel as its prior (transfer, leave-one-device-out: the files beside
+the landscape; `pallas_tune.search.prior`); `random`; Optuna's samplers (`tpe`: TPESampler as it comes,
 `tpe-mv`: multivariate and grouped, `cmaes`: CmaEsSampler over value ranks, `optuna-gp`:
 GPSampler, where PyTorch is installed); Kernel Tuner 1.5 strategies in its own simulation mode
 (`KT:*`, fed per-seed files whose times are drawn repeats: the same noise), among them the
@@ -51,7 +53,7 @@ from pallas_tune.search import gp, replay  # noqa: E402
 
 KT = ["adaptive_tabu_greywolf", "hybrid_vndx", "dual_annealing", "firefly_algorithm", "pso",
       "genetic_algorithm"]
-OURS = ["default"]
+OURS = ["default", "default+prior"]  # +prior: the other devices' landscapes as its prior.
 PEERS = ["random", "tpe-mv", "cmaes", "optuna-gp"] + [f"KT:{s}" for s in KT]
 
 

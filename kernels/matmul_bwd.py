@@ -22,6 +22,7 @@ as in the forward. f32 accumulation in VMEM scratch; outputs in the input dtype.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -140,7 +141,33 @@ def _inputs(x, y, g):
             for kk, a in zip(keys, (x, y, g), strict=True)], {}
 
 
-# No stand-in (tpu-estimate compiles the whole problem): shrinking M shrinks dx's parallel axis
-# but dy's reduction, so one scale would not stand for both products.
+def _standin(args, kwargs, config):
+    """A smaller problem with the same tiles, for tpu-estimate (whose cost grows with grid steps:
+    the full 4096-token problems with 256 tiles took over 10 minutes and 19 GB to estimate).
+    Each of M, K, N is a grid axis of both products (K parallel in both; M parallel in dx and
+    the reduction of dy; N the other way round), so fewer blocks along any of them scale both
+    products' step counts by one factor; K is shrunk first (parallel in both, so no output
+    block loses its store), then M and N, each only where its blocks divide it. The tuner
+    checks the stand-in against one full compile before trusting it (within 5%)."""
+    from pallas_tune.measure.estimate import shrink_parallel
+
+    x, y, g = args
+    (m, k), n = x.shape, y.shape[1]
+    units, counts, ratio = [], [], [1.0, 1.0]
+    for dim, names in ((k, ("dx_bk", "dy_bk")), (m, ("dx_bm", "dy_bm")), (n, ("dx_bn", "dy_bn"))):
+        blocks = [min(config[nm], dim) for nm in names]
+        unit = math.lcm(*blocks)
+        whole = dim % unit == 0
+        units.append(unit if whole else dim)
+        counts.append(dim // unit if whole else 1)
+        for i, b in enumerate(blocks):
+            ratio[i] *= (unit if whole else pl.cdiv(dim, b) * b) / b
+    new, scale = shrink_parallel(counts, int(min(ratio)))
+    k2, m2, n2 = (min(c * u, d) for c, u, d in zip(new, units, (k, m, n), strict=True))
+    shapes = ((m2, k2), (k2, n2), (m2, n2))
+    return [jax.ShapeDtypeStruct(s, a.dtype) for s, a in zip(shapes, args, strict=True)], \
+        kwargs, scale
+
+
 matmul_bwd = pt.tunable(space="matmul_bwd", reference=matmul_bwd_reference,
-                        inputs=_inputs)(matmul_bwd)
+                        inputs=_inputs, standin=_standin)(matmul_bwd)
