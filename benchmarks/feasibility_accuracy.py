@@ -101,6 +101,7 @@ class Row:
 
 ROWS_OUT: list[str] = []  # --rows-out: a CSV each row is appended to as it is compiled.
 _ROWS_LOCK = threading.Lock()
+RECORDED_ONLY = False  # --recorded-only: report the recorded rows, compile nothing.
 RECORDED: dict[tuple[str, str, str], dict[str, Any]] = {}  # (part, chip, label) -> CSV row.
 
 
@@ -156,6 +157,9 @@ def evaluate(part: str, chip: str, case: cases.Case, *, need: bool) -> Row:
         # compiled again (run without --compiler-rows for that).
         row.message = "stale: recorded for an earlier version of the kernel"
         return row
+    if recorded is None and RECORDED_ONLY:
+        row.message = "not compiled: absent from --compiler-rows (--recorded-only)"
+        return row  # No kind: left out of every count.
     if recorded is not None:
         row.kind, row.message = recorded["kind"], str(recorded["message"])
         row.used, row.need = recorded["used"], recorded["need"]
@@ -358,6 +362,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv")
     p.add_argument("--compiler-rows")
+    p.add_argument("--recorded-only", action="store_true",
+                   help="with --compiler-rows: report only the recorded candidates (e.g. a "
+                        "stopped run's --rows-out), compiling nothing")
     p.add_argument("--rows-out", help="append each row to this CSV as it is compiled (the "
                                       "--csv format; a stopped run's rows can be reported "
                                       "with --compiler-rows)")
@@ -368,6 +375,8 @@ def main() -> None:
     STALE_GROUPS.update(a.stale_groups)
     if a.rows_out:
         ROWS_OUT.append(a.rows_out)
+    global RECORDED_ONLY
+    RECORDED_ONLY = a.recorded_only
     if a.compiler_rows:
         load_recorded(a.compiler_rows)
     if not _compile.libtpu_available():

@@ -96,7 +96,9 @@ def main() -> int:
         filled[key] = added
         print(f"{'same' if ok else 'DIFFERENT':9s} {key} {config}"
               f"{f' + defaults {added}' if added else ''} ({len(want)} chars)")
-    print(f"fingerprints: tuned on {old.fingerprint}, now {new.fingerprint}")
+    recorded_fps = sorted({str((e.get("provenance") or {}).get("kernel_fingerprint"))
+                           for e in data["entries"].values()})
+    print(f"fingerprints: the entries record {recorded_fps}, the kernel is now {new.fingerprint}")
     if not same or not a.restamp:
         return 0 if same else 1
     from pallas_tune import _kernel_hash
