@@ -107,6 +107,9 @@ def main() -> int:
     for key, entry in data["entries"].items():
         prov = dict(entry.get("provenance") or {})
         recorded, _ = _kernel_hash.recorded(prov)
+        # Defaults filled in by an earlier restamp stay recorded (the trials still lack them).
+        earlier = (prov.get("fingerprint_restamped") or {}).get("filled_defaults") or {}
+        filled[key] = {**earlier, **filled[key]}
         prov["fingerprint_restamped"] = {
             "from": recorded, "to": new.fingerprint, "rev": a.rev,
             "checked": "forward lowered for TPU v6e (StableHLO, no debug info) byte-identical "
@@ -117,7 +120,7 @@ def main() -> int:
         if filled[key]:
             prov["fingerprint_restamped"]["filled_defaults"] = filled[key]
             config.update({n: list(v) if isinstance(v, tuple) else v
-                           for n, v in filled[key].items()})
+                           for n, v in filled[key].items() if n not in config})
         entries[key] = {**entry, "config": config, "provenance": prov}
     from pallas_tune.cache import TuningCache
 
