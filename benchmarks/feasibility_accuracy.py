@@ -13,11 +13,18 @@ Mosaic and XLA:TPU compiler, no TPU attached). Three parts:
   needs. The model's error near the limit gives the "uncertain" band (model.BAND_*).
 ``heldout``: the same on kernels the model was not built from: JAX's own
   ``jax.experimental.pallas.ops.tpu.matmul`` and ``...ops.tpu.flash_attention``.
+``limits``: the model at declared scoped limits: matmul tiles to 2048 compiled with no
+  ``vmem_limit_bytes`` (v6e's default 32 MiB), 64 MiB and 100 MiB in the call's compiler params
+  (the shipped matmul's ``vmem_limit_bytes``; JAX's ops.tpu matmul, not fitted on, with the limit
+  added to its ``pltpu.CompilerParams``) on v6e, and at 100 MiB on 7x (64 MiB physical: capped).
+  The model reads the limit from the traced call. A candidate's need is the VMEM the compiler
+  allocated at whichever limit it compiled (the need does not depend on the limit).
 
 Targets: >= 99% agreement of the model (point estimate) with the compiler; 0 false passes (the
 two-stage filter lets through a candidate the compiler rejects).
 
-    python benchmarks/feasibility_accuracy.py [--parts rules calibration heldout] [--threads 2]
+    python benchmarks/feasibility_accuracy.py [--parts rules calibration heldout limits]
+        [--threads 2]
         [--csv rows.csv] [--compiler-rows earlier.csv [--stale-groups GROUP ...]]
 
 ``--compiler-rows``: take each candidate's compiler outcome (kind, VMEM used and needed) from an
@@ -39,6 +46,7 @@ import datetime
 import functools
 import os
 import sys
+import threading
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -91,6 +99,9 @@ class Row:
         return bool(self.rules) and all("in bounds" in p for p in self.rules)
 
 
+ROWS_OUT: list[str] = []  # --rows-out: a CSV each row is appended to as it is compiled.
+_ROWS_LOCK = threading.Lock()
+RECORDED_ONLY = False  # --recorded-only: report the recorded rows, compile nothing.
 RECORDED: dict[tuple[str, str, str], dict[str, Any]] = {}  # (part, chip, label) -> CSV row.
 
 
@@ -146,6 +157,9 @@ def evaluate(part: str, chip: str, case: cases.Case, *, need: bool) -> Row:
         # compiled again (run without --compiler-rows for that).
         row.message = "stale: recorded for an earlier version of the kernel"
         return row
+    if recorded is None and RECORDED_ONLY:
+        row.message = "not compiled: absent from --compiler-rows (--recorded-only)"
+        return row  # No kind: left out of every count.
     if recorded is not None:
         row.kind, row.message = recorded["kind"], str(recorded["message"])
         row.used, row.need = recorded["used"], recorded["need"]
@@ -162,6 +176,14 @@ def evaluate(part: str, chip: str, case: cases.Case, *, need: bool) -> Row:
     return row
 
 
+def fill_needs(rows: list[Row]) -> None:
+    """Limits part: a candidate's need is what the compiler allocated where it compiled (at
+    another limit, if not at this one); its kernel and tiles are the group's head and label."""
+    used = {(r.chip, r.group.split(" | ")[0], r.label): r.used for r in rows if r.compiles}
+    for r in rows:
+        r.need = used.get((r.chip, r.group.split(" | ")[0], r.label), r.need)
+
+
 def run_part(part: str, chips: list[str], threads: int) -> list[Row]:
     jobs = [(chip, c) for chip in chips for c in cases.CASES[part](chip)]
     print(f"[{part}] compiling {len(jobs)} candidates deviceless with {threads} threads ...",
@@ -169,14 +191,32 @@ def run_part(part: str, chips: list[str], threads: int) -> list[Row]:
     done = [0]
 
     def one(job: tuple[str, cases.Case]) -> Row:
-        row = evaluate(part, job[0], job[1], need=part != "rules")
+        row = _one(job)
+        if ROWS_OUT:  # Each row as it comes: a run stopped early keeps what it compiled.
+            import csv
+
+            with _ROWS_LOCK, open(ROWS_OUT[0], "a", newline="") as f:
+                fields = [fl.name for fl in dataclasses.fields(Row)]
+                w = csv.DictWriter(f, fieldnames=fields)
+                if f.tell() == 0:
+                    w.writeheader()
+                w.writerow(dataclasses.asdict(row))
+        return row
+
+    def _one(job: tuple[str, cases.Case]) -> Row:
+        # The raised-limit compile that measures a need applies only to calls that set no
+        # limit: the limits part takes its needs from its own compiles (fill_needs).
+        row = evaluate(part, job[0], job[1], need=part in ("calibration", "heldout"))
         done[0] += 1
-        if done[0] % 100 == 0:
+        if done[0] % 10 == 0:
             print(f"[{part}] {done[0]}/{len(jobs)}", file=sys.stderr, flush=True)
         return row
 
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(one, jobs))
+        rows = list(pool.map(one, jobs))
+    if part == "limits":
+        fill_needs(rows)
+    return rows
 
 
 def _pct(a: int, n: int) -> str:
@@ -318,15 +358,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["rules", "calibration", "heldout"],
-                   choices=["rules", "calibration", "heldout"])
+                   choices=["rules", "calibration", "heldout", "limits"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv")
     p.add_argument("--compiler-rows")
+    p.add_argument("--recorded-only", action="store_true",
+                   help="with --compiler-rows: report only the recorded candidates (e.g. a "
+                        "stopped run's --rows-out), compiling nothing")
+    p.add_argument("--rows-out", help="append each row to this CSV as it is compiled (the "
+                                      "--csv format; a stopped run's rows can be reported "
+                                      "with --compiler-rows)")
     p.add_argument("--stale-groups", nargs="*", default=[],
                    help="case groups whose kernel changed since --compiler-rows were recorded "
                         "(for recordings made before rows carried a program hash)")
     a = p.parse_args()
     STALE_GROUPS.update(a.stale_groups)
+    if a.rows_out:
+        ROWS_OUT.append(a.rows_out)
+    global RECORDED_ONLY
+    RECORDED_ONLY = a.recorded_only
     if a.compiler_rows:
         load_recorded(a.compiler_rows)
     if not _compile.libtpu_available():
@@ -347,7 +397,9 @@ def main() -> None:
         else:
             report_vmem({"calibration": "VMEM model on the kernels it was built from "
                                         "(calibration)",
-                         "heldout": "VMEM model on held-out upstream JAX kernels"}[part],
+                         "heldout": "VMEM model on held-out upstream JAX kernels",
+                         "limits": "VMEM model at declared vmem_limit_bytes (read from the "
+                                   "traced call, capped at physical VMEM)"}[part],
                         rows[part])
     if "calibration" in rows:
         band_report(rows["calibration"], rows.get("heldout", []))

@@ -2,18 +2,23 @@
 
 ``rules``: ragged shapes for the block rules. ``calibration``: pallas-tune's own kernels (what
 the VMEM model was built from). ``heldout``: JAX's upstream TPU matmul and flash attention.
+``limits``: matmul tiles under declared scoped VMEM limits (``vmem_limit_bytes`` in the call's
+compiler params): the shipped matmul, and JAX's ops.tpu matmul with the limit put into its
+``pltpu.CompilerParams``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as upstream_fa
 from jax.experimental.pallas.ops.tpu import matmul as upstream_mm
 
@@ -25,7 +30,7 @@ from pallas_tune.kernels.rms_norm import rms_norm
 S = jax.ShapeDtypeStruct
 SEM = ("parallel", "parallel", "arbitrary")
 CHIPS = {"rules": ["v5e", "v6e", "7x"], "calibration": ["v6e", "v5e", "7x"],
-         "heldout": ["v6e", "v5e"]}
+         "heldout": ["v6e", "v5e"], "limits": ["v6e", "7x"]}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,5 +163,71 @@ def heldout_cases(chip: str) -> list[Case]:
     return out
 
 
+# ---- limits: declared vmem_limit_bytes --------------------------------------------------------
+
+MiB = 2**20
+LIMITS = {"v6e": (0, 64 * MiB, 100 * MiB), "7x": (100 * MiB,)}  # 0: no limit (the default).
+
+
+class _LimitedTpu:
+    """``pltpu`` for an upstream module, with ``vmem_limit_bytes`` added to its CompilerParams."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pltpu, name)
+
+    def CompilerParams(self, **kw: Any) -> Any:  # noqa: N802 - pltpu's name.
+        return pltpu.CompilerParams(**kw, vmem_limit_bytes=self.limit or None)
+
+
+_PATCH = threading.Lock()
+
+
+def upstream_matmul_limited(x, y, *, bm, bn, bk, limit):
+    """JAX's ops.tpu matmul with ``vmem_limit_bytes=limit`` in its compiler params (while it is
+    traced, unjitted so that no cached trace skips the patch; a lock keeps threads from seeing
+    each other's limit)."""
+    fn = getattr(upstream_mm.matmul, "__wrapped__", upstream_mm.matmul)
+    with _PATCH:
+        saved, upstream_mm.pltpu = upstream_mm.pltpu, _LimitedTpu(limit)
+        try:
+            return fn(x, y, block_shape=(bm, bn), block_k=bk)
+        finally:
+            upstream_mm.pltpu = saved
+
+
+def _windows_mib(bm: int, bn: int, bk: int, buffering: int) -> float:
+    """bf16 input windows, output window (2 buffers) and f32 accumulator, in MiB."""
+    return (buffering * (bm * bk + bk * bn) * 2 + 2 * bm * bn * 2 + bm * bn * 4) / MiB
+
+
+def limit_cases(chip: str) -> list[Case]:
+    """Tiles to 2048 whose windows and accumulator take at least 20 MiB (smaller ones fit every
+    limit by far; deviceless compiles cost 10-20 s each on the shared host)."""
+    x = S((4096, 4096), jnp.bfloat16)
+    out = []
+    tiles = list(itertools.product((512, 1024, 2048), repeat=3))
+    if chip == "7x":  # 64 MiB physical: the 100 MiB limit is capped; the largest tiles only.
+        tiles = [t for t in tiles if t.count(2048) >= 2]
+    for limit in LIMITS[chip]:
+        at = f"limit {limit // MiB} MiB" if limit else "no limit (default)"
+        for (bm, bn, bk), buffering in itertools.product(tiles, (2, 1)):
+            if _windows_mib(bm, bn, bk, buffering) < 20:
+                continue
+            out.append(Case(group=f"matmul 4096^3 bf16 | {at}",
+                            label=f"{bm},{bn},{bk} buffering={buffering}", fn=matmul.fn,
+                            args=(x, x), kwargs=dict(bm=bm, bn=bn, bk=bk, buffering=buffering,
+                                                     semantics=SEM, vmem_limit_bytes=limit)))
+        for bm, bn, bk in (t for t in tiles if _windows_mib(*t, 2) >= 20):
+            out.append(Case(group=f"jax ops.tpu.matmul 4096^3 bf16 | {at}",
+                            label=f"block_shape=({bm}, {bn}) block_k={bk}",
+                            fn=upstream_matmul_limited, args=(x, x),
+                            kwargs=dict(bm=bm, bn=bn, bk=bk, limit=limit)))
+    return out
+
+
 CASES: dict[str, Callable[[str], list[Case]]] = {
-    "rules": rule_cases, "calibration": calibration_cases, "heldout": heldout_cases}
+    "rules": rule_cases, "calibration": calibration_cases, "heldout": heldout_cases,
+    "limits": limit_cases}

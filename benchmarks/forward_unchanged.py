@@ -8,7 +8,10 @@ gradient wrapper, and its bare function) and with the module at REV (loaded from
 module of its own), and compares the StableHLO text without debug information (source
 locations differ between the two files). Where every entry's program is byte-identical,
 ``--restamp`` rewrites those entries' recorded fingerprint to the current one and records in
-their provenance what was checked (``fingerprint_restamped``); nothing else changes.
+their provenance what was checked (``fingerprint_restamped``). A parameter the kernel declares
+now and the entries lack (a new tuning dimension, e.g. matmul's ``vmem_limit_bytes``) is lowered
+at its declared default, and ``--restamp`` adds it to their configs at that default (recorded
+as ``filled_defaults``); nothing else changes.
 
     python benchmarks/forward_unchanged.py --kernel flash_attention --rev 46edcf0 [--restamp]
 """
@@ -20,6 +23,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,10 +37,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
+def _git_show(rev: str, path: str) -> str:
+    return subprocess.run(["git", "-C", REPO, "show", f"{rev}:{path}"], check=True,
+                          capture_output=True, text=True).stdout
+
+
 def _old_module(kernel: str, rev: str):
-    source = subprocess.run(["git", "-C", REPO, "show", f"{rev}:kernels/{kernel}.py"],
-                            check=True, capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), f"old_{kernel}.py")
+    """The kernel module at REV, declared with its search-space files at REV too (a space that
+    gained a parameter since would not fit the old function)."""
+    source = _git_show(rev, f"kernels/{kernel}.py")
+    tmp = tempfile.mkdtemp()
+    for name in sorted(set(re.findall(r'space="(\w+)"', source))):
+        space_path = os.path.join(tmp, f"{name}.toml")
+        with open(space_path, "w") as f:
+            f.write(_git_show(rev, f"search_spaces/{name}.toml"))
+        source = source.replace(f'space="{name}"', f"space={space_path!r}")
+    path = os.path.join(tmp, f"old_{kernel}.py")
     with open(path, "w") as f:
         f.write(source)
     spec = importlib.util.spec_from_file_location(f"old_{kernel}", path)
@@ -66,16 +82,23 @@ def main() -> int:
                           root=os.path.join(REPO, "caches"))
     data = json.load(open(path))
     same = True
+    default = dict(new.space.default or {})
+    filled: dict[str, dict] = {}
     for key, entry in data["entries"].items():
         args, kwargs = build_call(new, key)
         config = entry["config"]
+        added = {n: default[n] for n in new.space.names if n not in config and n in default}
+        now = {**config, **added}
         want = _lowered(old.fn, args, kwargs, config)
-        bare, wrapped = (_lowered(new.fn, args, kwargs, config),
-                         _lowered(new, args, kwargs, config))
+        bare, wrapped = (_lowered(new.fn, args, kwargs, now), _lowered(new, args, kwargs, now))
         ok = want == bare == wrapped
         same &= ok
-        print(f"{'same' if ok else 'DIFFERENT':9s} {key} {config} ({len(want)} chars)")
-    print(f"fingerprints: tuned on {old.fingerprint}, now {new.fingerprint}")
+        filled[key] = added
+        print(f"{'same' if ok else 'DIFFERENT':9s} {key} {config}"
+              f"{f' + defaults {added}' if added else ''} ({len(want)} chars)")
+    recorded_fps = sorted({str((e.get("provenance") or {}).get("kernel_fingerprint"))
+                           for e in data["entries"].values()})
+    print(f"fingerprints: the entries record {recorded_fps}, the kernel is now {new.fingerprint}")
     if not same or not a.restamp:
         return 0 if same else 1
     from pallas_tune import _kernel_hash
@@ -84,13 +107,21 @@ def main() -> int:
     for key, entry in data["entries"].items():
         prov = dict(entry.get("provenance") or {})
         recorded, _ = _kernel_hash.recorded(prov)
+        # Defaults filled in by an earlier restamp stay recorded (the trials still lack them).
+        earlier = (prov.get("fingerprint_restamped") or {}).get("filled_defaults") or {}
+        filled[key] = {**earlier, **filled[key]}
         prov["fingerprint_restamped"] = {
             "from": recorded, "to": new.fingerprint, "rev": a.rev,
             "checked": "forward lowered for TPU v6e (StableHLO, no debug info) byte-identical "
                        "to the tuned code's at this entry's shape and config: "
                        "benchmarks/forward_unchanged.py"}
         prov[_kernel_hash.FIELD] = new.fingerprint
-        entries[key] = {**entry, "provenance": prov}
+        config = dict(entry["config"])
+        if filled[key]:
+            prov["fingerprint_restamped"]["filled_defaults"] = filled[key]
+            config.update({n: list(v) if isinstance(v, tuple) else v
+                           for n, v in filled[key].items() if n not in config})
+        entries[key] = {**entry, "config": config, "provenance": prov}
     from pallas_tune.cache import TuningCache
 
     TuningCache(os.path.join(REPO, "caches"), use_shipped=False).write_many(

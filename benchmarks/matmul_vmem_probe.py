@@ -1,7 +1,8 @@
 """Would a ``vmem_limit_bytes`` in kernels/matmul.py unlock faster 2048-row tiles? (v6e)
 
-The shipped matmul sets no ``vmem_limit_bytes``, so its blocks live in the chip's default scoped
-VMEM (32 MiB on v6e) and most 2048-row tiles are infeasible (model_sweeps.txt, 2026-11-25). This
+When this probe ran, the shipped matmul set no ``vmem_limit_bytes``, so its blocks lived in the
+chip's default scoped VMEM (32 MiB on v6e) and most 2048-row tiles were infeasible
+(model_sweeps.txt, 2026-11-25); it now tunes ``vmem_limit_bytes`` (0, 64 MiB, 100 MiB). This
 compiles the same kernel body with a 100 MiB limit at the two Llama-3 2048-token shapes where
 XLA's matmul beats the tuned one, and prints the static estimate of each tiling. Every figure is
 a COMPILER ESTIMATE on a CPU host (deviceless libtpu), not a measurement.

@@ -36,11 +36,15 @@ def matmul(
     bk: int,
     buffering: int,
     semantics: tuple[str, str, str],
+    vmem_limit_bytes: int = 0,
 ) -> jax.Array:
     """``x @ y`` for x (M, K) and y (K, N) of one dtype (float32 or bfloat16) → (M, N).
 
     Tiled (bm, bk) × (bk, bn); any M, K, N. Block sizes larger than a dimension are clamped to
     it (a full dimension always meets the TPU block rule), so small problems run with any config.
+    ``vmem_limit_bytes`` is the scoped VMEM the kernel may use (``pltpu.CompilerParams``); 0
+    leaves the chip's default (32 MiB on v6e), and the program is then the one the kernel
+    compiled to before the limit was tunable. Large tiles (2048 rows) need a raised limit.
 
     Raises:
       ValueError: x or y is not 2-D, the inner dimensions differ, or the dtypes are not one of
@@ -64,7 +68,8 @@ def matmul(
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
         scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=tuple(semantics)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=tuple(semantics),
+                                             vmem_limit_bytes=vmem_limit_bytes or None),
         name=f"matmul_{bm}x{bn}x{bk}",
     )(x, y)
 

@@ -38,7 +38,7 @@ def test_matches_reference(dtype, m, k, n, bm, bn, bk, buffering):
 def test_bad_input_is_a_clear_error(x, y, match):
     with pytest.raises(ValueError, match=match):
         matmul(x, y, bm=128, bn=128, bk=128, buffering=2,
-               semantics=("parallel", "parallel", "arbitrary"))
+               semantics=("parallel", "parallel", "arbitrary"), vmem_limit_bytes=0)
 
 
 def test_every_rule_abiding_config_lowers_for_tpu():

@@ -12,7 +12,11 @@ finds its ``pallas_call``\\ s and adds up, per kernel,
   the copies an unrolled loop keeps), or, for dots accumulated straight into a ref, a share of
   the f32 result when the contraction is long (calibrated on matmul compiles).
 
-against the kernel's ``vmem_limit_bytes`` or the chip's default scoped limit.
+against the limit the traced call sets (``vmem_limit_bytes`` in its ``pltpu.CompilerParams``),
+capped at the chip's usable physical VMEM (a larger limit cannot give more: the compiler then runs
+out of physical VMEM), or, where the call sets none, the chip's default scoped limit. A kernel
+makes the limit a tuning dimension by declaring it as a tunable keyword passed to its compiler
+params (kernels/matmul.py: ``vmem_limit_bytes``, 0 for the default).
 
 The point estimate is off by a measured amount: on the calibration kernels (pallas-tune's own
 matmul, flash attention and RMS norm, deviceless compiles for v5e/v6e/7x with the scoped limit
@@ -83,7 +87,10 @@ class KernelVmem:
     smem_bytes: int
     temp_bytes: int  # Point estimate of compiler temporaries.
     temp_max_bytes: int  # Upper bound: every large dot result spills.
-    limit_bytes: int
+    limit_bytes: int  # What the need is checked against: the requested limit, capped.
+    # The call's vmem_limit_bytes, or the chip's default scoped limit where it sets none. Above
+    # the usable physical VMEM it is capped (limit_bytes): the compiler's failure is physical.
+    requested_limit_bytes: int
     vreg_pressure: float  # Largest in-kernel value / vector register file (> 1: spills likely).
 
     @property
@@ -112,7 +119,9 @@ class Verdict:
     status: str
     reason: str
     vmem_bytes: int  # Model estimate (max over the kernels), or the compiler's figure.
-    limit_bytes: int  # The limit it was checked against (the kernel's, else the chip default).
+    # The limit it was checked against: the kernel's vmem_limit_bytes capped at the usable
+    # physical VMEM, else the chip's default scoped limit.
+    limit_bytes: int
     stage: str  # "model" or "compiler".
     detail: str = ""  # Failure kind: vmem_scoped_oom, vmem_physical_oom, smem_oom, block_rule...
     vreg_pressure: float = 0.0
@@ -204,10 +213,12 @@ def model_calls(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec) -> lis
         if call.largest_value is not None:
             shape, dtype = call.largest_value
             largest = _padded_bytes(shape, 32, spec)
-        limit = call.vmem_limit_bytes or spec.scoped_vmem_default_bytes
+        requested = int(call.vmem_limit_bytes or spec.scoped_vmem_default_bytes)
+        limit = min(requested, spec.vmem_usable_bytes) if spec.vmem_usable_bytes else requested
         out.append(KernelVmem(
             name=call.name, windows_bytes=windows, scratch_bytes=scratch, smem_bytes=smem,
-            temp_bytes=temp, temp_max_bytes=max(temp, temp_max), limit_bytes=int(limit),
+            temp_bytes=temp, temp_max_bytes=max(temp, temp_max), limit_bytes=limit,
+            requested_limit_bytes=requested,
             vreg_pressure=largest / spec.vreg_file_bytes if spec.vreg_file_bytes else 0.0))
     return out
 
@@ -297,7 +308,10 @@ def model_verdict(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec, *,
             return Verdict(ok=False, status="infeasible", detail=_compile.SMEM,
                            reason=f"{m.name}: SMEM {_mib(m.smem_bytes)} > {_mib(spec.smem_bytes)}",
                            **common)
-        if m.limit_bytes > spec.vmem_usable_bytes and m.low_bytes > spec.vmem_usable_bytes:
+        # A limit at or above the usable physical VMEM is capped there: a need above it is the
+        # compiler's physical OOM, not a scoped one.
+        physical = m.requested_limit_bytes >= spec.vmem_usable_bytes > 0
+        if physical and m.low_bytes > spec.vmem_usable_bytes:
             return Verdict(ok=False, status="infeasible", detail=_compile.VMEM_PHYSICAL,
                            reason=f"{m.name}: windows+scratch {_mib(m.low_bytes)} exceed the "
                                   f"physical VMEM {_mib(spec.vmem_usable_bytes)}", **common)
@@ -306,9 +320,12 @@ def model_verdict(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec, *,
             what = ("windows+scratch " + _mib(m.low_bytes) if low_need <= m.limit_bytes
                     else f"estimate {_mib(m.estimate_bytes)} (at least {_mib(low_need)} with "
                          f"the model's measured error)")
-            return Verdict(ok=False, status="infeasible", detail=_compile.VMEM_SCOPED,
-                           reason=f"{m.name}: {what} exceeds the scoped VMEM limit "
-                                  f"{_mib(m.limit_bytes)}", **common)
+            where = (f"the physical VMEM {_mib(m.limit_bytes)} (vmem_limit_bytes "
+                     f"{_mib(m.requested_limit_bytes)})" if physical
+                     else f"the scoped VMEM limit {_mib(m.limit_bytes)}")
+            return Verdict(ok=False, status="infeasible",
+                           detail=_compile.VMEM_PHYSICAL if physical else _compile.VMEM_SCOPED,
+                           reason=f"{m.name}: {what} exceeds {where}", **common)
     if vreg_limit is not None and pressure > vreg_limit:
         return Verdict(ok=False, status="infeasible", detail="vreg_pressure",
                        reason=f"largest in-kernel value is {pressure:.1f} vreg files "
