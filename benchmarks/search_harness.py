@@ -156,13 +156,40 @@ def split_labels(text: str) -> list[str]:
 PRIOR = "+prior"
 
 
+# The v6e estimate landscapes (benchmarks/landscapes): their prior is the shipped estimate
+# ledger's trials of the same kernel at the other shapes (the landscape's own shape left out).
+ESTIMATE_PRIORS = {
+    "matmul_2048_bf16_v6e_estimate": (
+        "pallas_tune.kernels.matmul.matmul", "x=2048x2048:bfloat16,y=2048x2048:bfloat16"),
+    "flash_attention_llama8b_s2048_causal_v6e_estimate": (
+        "pallas_tune.kernels.flash_attention.flash_attention",
+        "q=1x32x2048x128:bfloat16,k=1x8x2048x128:bfloat16,v=1x8x2048x128:bfloat16,causal=true"),
+}
+
+
 @functools.lru_cache(maxsize=4)
 def lodo_prior(path: str) -> Any:
-    """Leave-one-device-out: the other devices' landscapes of the same kernel (the files beside
-    ``path``), as a prior for replaying ``path``; None where there are none."""
+    """The prior for replaying ``path`` with ``+prior``: for a GPU landscape, the other
+    devices' landscapes of the same kernel (the files beside it with the same parameters:
+    leave-one-device-out); for a v6e estimate landscape, the shipped ledger's trials of its
+    kernel at other shapes. None where there are none."""
+    land = load(path)
+    name = os.path.basename(path).removesuffix(".gz").removesuffix(".json")
+    if name in ESTIMATE_PRIORS:
+        from pallas_tune.cache import ledger
+
+        stem, own_key = ESTIMATE_PRIORS[name]
+        records, _ = ledger.read(os.path.join(os.path.dirname(HERE), "caches", "tpu_v6e",
+                                              f"{stem}.estimate.trials.jsonl"))
+        latest = {r["key"]: r["trials"] for r in records if r.get("key") != own_key}
+        tasks = [[(t["config"], t["median_ms"]) for t in trials if t.get("outcome") == "ok"]
+                 for trials in latest.values()]
+        prior = replay.make_prior(land, tasks)
+        return prior if prior else None
     others = sorted(q for q in glob.glob(os.path.join(os.path.dirname(path), "*.json*"))
-                    if os.path.abspath(q) != os.path.abspath(path))
-    return replay.make_prior(load(path), others) if others else None
+                    if os.path.abspath(q) != os.path.abspath(path)
+                    and load(q).keys == land.keys)
+    return replay.make_prior(land, others) if others else None
 
 
 def strategy_for(label: str) -> Any:
