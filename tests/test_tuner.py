@@ -204,8 +204,9 @@ def test_optuna_sees_real_values_and_keeps_its_logging(cache_dir, fresh):
 
     codec = ParamCodec(matmul.space)
     sem = ("parallel", "parallel", "arbitrary")
-    cfg = dict(bm=512, bn=256, bk=128, buffering=1, semantics=sem)
-    assert codec.encode(cfg) == {"bm": 512, "bn": 256, "bk": 128, "buffering": 1}
+    cfg = dict(vmem_limit_bytes=0, bm=512, bn=256, bk=128, buffering=1, semantics=sem)
+    assert codec.encode(cfg) == {"vmem_limit_bytes": 0, "bm": 512, "bn": 256, "bk": 128,
+                                 "buffering": 1}
     assert codec.decode(codec.encode(cfg)) == cfg  # semantics: a single choice, not a param.
     two = pt.SearchSpace.from_choices({"sem": [sem, ("arbitrary",) * 3], "n": [None, 1]})
     enc = ParamCodec(two)
