@@ -206,16 +206,23 @@ def _short(key: str) -> str:
     return ", ".join(parts)
 
 
+def table(columns, rows, cells) -> list[str]:
+    """A markdown table: the header of ``columns``, then ``cells(row)`` for each row."""
+    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in rows])
+
+
+def config_cell(r) -> str:
+    return ", ".join(f"{k}={v}" for k, v in r["config"].items()) if r["config"] else "—"
+
+
 def render(rows, header: str) -> str:
-    lines = [header, "",
-             "| kernel | shape (cache key) | XLA ms | upstream default ms | tuned ms | XLA/tuned |"
-             " upstream/tuned | roofline (tuned) | bound | seeds' speedup | tuned config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items()) if r["config"] else "—"
-        lines.append(f"| {r['kernel']} | {_short(r['shape'])} | {r['xla']} | {r['upstream']} | "
-                     f"{r['tuned']} | {r['xla_ratio']} | {r['up_ratio']} | {r['roofline']} | "
-                     f"{r['bound']} | {r['seed']} | {cfg} |")
+    lines = [header, ""] + table(
+        ["kernel", "shape (cache key)", "XLA ms", "upstream default ms", "tuned ms", "XLA/tuned",
+         "upstream/tuned", "roofline (tuned)", "bound", "seeds' speedup", "tuned config"], rows,
+        lambda r: [r["kernel"], _short(r["shape"]), r["xla"], r["upstream"], r["tuned"],
+                   r["xla_ratio"], r["up_ratio"], r["roofline"], r["bound"], r["seed"],
+                   config_cell(r)])
     lines += ["", "Upstream default per kernel:"]
     for name, label in dict((r["kernel"], r["upstream_label"]) for r in rows).items():
         lines.append(f"- {name}: {label}")

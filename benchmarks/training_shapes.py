@@ -128,16 +128,13 @@ def backward_row(est, name, kernel, args, kwargs, clock, skip_xla=False):
 
 
 def render(rows, header: str) -> str:
-    lines = [header, "",
-             "| kernel | pass | shape (forward's cache key) | XLA ms | upstream default ms | "
-             "tuned ms | XLA/tuned | upstream/tuned | roofline (tuned) | bound | against XLA | "
-             "tuned config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items()) if r["config"] else "—"
-        lines.append(f"| {r['kernel']} | {r['pass']} | {ms._short(r['shape'])} | {r['xla']} | "
-                     f"{r['upstream']} | {r['tuned']} | {r['xla_ratio']} | {r['up_ratio']} | "
-                     f"{r['roofline']} | {r['bound']} | {standing(r)} | {cfg} |")
+    lines = [header, ""] + ms.table(
+        ["kernel", "pass", "shape (forward's cache key)", "XLA ms", "upstream default ms",
+         "tuned ms", "XLA/tuned", "upstream/tuned", "roofline (tuned)", "bound", "against XLA",
+         "tuned config"], rows,
+        lambda r: [r["kernel"], r["pass"], ms._short(r["shape"]), r["xla"], r["upstream"],
+                   r["tuned"], r["xla_ratio"], r["up_ratio"], r["roofline"], r["bound"],
+                   standing(r), ms.config_cell(r)])
     lines += ["", "Upstream default per kernel and pass:"]
     for (name, p), label in dict(((r["kernel"], r["pass"]), r["upstream_label"])
                                  for r in rows).items():
