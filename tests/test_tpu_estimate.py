@@ -162,7 +162,7 @@ def test_estimate_sweeps_warm_start_from_neighbours_and_the_roofline(cache_dir, 
     monkeypatch.setattr(store, "_DEFAULT", store.TuningCache(str(cache_dir), use_shipped=False))
     x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     nx, ny = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1024, 1536), (1536, 1024)))
-    winner = dict(bm=512, bn=256, bk=1024, buffering=2, semantics=SEM)
+    winner = dict(vmem_limit_bytes=0, bm=512, bn=256, bk=1024, buffering=2, semantics=SEM)
     matmul.cache.write("tpu_v6e", matmul.name, matmul.cache_key(nx, ny),
                        {"config": winner, "median_ms": 0.01})
     res = matmul.tune(x, x, trials=3, timer="tpu-estimate", chip="v6e", write=False, workers=1)
