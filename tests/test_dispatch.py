@@ -167,7 +167,7 @@ def test_tpu_lowering_identical_to_hand_written_call(cache_dir, fresh):
     from pallas_tune.kernels.matmul import matmul
 
     x = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
-    cfg = {"bm": 256, "bn": 512, "bk": 128, "buffering": 2,
+    cfg = {"vmem_limit_bytes": 0, "bm": 256, "bn": 512, "bk": 128, "buffering": 2,
            "semantics": ("parallel", "parallel", "arbitrary")}
     _seed_cache(matmul, matmul.cache_key(x, x), cfg, chip="tpu_v6e")
     matmul._memo.clear()

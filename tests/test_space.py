@@ -72,7 +72,7 @@ def test_config_is_hashable_mapping_with_source():
 def test_shipped_space_file_loads():
     loaded = load_space("matmul")
     space = loaded["space"]
-    assert space.names == ("bm", "bn", "bk", "buffering", "semantics")
+    assert space.names == ("vmem_limit_bytes", "bm", "bn", "bk", "buffering", "semantics")
     assert space.default["semantics"] == ("parallel", "parallel", "arbitrary")
     assert loaded["kernel"] == "pallas_tune.kernels.matmul:matmul"
     assert loaded["shapes"]
