@@ -113,3 +113,29 @@ def test_replay_prior_is_for_the_default_strategy_only():
         replay.run(land, "random", budget=5, prior=_neighbour_trials())
     with pytest.raises(TypeError, match="list"):
         replay.run(land, "default", budget=5, prior=LANDSCAPE)
+
+
+def test_ledger_trials_from_before_a_parameter_was_declared_take_its_default(tmp_path):
+    """A trial recorded before the kernel declared a parameter (matmul's vmem_limit_bytes)
+    ran as that parameter's default: it informs the prior as such, not dropped."""
+    from pallas_tune.cache.store import TuningCache
+    from pallas_tune.tuning.transfer import prior_for
+
+    class Kernel:
+        name = "pkg.mod.kern"
+        cache = TuningCache(str(tmp_path), use_shipped=False)
+
+    path = Kernel.cache.ledger_path("tpu_v6e", Kernel.name, kind="estimate")
+    os.makedirs(os.path.dirname(path))
+    trials = [{"config": {"bm": bm}, "outcome": "ok", "median_ms": 1.0 / bm}
+              for bm in (128, 256, 512, 1024)]
+    ledger.append(path, [{"key": "x=512x512:bfloat16", "trials": trials},
+                         {"key": "x=64x64:bfloat16", "trials": trials[:2]}])  # Too few: dropped.
+    prior, record = prior_for(Kernel, "v6e", "x=1024x1024:bfloat16", ["limit", "bm"],
+                              kind="estimate", defaults={"limit": 0, "bm": 128})
+    assert record == {"tasks": ["tpu_v6e:x=512x512:bfloat16"], "trials": 4}
+    s = prior.scores([(0, 128), (0, 1024), (64, 1024)], [[0, 64], [128, 256, 512, 1024]])
+    assert s[0][1] < s[0][0]  # bm=1024 ran fastest at the neighbour.
+    none, rec = prior_for(Kernel, "v6e", "x=1024x1024:bfloat16", ["limit", "bm"],
+                          kind="estimate")
+    assert none is None and rec == {}  # Without the default, no trial names `limit`.

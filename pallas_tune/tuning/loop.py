@@ -240,7 +240,8 @@ def _prior(kernel: Any, space: Any, chip: str, plan: Any, options: TuneOptions,
     from pallas_tune.tuning.transfer import prior_for
 
     names = [p.name for p in space.params if len(p.choices) > 1]
-    prior, record = prior_for(kernel, chip, plan.key, names, kind=plan.kind)
+    prior, record = prior_for(kernel, chip, plan.key, names, kind=plan.kind,
+                              defaults=space.default)
     if prior is not None:
         extra["prior"] = record
     return prior

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["PRIOR_TASKS", "prior_for"]
@@ -22,11 +22,12 @@ __all__ = ["PRIOR_TASKS", "prior_for"]
 PRIOR_TASKS = 8
 
 
-def prior_for(kernel: Any, chip: str, key: str, names: Sequence[str], *, kind: str
-              ) -> tuple[Any, dict[str, Any]]:
+def prior_for(kernel: Any, chip: str, key: str, names: Sequence[str], *, kind: str,
+              defaults: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """A :class:`~pallas_tune.search.prior.Prior` over the parameters ``names`` from the
     kernel's ledgers (None where nothing was measured elsewhere), and its provenance record:
-    ``{"tasks": ["chip:key", ...], "trials": n}``."""
+    ``{"tasks": ["chip:key", ...], "trials": n}``. ``defaults``: values for parameters a
+    trial does not name (declared since it ran: it ran as their default, as a restamp says)."""
     from pallas_tune import keys
     from pallas_tune.cache import ledger
     from pallas_tune.chips import normalize_chip
@@ -49,7 +50,8 @@ def prior_for(kernel: Any, chip: str, key: str, names: Sequence[str], *, kind: s
     ranked = sorted(runs, key=lambda ck: (ck[0] != here, keys.key_distance(key, ck[1]), ck))
     tasks, labels = [], []
     for other_chip, k in ranked:
-        task = [(t["config"], float(t["median_ms"])) for t in runs[(other_chip, k)]
+        task = [({**(defaults or {}), **t["config"]}, float(t["median_ms"]))
+                for t in runs[(other_chip, k)]
                 if isinstance(t, dict) and t.get("outcome") == "ok"
                 and isinstance(t.get("config"), dict) and _finite(t.get("median_ms"))]
         if len(task) >= 3:
