@@ -363,3 +363,33 @@ def test_training_step_lowers_for_tpu():
     with pt.target("v6e"):
         text = jax.jit(f).trace(x, w, n).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") >= 5  # rms_norm, matmul; matmul_bwd x2, rms_norm_bwd
+
+
+def test_a_backward_whose_entry_says_xla_runs_xla_gradient(cache_dir, tmp_path, monkeypatch):
+    """A backward kernel declares XLA's gradient as a candidate (fallback = "reference" in its
+    space file, issue 28 for training): where its cache entry chose it, jax.grad through the
+    forward runs jax.vjp of the reference, the receipt says so, and the gradient is right."""
+    import json
+
+    from pallas_tune.kernels.matmul import matmul, matmul_reference
+    from pallas_tune.kernels.matmul_bwd import matmul_bwd
+
+    assert matmul_bwd.fallback == "reference"
+    x = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
+    y = jax.random.normal(jax.random.key(1), (128, 256), jnp.float32)
+    g = jnp.ones((256, 256), jnp.float32)
+    key = matmul_bwd.cache_key(x, y, g)
+    matmul_bwd.cache.write("cpu", matmul_bwd.name, key,
+                           {"config": dict(matmul_bwd.space.default), "median_ms": 2.0,
+                            "implementation": "xla", "xla_ms": 1.0})
+    matmul_bwd._memo.clear()
+    receipts = tmp_path / "ran.jsonl"
+    monkeypatch.setenv("PALLAS_TUNE_RECEIPTS", str(receipts))
+    cfg = dict(matmul.space.default)
+    got = jax.grad(lambda a, b: matmul(a, b, **cfg).sum(), argnums=(0, 1))(x, y)
+    want = jax.grad(lambda a, b: matmul_reference(a, b).sum(), argnums=(0, 1))(x, y)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+    ran = [json.loads(line) for line in receipts.read_text().splitlines()]
+    assert any(r["kernel"] == matmul_bwd.name and r["implementation"] == "xla" for r in ran), ran
+    matmul_bwd._memo.clear()
