@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pallas_tune.config import _freeze
 from pallas_tune.search.model import GP, encode_features
 
 __all__ = ["Prior", "Task"]
@@ -150,7 +151,3 @@ class Prior:
         for lo in range(0, len(x_all), 4096):  # Bounded memory on spaces of 10^5 configs.
             out[lo:lo + 4096] = gp.predict(x_all[lo:lo + 4096])[0]
         return out
-
-
-def _freeze(v: Any) -> Any:
-    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
