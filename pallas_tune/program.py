@@ -121,6 +121,10 @@ class AutotuneResult:
         return (f"AutotuneResult({len(self.calls)} calls: {tuned} tuned, "
                 f"{len(self.calls) - tuned} from the cache; {xla} run XLA)")
 
+    def get(self, chip: str, kernel: str, key: str) -> TunedCall | None:
+        """The call of ``kernel`` (its name) at ``key`` on ``chip``, if the result has it."""
+        return self._by.get((chip, kernel, key))
+
     # ---- applying ----------------------------------------------------------------------------
 
     def __enter__(self) -> AutotuneResult:
@@ -206,7 +210,7 @@ def _forget_traces() -> None:
     jax.clear_caches()
 
 
-def autotune(fn: Callable[..., Any], *args: Any, step_time: bool = False,
+def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
              options: Any = None, **kwargs: Any) -> AutotuneResult:
     """Tunes every tunable call of ``fn(*args, **kwargs)`` that has no cache entry.
 
@@ -215,16 +219,25 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool = False,
     stores them); the rest go to ``fn``. ``step_time``: also time the whole program (jitted)
     with the default configs, the tuned ones and XLA for every kernel with a reference; with
     ``timer="tpu-estimate"``, the whole step compiled deviceless for the chip and every op's
-    static estimate summed instead (:func:`pallas_tune.step.estimates`). Under that timer the
+    static estimate summed instead (:func:`pallas_tune.step.estimates`), or, with
+    ``step_time="composed"``, the step's glue estimated whole and each call alone, for steps
+    too large to compile whole on the host (:func:`pallas_tune.step.composed`). Under that timer the
     calls are looked up in, and tuned for, the target chip's cache (``chip=``).
     """
     from pallas_tune.tuning import TuneOptions
 
+    if step_time not in (False, True, "composed"):
+        raise ValueError(f"step_time={step_time!r}: use True (the whole step), \"composed\" "
+                         "(tpu-estimate only: glue + each call) or False.")
     if options is None:
         given = {k: kwargs.pop(k) for k in TuneOptions.names() if k in kwargs}
         given.setdefault("write", False)
         options = TuneOptions.build(**given)
     estimating = options.timer == "tpu-estimate"
+    if step_time == "composed" and not estimating:
+        raise ValueError("step_time=\"composed\" adds compiler estimates of the glue and of "
+                         "each call: it needs timer=\"tpu-estimate\"; on a device, use "
+                         "step_time=True (the whole step, measured).")
     # Estimates fill the target chip's cache: its entries are looked up, not this host's.
     with chips.target(options.chip) if estimating and options.chip else _nothing():
         found = [(call, _cached(call)) for call in find_calls(fn, *args, **kwargs)]
@@ -244,7 +257,8 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool = False,
     out = AutotuneResult(calls, results=results)
     if step_time and estimating:
         chip = options.chip or (calls[0].chip if calls else "v6e")
-        out.step_ms, out.step_timer, out.step_detail = step.estimates(
+        how = step.composed if step_time == "composed" else step.estimates
+        out.step_ms, out.step_timer, out.step_detail = how(
             fn, args, kwargs, out, chip, workers=min(options.workers, 3))
     elif step_time:
         out.step_ms, out.step_timer = step.wall_clock(fn, args, kwargs, out)

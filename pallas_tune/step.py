@@ -27,7 +27,7 @@ from pallas_tune import chips
 from pallas_tune.config import Config
 from pallas_tune.tunable import resolution_hook
 
-__all__ = ["estimates", "settings", "wall_clock"]
+__all__ = ["composed", "estimates", "settings", "wall_clock"]
 
 SETTINGS = ("default", "tuned", "xla")
 
@@ -151,3 +151,104 @@ def estimates(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, 
              f"estimate summed, at {spec.clock_hz / 1e9:g} GHz), not a measurement"
              + (f"; partial (a lower bound) for {', '.join(partial)}" if partial else ""))
     return out, timer, detail
+
+
+def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+             result: Any, chip: str, *, workers: int = 1, only: Sequence[str] = SETTINGS,
+             memory_limit_bytes: int | None = -1
+             ) -> tuple[dict[str, float], str, dict[str, Any]]:
+    """The step's compiler estimate (ms) per setting, composed for steps too large to compile
+    whole on this host (:mod:`pallas_tune.glue`): the glue (every tunable call stubbed)
+    compiled whole, then, per setting and distinct call, the glue with that call's kernel (or
+    XLA) put back. A call's figure is what putting it back adds to the glue's estimate, in the
+    program's own layouts and memory placement; the step's figure is the glue's plus every
+    call's. Calls a call's real form makes disappear (the backward kernel of a forward that
+    runs XLA: XLA's autodiff replaces it) are counted in it, not again. Each compile holds one
+    call's kernel, not all of them. Returns the figures, the timer's label and the detail (the
+    glue's and each call's cycles per setting); a setting missing a figure has none, with the
+    compile's error. Interactions between two calls (XLA fusing one into the next, a buffer
+    kept in VMEM between them) are not modelled."""
+    import warnings
+
+    from pallas_tune import glue
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.errors import PallasTuneWarning
+    from pallas_tune.feasibility.inspect import array_function
+    from pallas_tune.measure.estimate import Estimator, cycles_to_ms
+
+    import jax
+
+    spec = chip_spec(chip)
+    flat_fn, arrays = array_function(fn, args, kwargs)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+
+    def variant(name: str | None, real: tuple[str, str] | None) -> tuple[Any, list[Any]]:
+        with chips.target(chip, abstract_mesh=True), warnings.catch_warnings():
+            warnings.simplefilter("ignore", PallasTuneWarning)  # Misses: the settings decide.
+            with settings(result)[name] if name else _null():
+                met, stubs = glue.record(flat_fn, specs, real)
+            try:  # _export clears JAX's trace caches first; nothing stubbed stays there.
+                blob, g_specs, loops = _export(glue.glue_function(flat_fn, real), specs, {},
+                                               chip, settings(result)[name] if name else _null())
+            finally:
+                jax.clear_caches()
+        return (blob, g_specs, loops, stubs), met
+
+    (base, calls) = variant(None, None)
+    with Estimator(workers, memory_limit_bytes=memory_limit_bytes) as est:
+        def estimate(job: Any) -> Any:  # The stubs are the ops without an estimate expected.
+            blob, g_specs, _, stubs = job
+            r = est.map(call_exported, g_specs, {}, [{"exported": blob}], spec.name,
+                        standin=False)[0]
+            return dataclasses.replace(r, ops_without_estimate=max(
+                0, r.ops_without_estimate - stubs)) if r.ok else r
+
+        glue_reply = estimate(base)
+        if not glue_reply.ok or glue_reply.cycles is None:
+            return {}, "", {"glue": {"error": (glue_reply.message or glue_reply.kind)[:500]}}
+        detail: dict[str, Any] = {"glue": _figure(glue_reply, base[2], spec.clock_hz),
+                                  "calls": [{"kernel": c.kernel.name, "key": c.key,
+                                             "count": c.count} for c in calls]}
+        out: dict[str, float] = {}
+        for name in only:
+            total, partial, absorbed, per = glue_reply.cycles, bool(
+                glue_reply.ops_without_estimate or base[2]), set(), []
+            for c in calls:
+                if (c.kernel.name, c.key) in absorbed:
+                    per.append({"absorbed": True})
+                    continue
+                job, met = variant(name, (c.kernel.name, c.key))
+                absorbed |= ({(x.kernel.name, x.key) for x in calls}
+                             - {(x.kernel.name, x.key) for x in met})
+                r = estimate(job)
+                if not r.ok or r.cycles is None:
+                    per.append({"error": (r.message or r.kind)[:300]})
+                    total = None
+                    continue
+                per.append(_figure(r, job[2], spec.clock_hz, minus=glue_reply.cycles))
+                partial = partial or per[-1]["partial"]
+                if total is not None:
+                    total += r.cycles - glue_reply.cycles
+            detail[name] = {"partial": partial, "calls": per}
+            if total is not None:
+                out[name] = cycles_to_ms(total, spec.clock_hz)
+    timer = (f"tpu-estimate, composed: {spec.name} compiler ESTIMATES (static profiles of "
+             "deviceless compiles, every op summed) of the step's glue, plus what each tunable "
+             "call adds to it, compiled one call at a time, at "
+             f"{spec.clock_hz / 1e9:g} GHz; not a measurement")
+    return out, timer, detail
+
+
+def _null() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _figure(r: Any, loops: int, clock_hz: float, minus: int = 0) -> dict[str, Any]:
+    from pallas_tune.measure.estimate import cycles_to_ms
+
+    return {"ms": cycles_to_ms(r.cycles - minus, clock_hz), "cycles": r.cycles - minus,
+            "ops_without_estimate": r.ops_without_estimate, "dynamic_loops": loops,
+            "partial": bool(r.ops_without_estimate or loops),
+            "compile_s": round(r.compile_s, 2)}

@@ -134,8 +134,10 @@ class TunableKernel:
             config = self._resolve(args, kwargs)
             if explicit:
                 config = {**config, **explicit}
-            elif config.implementation == "xla":  # Its cache entry: XLA wins at these shapes.
-                return self.reference(*args, **kwargs)  # type: ignore[misc]
+            elif config.implementation != "pallas":
+                if config.implementation == "xla":  # Its cache entry: XLA wins at these shapes.
+                    return self.reference(*args, **kwargs)  # type: ignore[misc]
+                return _ALTERNATIVES[config.implementation](self, args, kwargs, config)
         else:
             config = explicit
         if self.backward_backend is not None:  # Differentiable: its declared backward.
@@ -296,6 +298,20 @@ class TunableKernel:
 # A function (kernel, args, kwargs) -> Config | None consulted before the cache while set:
 # pallas_tune.program records a program's calls with it, and applies a result's configs.
 _HOOK: Callable[..., Any] | None = None
+# Implementations other than "pallas" and "xla" that a hook's Config may name, by name:
+# ``fn(kernel, args, kwargs, config)``; pallas_tune.glue registers "stub" (composed estimates).
+_ALTERNATIVES: dict[str, Callable[..., Any]] = {}
+
+
+def current_hook() -> Callable[..., Any] | None:
+    """The resolution hook in force (None: calls resolve from the cache)."""
+    return _HOOK
+
+
+def register_alternative(name: str, fn: Callable[..., Any]) -> None:
+    """Lets a hook's Config name ``implementation=name``: the call then runs
+    ``fn(kernel, args, kwargs, config)`` instead of the kernel."""
+    _ALTERNATIVES[name] = fn
 
 
 @contextlib.contextmanager

@@ -1,0 +1,169 @@
+"""Composed step estimates (issue 28): a step's glue (its tunable calls stubbed) estimated whole,
+plus each call alone, for steps too large to compile whole on the host."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import pytest
+
+import pallas_tune as pt
+from pallas_tune import glue, step
+from pallas_tune.kernels.flash_attention import flash_attention
+from pallas_tune.kernels.linear_attention import linear_attention
+from pallas_tune.kernels.matmul import matmul
+from pallas_tune.kernels.rms_norm import rms_norm
+from pallas_tune.tunable import resolution_hook
+from pallas_tune.tuning.finish import default_config
+
+S = jax.ShapeDtypeStruct
+F32 = jnp.float32
+
+
+def _mlp(x, w1, w2, n):
+    h = rms_norm(x * 2.0, n, eps=1e-5)
+    return (matmul(jnp.tanh(matmul(h, w1)), w2) + matmul(h, w1)).sum()
+
+
+MLP_ARGS = [S((256, 512), F32), S((512, 512), F32), S((512, 512), F32), S((512,), F32)]
+
+
+def _primitives(fn, args):
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    names: set[str] = set()
+
+    def walk(j):
+        for eqn in j.eqns:
+            names.add(eqn.primitive.name)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return names
+
+
+def _glue(fn, args, real=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pt.PallasTuneWarning)
+        calls, stubs = glue.record(fn, args, real)
+        return stubs, calls, glue.glue_function(fn, real)
+
+
+def _kernels(fn, args):
+    """The names of the Pallas kernels tracing ``fn`` calls."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    names: list[str] = []
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "pallas_call":
+                names.append(str(eqn.params.get("name") or eqn.params["name_and_src_info"].name))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return names
+
+
+def test_the_glue_stubs_every_call_and_keeps_everything_else():
+    stubs, calls, g = _glue(_mlp, MLP_ARGS)
+    counts = {(c.kernel.name.rsplit(".", 1)[-1], c.key): c.count for c in calls}
+    assert counts == {("rms_norm", "x=256x512:float32,weight=512:float32,eps=1e-05"): 1,
+                      ("matmul", "x=256x512:float32,y=512x512:float32"): 3}
+    assert stubs == 4
+    assert _kernels(g, MLP_ARGS) == ["pallas_tune_stub"] * 4  # No kernel left.
+    assert {"tanh", "mul", "reduce_sum"} <= _primitives(g, MLP_ARGS)  # The glue stays.
+    # The step as written still runs its kernels (no stub left cached in JAX's traces).
+    assert sorted(_kernels(_mlp, MLP_ARGS)) == ["matmul_256x256x256"] * 3 + ["rms_norm_256"]
+    # One call put back: its kernel, at its config, wherever the step calls it.
+    matmul_call = (calls[1].kernel.name, calls[1].key)
+    stubs, met, g = _glue(_mlp, MLP_ARGS, real=matmul_call)
+    assert stubs == 1 and [c.count for c in met] == [1, 3]
+    assert sorted(_kernels(g, MLP_ARGS)) == ["matmul_256x256x256"] * 3 + ["pallas_tune_stub"]
+
+
+def test_the_glue_of_a_gradient_stubs_the_backward_kernels_too():
+    fn = jax.grad(_mlp, argnums=(0, 1, 2))
+    stubs, calls, g = _glue(fn, MLP_ARGS)
+    names = {c.kernel.name.rsplit(".", 1)[-1]: c.count for c in calls}
+    assert names == {"rms_norm": 1, "matmul": 3, "matmul_bwd": 3, "rms_norm_bwd": 1}
+    assert set(_kernels(g, MLP_ARGS)) == {"pallas_tune_stub"} and stubs == 8
+    grads = jax.eval_shape(g, *MLP_ARGS)
+    assert [x.shape for x in grads] == [(256, 512), (512, 512), (512, 512)]
+    # A stub's VJP closes over no tracer: the traced program takes the step's arguments only
+    # (a closed-over tracer becomes a hidden argument, and exporting the program fails).
+    jax.clear_caches()
+    assert len(jax.jit(g).trace(*MLP_ARGS).jaxpr.jaxpr.invars) == len(MLP_ARGS)
+    jax.clear_caches()
+    # A forward put back as XLA: its gradient is XLA's autodiff, its backward kernel is gone.
+    def xla(kernel, a, kw):  # As pallas_tune.step's "xla" setting.
+        return pt.Config(default_config(kernel.space), implementation="xla")
+
+    with resolution_hook(xla):
+        _, met, g = _glue(fn, MLP_ARGS, real=(calls[1].kernel.name, calls[1].key))
+    assert "matmul_bwd" not in [c.kernel.name.rsplit(".", 1)[-1] for c in met]
+
+    # Attention: the forward's residuals (o, lse) come from its stub.
+    q = S((1, 4, 256, 128), F32)
+    att = jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=True).sum(), (0, 1, 2))
+    stubs, calls, g = _glue(att, [q, q, q])
+    assert [c.kernel.name.rsplit(".", 1)[-1] for c in calls] == ["flash_attention",
+                                                                 "flash_attention_bwd"]
+    assert set(_kernels(g, [q, q, q])) == {"pallas_tune_stub"}
+    assert [x.shape for x in jax.eval_shape(g, q, q, q)] == [q.shape] * 3
+
+
+def test_a_backward_that_is_xla_autodiff_stays_in_the_glue():
+    # linear_attention declares backward="xla": no tunable call stands for its gradient.
+    q = S((1, 2, 128, 64), F32)
+    fwd = lambda q, k, v: linear_attention(q, k, v).sum()  # noqa: E731
+    _, calls_f, g_f = _glue(fwd, [q, q, q])
+    _, calls_b, g_b = _glue(jax.grad(fwd, (0, 1, 2)), [q, q, q])
+    assert [c.kernel.name for c in calls_b] == [c.kernel.name for c in calls_f]
+    assert "dot_general" not in _primitives(g_f, [q, q, q])
+    assert "dot_general" in _primitives(g_b, [q, q, q])  # The reference's VJP.
+
+
+def test_composed_needs_the_estimate_timer():
+    with pytest.raises(ValueError, match="tpu-estimate"):
+        pt.autotune(_mlp, *MLP_ARGS, step_time="composed", trials=1)
+    with pytest.raises(ValueError, match="step_time"):
+        pt.autotune(_mlp, *MLP_ARGS, step_time="sum")
+
+
+@pytest.mark.libtpu
+def test_composed_estimate_is_the_glue_plus_each_call_and_near_the_whole_step():
+    t = 256
+
+    def layer(x, n1, wqkv, wo):
+        h = rms_norm(x, n1, eps=1e-5)
+        qkv = matmul(h, wqkv)
+        q = qkv[:, :512].reshape(t, 4, 128).transpose(1, 0, 2)[None]
+        k = qkv[:, 512:640].reshape(t, 1, 128).transpose(1, 0, 2)[None]
+        v = qkv[:, 640:].reshape(t, 1, 128).transpose(1, 0, 2)[None]
+        a = flash_attention(q, k, v, causal=True)[0].transpose(1, 0, 2).reshape(t, 512)
+        return x + matmul(jnp.tanh(a), wo)
+
+    bf = jnp.bfloat16
+    args = (S((t, 512), bf), S((512,), bf), S((512, 768), bf), S((512, 512), bf))
+    res = pt.AutotuneResult([])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pt.PallasTuneWarning)
+        ms, timer, detail = step.composed(layer, args, {}, res, "v6e")
+        whole, _, _ = step.estimates(layer, args, {}, res, "v6e")
+    assert "composed" in timer and "ESTIMATE" in timer and "not a measurement" in timer
+    assert set(ms) == set(whole) == {"default", "tuned", "xla"}
+    assert [c["count"] for c in detail["calls"]] == [1, 1, 1, 1]
+    for name, total in ms.items():
+        calls = detail[name]["calls"]
+        assert total == pytest.approx(detail["glue"]["ms"] + sum(c["ms"] for c in calls))
+        assert all(c["ms"] > 0 and not c["partial"] for c in calls), calls
+    # With one kernel per compile, a Pallas setting's figure is the whole step's (same ops,
+    # same layouts); XLA's all-XLA program may also fuse across calls, which composing misses.
+    assert ms["default"] == pytest.approx(whole["default"], rel=0.01)
+    assert ms["tuned"] == pytest.approx(whole["tuned"], rel=0.01)
+    assert whole["xla"] * 0.99 < ms["xla"] < whole["xla"] * 1.25
+    assert 0 < detail["glue"]["ms"] < min(ms.values())
