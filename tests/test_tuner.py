@@ -356,6 +356,25 @@ def test_warm_start_uses_roofline_picks_for_tpu_chips(cache_dir):
     assert all(p["bm"] * p["bn"] >= 512 * 512 for p in picks[1:])
 
 
+def test_roofline_warm_starts_fit_the_scoped_vmem_limit_they_set(cache_dir):
+    """At 4096^3 the roofline's favourite tiles (2048 rows) overflow the default 32 MiB scoped
+    VMEM; the picks are tiles the VMEM model accepts, at a raised limit where they need one."""
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.feasibility import inspect as _inspect
+    from pallas_tune.feasibility import model
+    from pallas_tune.kernels.matmul import matmul
+    from pallas_tune.tuning.loop import warm_start_configs
+
+    x = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+    picks = warm_start_configs(matmul, (x, x), {}, "tpu_v6e", matmul.cache_key(x, x), limit=6)
+    assert len(picks) == 6
+    for p in picks:
+        calls = _inspect.find_pallas_calls(matmul.fn, (x, x), p)
+        assert model.model_verdict(calls, chip_spec("tpu_v6e")).status != "infeasible", p
+    # Some pick needs (and sets) a raised limit: the big tiles are still proposed.
+    assert any(p["vmem_limit_bytes"] > 0 for p in picks[1:]), picks
+
+
 def test_the_tuner_never_measures_what_the_declared_constraints_refuse(cache_dir):
     """The kernel's one validity check reaches the tuner: a declared constraint refuses a config
     before it is traced or timed, and the trial says which constraint."""

@@ -269,10 +269,12 @@ def screen(parts: KernelParts, calls: Sequence[Any], args: Sequence[Any],
 
 def roofline_time(parts: KernelParts, args: Sequence[Any], kwargs: Mapping[str, Any],
                   config: Mapping[str, Any], chip: str) -> float | None:
-    """The roofline model's time (s) for a candidate that passes the block rules, else None
-    (so it also tells valid from invalid configs)."""
+    """The roofline model's time (s) for a candidate that passes the block rules and that the
+    VMEM model does not refuse (at the scoped limit the config sets), else None (so it also
+    tells valid from invalid configs: a warm start never proposes a tile that cannot fit)."""
     from pallas_tune.chips import chip_spec
     from pallas_tune.feasibility import inspect as _inspect
+    from pallas_tune.feasibility import model
     from pallas_tune.feasibility.roofline import roofline_calls
 
     try:
@@ -285,6 +287,8 @@ def roofline_time(parts: KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
         spec = chip_spec(chip)
     except ValueError:  # A chip we know nothing of: valid, unranked.
         return 0.0
+    if spec.platform == "tpu" and model.model_verdict(calls, spec).status == "infeasible":
+        return None
     return roofline_calls(calls, spec).time_s
 
 
