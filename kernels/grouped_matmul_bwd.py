@@ -1,4 +1,4 @@
-"""The backward of the MoE grouped matmul: dlhs in Pallas, drhs in XLA.
+"""The backward of the MoE grouped matmul: dlhs and drhs, both Pallas kernels.
 
 For out[rows of group g] = lhs[rows of g] @ rhs[g] and the cotangent d (m, n):
 
@@ -7,15 +7,18 @@ For out[rows of group g] = lhs[rows of g] @ rhs[g] and the cotangent d (m, n):
   (cdiv(k, dlhs_tk), visits, cdiv(n, dlhs_tn)), the n axis the reduction. rhs's block
   (dlhs_tk, dlhs_tn) is contracted on its last dim in the kernel (an "NT" dot_general), so rhsᵀ
   is never materialized; a ragged n tail is zeroed on the last step only.
-- drhs = tgmm(lhsᵀ, d): drhs[g] = lhs[rows of g]ᵀ · d[rows of g], **in XLA**, segment-wise
-  (per group a masked lhsᵀ · d, f32 accumulation: groups x the flops of one product). Not a
-  Pallas kernel yet (megablox's tgmm scheme would be), so its cost is XLA's and nothing of it
-  is tuned; the kernel's tiles are dlhs's only (``dlhs_tm``, ``dlhs_tk``, ``dlhs_tn``), named
-  so that a Pallas drhs can add its own.
+- drhs = tgmm(lhsᵀ, d): drhs[g] = lhs[rows of g]ᵀ · d[rows of g], megablox's transposed
+  grouped matmul: grid (cdiv(k, drhs_tk), cdiv(n, drhs_tn), visits), the visits (m tiles, by
+  group, every group visited at least once so that an empty group's block is written, as zeros)
+  the reduction. Each visit adds its group's rows of an (drhs_tm, drhs_tk) lhs block and an
+  (drhs_tm, drhs_tn) d block, contracted on the rows in the kernel (a "TN" dot_general: lhsᵀ
+  is never materialized), into an f32 accumulator, zeroed at a group's first visit and stored
+  at its last. Rows of other groups and past m are masked in both blocks.
 
 A tunable kernel of its own (search_spaces/grouped_matmul_bwd.toml), declared as
-``grouped_matmul``'s ``backward=``. group_sizes gets no cotangent (integers). As in the forward,
-group_sizes must sum to m; rows past the sum get unspecified dlhs.
+``grouped_matmul``'s ``backward=``, with each product's tiles (``dlhs_*``, ``drhs_*``).
+group_sizes gets no cotangent (integers). As in the forward, group_sizes must sum to m; rows
+past the sum get unspecified dlhs and count in no group's drhs.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ _TN = (((0,), (0,)), ((), ()))  # (c, a) · (c, b) -> (a, b)
 
 
 # Registered as a tunable kernel (search_spaces/grouped_matmul_bwd.toml) at the end of the file.
-def grouped_matmul_bwd(lhs, rhs, group_sizes, d, *, dlhs_tm: int, dlhs_tk: int, dlhs_tn: int):
+def grouped_matmul_bwd(lhs, rhs, group_sizes, d, *, dlhs_tm: int, dlhs_tk: int, dlhs_tn: int,
+                       drhs_tm: int, drhs_tk: int, drhs_tn: int):
     """(dlhs, drhs, None): the cotangents of ``grouped_matmul(lhs, rhs, group_sizes)`` for the
     output cotangent d (m, n), in the inputs' dtype. Tiles larger than a dimension are clamped.
 
@@ -51,7 +55,8 @@ def grouped_matmul_bwd(lhs, rhs, group_sizes, d, *, dlhs_tm: int, dlhs_tk: int, 
                          f"(groups,) and d (m, n) of lhs's dtype; got lhs {lhs.shape} "
                          f"{lhs.dtype}, rhs {rhs.shape} {rhs.dtype}, group_sizes "
                          f"{group_sizes.shape}, d {d.shape} {d.dtype}")
-    return _dlhs(d, rhs, group_sizes, dlhs_tm, dlhs_tk, dlhs_tn), _drhs(lhs, d, group_sizes), None
+    return (_dlhs(d, rhs, group_sizes, dlhs_tm, dlhs_tk, dlhs_tn),
+            _drhs(lhs, d, group_sizes, rhs.shape[0], drhs_tm, drhs_tk, drhs_tn), None)
 
 
 def _dlhs(d, rhs, group_sizes, tm, tk, tn):
@@ -141,20 +146,78 @@ def _kernel(starts_ref, ends_ref, group_ref, tile_ref, d_ref, rhs_ref, o_ref, ac
             o_ref.dtype)
 
 
-def _drhs(lhs, d, group_sizes):
-    """tgmm in XLA, segment-wise: per group, lhs with the other groups' rows zeroed, transposed
-    into a dot with d (f32 accumulation). Costs groups x the flops of one xᵀ·g product; the
-    transpose of ``jax.lax.ragged_dot`` would not, but JAX 0.12 cannot trace it under an
-    explicit-sharding mesh (``pallas_tune.target``'s, and users')."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    rows = jax.lax.broadcasted_iota(jnp.int32, (lhs.shape[0], 1), 0)
+def _drhs(lhs, d, group_sizes, groups, tm, tk, tn):
+    m, k = lhs.shape
+    n = d.shape[1]
+    tm, tk, tn = min(tm, m), min(tk, k), min(tn, n)
+    meta = _tgmm_metadata(group_sizes, m, tm)
 
-    def one(bounds):
-        start, end = bounds
-        mine = jnp.where((rows >= start) & (rows < end), lhs, jnp.zeros((), lhs.dtype))
-        return jax.lax.dot_general(mine, d, _TN, preferred_element_type=jnp.float32)
+    def lhs_map(kk, nn, v, starts, ends, group, tile, valid):
+        return tile[v], kk
 
-    return jax.lax.map(one, (ends - group_sizes.astype(jnp.int32), ends)).astype(lhs.dtype)
+    def d_map(kk, nn, v, starts, ends, group, tile, valid):
+        return tile[v], nn
+
+    def out_map(kk, nn, v, starts, ends, group, tile, valid):
+        return group[v], kk, nn
+
+    return pl.pallas_call(
+        functools.partial(_tgmm_kernel, tm=tm),
+        out_shape=jax.ShapeDtypeStruct((groups, k, n), lhs.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(pl.cdiv(k, tk), pl.cdiv(n, tn), meta[2].shape[0]),
+            in_specs=[pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((tm, tn), d_map)],
+            out_specs=pl.BlockSpec((None, tk, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        name=f"grouped_matmul_bwd_drhs_{tm}x{tk}x{tn}",
+    )(*meta, lhs, d)
+
+
+def _tgmm_metadata(group_sizes, m: int, tm: int):
+    """(starts, ends, visit_groups, visit_tiles, valid) for tgmm: every group visited at least
+    once (an empty group once, at a tile in range, all its rows masked), visits ordered by
+    group; surplus visits (the count is static) repeat the last real one with valid 0."""
+    groups = group_sizes.shape[0]
+    tiles = pl.cdiv(m, tm)
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = jnp.minimum(starts // tm, tiles - 1)
+    last = jnp.maximum(ends - 1, 0) // tm
+    count = jnp.where(sizes > 0, last - first + 1, 1)
+    csum = jnp.cumsum(count)
+    v = jnp.arange(tiles + 2 * groups - 1, dtype=jnp.int32)  # >= sum(count), at most.
+    valid = (v < csum[-1]).astype(jnp.int32)
+    v = jnp.minimum(v, csum[-1] - 1)
+    group = jnp.searchsorted(csum, v, side="right").astype(jnp.int32)
+    tile = first[group] + (v - (csum[group] - count[group]))
+    return starts, ends, group, tile.astype(jnp.int32), valid
+
+
+def _tgmm_kernel(starts_ref, ends_ref, group_ref, tile_ref, valid_ref, lhs_ref, d_ref, o_ref,
+                 acc_ref, *, tm):
+    v, visits = pl.program_id(2), pl.num_programs(2)
+    g = group_ref[v]
+
+    @pl.when((v == 0) | (group_ref[jnp.maximum(v - 1, 0)] != g))
+    def _init():  # The group's first visit.
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(valid_ref[v] == 1)
+    def _add():  # Only this group's rows (others', and rows past m, are zeroed in both).
+        rows = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+        mine = (rows >= starts_ref[g]) & (rows < ends_ref[g])
+        lhs = jnp.where(mine, lhs_ref[...], jnp.zeros((), lhs_ref.dtype))
+        d = jnp.where(mine, d_ref[...], jnp.zeros((), d_ref.dtype))
+        acc_ref[...] += jax.lax.dot_general(lhs, d, _TN, preferred_element_type=jnp.float32)
+
+    @pl.when((v == visits - 1) | (group_ref[jnp.minimum(v + 1, visits - 1)] != g))
+    def _store():  # The group's last visit (surplus visits are its repeats).
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
 def _forward_reference(lhs, rhs, group_sizes):

@@ -150,9 +150,9 @@ def test_rms_norm_bwd_property(case):
                        oracle(rms_norm_bwd_reference, x, w, g))
 
 
-# ---- grouped_matmul (dlhs in Pallas, drhs in XLA) -------------------------------------------
+# ---- grouped_matmul (dlhs and drhs in Pallas) -------------------------------------------------
 
-G128 = dict(dlhs_tm=128, dlhs_tk=128, dlhs_tn=128)
+G128 = dict(dlhs_tm=128, dlhs_tk=128, dlhs_tn=128, drhs_tm=128, drhs_tk=128, drhs_tn=128)
 
 
 def _grouped(seed, m, k, n, sizes, dtype):
@@ -349,7 +349,7 @@ def test_backward_kernels_lower_for_tpu(case):
             assert not kernel.violations(config, args, {}), config
             text = jax.jit(lambda *a, _c=config: kernel(*a, **_c)).trace(*args).lower(
                 lowering_platforms=("tpu",)).as_text()
-            assert text.count("tpu_custom_call") >= (2 if case == "matmul_bwd" else 1), config
+            assert text.count("tpu_custom_call") >= (1 if case == "rms_norm_bwd" else 2), config
 
 
 def test_training_step_lowers_for_tpu():
