@@ -35,13 +35,15 @@ __all__ = ["StubCall", "glue_function", "record"]
 @dataclasses.dataclass
 class StubCall:
     """One tunable call met while tracing the glue: the kernel, its abstract arguments and
-    keywords, its key, and how many times the step calls it."""
+    keywords, its key, how many times the step calls it, and which of its arguments (by
+    position) are the step's own (its parameters, in HBM; the others are intermediates)."""
 
     kernel: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     key: str
     count: int = 1
+    params: tuple[int, ...] = ()
 
 
 class _Stubs:
@@ -50,6 +52,7 @@ class _Stubs:
     def __init__(self) -> None:
         self.calls: dict[tuple[str, str], StubCall] = {}
         self.stubs = 0
+        self.inputs: tuple[Any, ...] = ()  # The step's own arguments, as traced.
 
     def met(self, kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
             ) -> tuple[str, str]:
@@ -60,13 +63,15 @@ class _Stubs:
         if found is not None:
             found.count += 1
         else:
+            params = tuple(i for i, a in enumerate(args)
+                           if any(_primal(a) is x for x in self.inputs))
             self.calls[(kernel.name, key)] = StubCall(
-                kernel, tuple(abstractify(list(args))), dict(kwargs), key)
+                kernel, tuple(abstractify(list(args))), dict(kwargs), key, params=params)
         return kernel.name, key
 
-    def produce(self, arrays: Sequence[Any], shapes: Any) -> Any:
+    def produce(self, arrays: Sequence[Any], shapes: Any, tag: int = -1) -> Any:
         """Results of ``shapes`` (a pytree of ShapeDtypeStructs) from an empty kernel that
-        takes ``arrays``."""
+        takes ``arrays``; ``tag`` (a call's index in :attr:`calls`) goes into its name."""
         import jax
         from jax.experimental import pallas as pl
 
@@ -76,14 +81,22 @@ class _Stubs:
         outs = pl.pallas_call(
             _nothing, out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
             in_specs=[anywhere] * len(arrays), out_specs=[anywhere] * len(leaves),
-            name="pallas_tune_stub")(*arrays)
+            name=STUB if tag < 0 else f"{STUB}_{tag}")(*arrays)
         return jax.tree.unflatten(tree, list(outs))
+
+
+def _primal(x: Any) -> Any:
+    """The value under autodiff's wrapping (a JVP tracer's primal), to compare identities."""
+    while hasattr(x, "primal"):
+        x = x.primal
+    return x
 
 
 def _nothing(*refs: Any) -> None:
     """The stub's body: its results are never written (their values do not matter)."""
 
 
+STUB = "pallas_tune_stub"
 _ACTIVE: list[_Stubs] = []
 
 
@@ -92,12 +105,14 @@ def _stub(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], config: C
     import jax
 
     stubs = _ACTIVE[-1]
+    tag = list(stubs.calls).index((kernel.name, kernel.cache_key(*args, **kwargs)))
 
     def arrays(a: Sequence[Any]) -> list[Any]:  # Its own arguments: no closed-over tracer.
         return [x for x in a if _vjp._is_array(x)]
 
     def forward(*a: Any, **kw: Any) -> Any:
-        return stubs.produce(arrays(a), jax.eval_shape(functools.partial(kernel.fn, **kw), *a))
+        return stubs.produce(arrays(a), jax.eval_shape(functools.partial(kernel.fn, **kw), *a),
+                             tag)
 
     if kernel.backward_backend is None:
         return forward(*args, **kwargs, **config)
@@ -105,7 +120,7 @@ def _stub(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], config: C
     if kernel.backward_residuals is not None:
         def residuals(*a: Any, **kw: Any) -> Any:
             shapes = jax.eval_shape(functools.partial(kernel.backward_residuals, **kw), *a)
-            return stubs.produce(arrays(a), shapes)
+            return stubs.produce(arrays(a), shapes, tag)
 
     proxy = types.SimpleNamespace(
         fn=forward, backward_residuals=residuals, backward_backend=kernel.backward_backend,
@@ -154,7 +169,11 @@ def record(fn: Callable[..., Any], arrays: Sequence[Any], real: tuple[str, str] 
     import jax
 
     with _stubbed(real) as stubs:
-        jax.eval_shape(fn, *arrays)
+        def step(*a: Any) -> Any:
+            stubs.inputs = a
+            return fn(*a)
+
+        jax.eval_shape(step, *arrays)
     return list(stubs.calls.values()), stubs.stubs
 
 
@@ -169,3 +188,79 @@ def glue_function(fn: Callable[..., Any], real: tuple[str, str] | None = None
             return fn(*arrays)
 
     return glue
+
+
+def live_counts(fn: Callable[..., Any], arrays: Sequence[Any], calls: Sequence[StubCall]
+                ) -> list[int]:
+    """Per call of :func:`record` (same order), how many of its occurrences the program uses:
+    a call whose results nothing needs (a forward's output under ``jax.grad`` of a sum) is
+    dropped by the compiler (a kernel without side effects) and costs nothing. Read from the
+    glue's jaxpr by a liveness pass that, unlike JAX's own dead-code elimination, may drop a
+    stub; a stub inside a nested jaxpr counts when that jaxpr's equation is live."""
+    import jax
+
+    with _stubbed():
+        jaxpr = jax.make_jaxpr(fn)(*arrays).jaxpr
+    found = [0] * len(calls)
+    used = {id(v) for v in jaxpr.outvars}
+    for eqn in reversed(jaxpr.eqns):
+        if not eqn.effects and not any(id(v) in used for v in eqn.outvars):
+            continue  # Dead: nothing reads it.
+        _count_stubs(eqn, found)
+        used.update(id(v) for v in eqn.invars if type(v).__name__ != "Literal")
+    # Under jax.grad a forward's stub appears once per occurrence (its primal or its fwd rule).
+    return [min(f, c.count) for f, c in zip(found, calls, strict=True)]
+
+
+def _count_stubs(eqn: Any, found: list[int]) -> None:
+    import jax.extend
+
+    if eqn.primitive.name == "pallas_call":
+        name = str(eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"),
+                                                      "name", ""))
+        if name.startswith(STUB + "_"):
+            found[int(name.rsplit("_", 1)[1])] += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for inner in sub.eqns:
+            _count_stubs(inner, found)
+
+
+def alone(call: StubCall, grad: bool = False) -> tuple[Callable[..., Any], list[Any], int]:
+    """``(g, arrays, stubs)``: a program of ``call`` alone, as the hooks and cache in force resolve it:
+    its arguments that are the step's own are the program's; the others are made inside the
+    program by a stub, and its results are taken by one (so that each is placed where the step
+    places it: parameters in HBM, intermediates where the compiler puts them). With ``grad``, the call's
+    VJP too (a cotangent from a stub): a call whose gradient is XLA's autodiff of it.
+    ``stubs``: how many stubs the program holds."""
+    import jax
+
+    where = [i for i, a in enumerate(call.args) if _vjp._is_array(a)]
+    specs = [jax.ShapeDtypeStruct(call.args[i].shape, call.args[i].dtype) for i in where]
+
+    inner = [k for k, i in enumerate(where) if i not in call.params]
+
+    def g(*arrays: Any) -> Any:
+        stubs = _Stubs()
+        made = list(arrays)  # The step's own arguments stay arguments; the rest are made.
+        if inner:
+            for k, x in zip(inner, stubs.produce([arrays[k] for k in inner],
+                                                 [specs[k] for k in inner]), strict=True):
+                made[k] = x
+
+        def run(*xs: Any) -> Any:
+            full = list(call.args)
+            for i, x in zip(where, xs, strict=True):
+                full[i] = x
+            return call.kernel(*full, **call.kwargs)
+
+        if not grad:
+            results = jax.tree.leaves(run(*made))
+        else:
+            out, vjp = jax.vjp(run, *made)
+            cot = stubs.produce(made, jax.tree.map(
+                lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), out))
+            results = [x for x in jax.tree.leaves(vjp(cot))
+                       if x.dtype != jax.dtypes.float0]  # Integer inputs have none.
+        return stubs.produce(results, [jax.ShapeDtypeStruct((8, 128), "float32")])
+
+    return g, specs, bool(inner) + 1 + grad

@@ -159,15 +159,14 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
              ) -> tuple[dict[str, float], str, dict[str, Any]]:
     """The step's compiler estimate (ms) per setting, composed for steps too large to compile
     whole on this host (:mod:`pallas_tune.glue`): the glue (every tunable call stubbed)
-    compiled whole, then, per setting and distinct call, the glue with that call's kernel (or
-    XLA) put back. A call's figure is what putting it back adds to the glue's estimate, in the
-    program's own layouts and memory placement; the step's figure is the glue's plus every
-    call's. Calls a call's real form makes disappear (the backward kernel of a forward that
-    runs XLA: XLA's autodiff replaces it) are counted in it, not again. Each compile holds one
-    call's kernel, not all of them. Returns the figures, the timer's label and the detail (the
-    glue's and each call's cycles per setting); a setting missing a figure has none, with the
-    compile's error. Interactions between two calls (XLA fusing one into the next, a buffer
-    kept in VMEM between them) are not modelled."""
+    compiled once, plus each distinct call compiled alone under the setting (its inputs and
+    results made and taken by stubs inside the program, so placed as intermediates), times the
+    number of its occurrences the step uses. A call whose real form makes others disappear (a
+    forward running XLA under ``jax.grad``: XLA's autodiff replaces its backward kernel) is
+    compiled with its VJP and the others are not counted. Returns the figures, the timer's
+    label and the detail (the glue's and each call's figures per setting); a setting missing
+    one has none, with the compile's error. What happens between two calls (XLA fusing one into
+    the next, a buffer kept in VMEM from one to the next) is not modelled."""
     import warnings
 
     from pallas_tune import glue
@@ -182,61 +181,69 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
     flat_fn, arrays = array_function(fn, args, kwargs)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
 
-    def variant(name: str | None, real: tuple[str, str] | None) -> tuple[Any, list[Any]]:
+    def traced(name: str | None, what: Callable[[], Any]) -> Any:
         with chips.target(chip, abstract_mesh=True), warnings.catch_warnings():
             warnings.simplefilter("ignore", PallasTuneWarning)  # Misses: the settings decide.
-            with settings(result)[name] if name else _null():
-                met, stubs = glue.record(flat_fn, specs, real)
-            try:  # _export clears JAX's trace caches first; nothing stubbed stays there.
-                blob, g_specs, loops = _export(glue.glue_function(flat_fn, real), specs, {},
-                                               chip, settings(result)[name] if name else _null())
+            try:
+                with settings(result)[name] if name else _null():
+                    return what()
             finally:
-                jax.clear_caches()
-        return (blob, g_specs, loops, stubs), met
+                jax.clear_caches()  # Nothing stubbed or set stays in JAX's trace caches.
 
-    (base, calls) = variant(None, None)
+    calls, n_stubs = traced(None, lambda: glue.record(flat_fn, specs))
+    live = traced(None, lambda: glue.live_counts(flat_fn, specs, calls))
+    everything = {(c.kernel.name, c.key) for c in calls}
+
+    def absorbed_by(c: Any, name: str) -> set[Any]:  # Calls gone when ``c`` runs as set.
+        met, _ = traced(name, lambda: glue.record(flat_fn, specs, (c.kernel.name, c.key)))
+        return everything - {(x.kernel.name, x.key) for x in met}
+
     with Estimator(workers, memory_limit_bytes=memory_limit_bytes) as est:
-        def estimate(job: Any) -> Any:  # The stubs are the ops without an estimate expected.
-            blob, g_specs, _, stubs = job
+        def estimate(g: Callable[..., Any], g_specs: list[Any], stubs: int) -> Any:
+            blob, g_specs, loops = _export(g, g_specs, {}, chip, _null())
             r = est.map(call_exported, g_specs, {}, [{"exported": blob}], spec.name,
-                        standin=False)[0]
+                        standin=False)[0]  # The stubs: the ops expected without an estimate.
             return dataclasses.replace(r, ops_without_estimate=max(
-                0, r.ops_without_estimate - stubs)) if r.ok else r
+                0, r.ops_without_estimate - stubs)) if r.ok else r, loops
 
-        glue_reply = estimate(base)
+        glue_reply, loops = traced(None, lambda: estimate(glue.glue_function(flat_fn), specs,
+                                                          n_stubs))
         if not glue_reply.ok or glue_reply.cycles is None:
             return {}, "", {"glue": {"error": (glue_reply.message or glue_reply.kind)[:500]}}
-        detail: dict[str, Any] = {"glue": _figure(glue_reply, base[2], spec.clock_hz),
-                                  "calls": [{"kernel": c.kernel.name, "key": c.key,
-                                             "count": c.count} for c in calls]}
+        detail: dict[str, Any] = {"glue": _figure(glue_reply, loops, spec.clock_hz), "calls": [
+            {"kernel": c.kernel.name, "key": c.key, "count": c.count, "live": n}
+            for c, n in zip(calls, live, strict=True)]}
         out: dict[str, float] = {}
         for name in only:
-            total, partial, absorbed, per = glue_reply.cycles, bool(
-                glue_reply.ops_without_estimate or base[2]), set(), []
-            for c in calls:
-                if (c.kernel.name, c.key) in absorbed:
-                    per.append({"absorbed": True})
-                    continue
-                job, met = variant(name, (c.kernel.name, c.key))
-                absorbed |= ({(x.kernel.name, x.key) for x in calls}
-                             - {(x.kernel.name, x.key) for x in met})
-                r = estimate(job)
-                if not r.ok or r.cycles is None:
-                    per.append({"error": (r.message or r.kind)[:300]})
-                    total = None
-                    continue
-                per.append(_figure(r, job[2], spec.clock_hz, minus=glue_reply.cycles))
-                partial = partial or per[-1]["partial"]
-                if total is not None:
-                    total += r.cycles - glue_reply.cycles
-            detail[name] = {"partial": partial, "calls": per}
-            if total is not None:
+            gone = {(c.kernel.name, c.key): absorbed_by(c, name) for c in calls}
+            absorbed = set().union(*gone.values())
+            per = [{"absorbed": True} if (c.kernel.name, c.key) in absorbed else _alone(
+                c, n, gone[(c.kernel.name, c.key)], name, traced, estimate, spec.clock_hz)
+                for c, n in zip(calls, live, strict=True)]
+            figures = [r for r in per if "absorbed" not in r]
+            detail[name] = {"calls": per, "partial": bool(
+                detail["glue"]["partial"] or any(r.get("partial") for r in figures))}
+            if all("cycles" in r for r in figures):
+                total = glue_reply.cycles + sum(r["live"] * r["cycles"] for r in figures)
                 out[name] = cycles_to_ms(total, spec.clock_hz)
     timer = (f"tpu-estimate, composed: {spec.name} compiler ESTIMATES (static profiles of "
-             "deviceless compiles, every op summed) of the step's glue, plus what each tunable "
-             "call adds to it, compiled one call at a time, at "
-             f"{spec.clock_hz / 1e9:g} GHz; not a measurement")
+             "deviceless compiles, every op summed) of the step's glue plus each tunable call "
+             f"compiled alone, times its occurrences, at {spec.clock_hz / 1e9:g} GHz; "
+             "not a measurement")
     return out, timer, detail
+
+
+def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[..., Any],
+           estimate: Callable[..., Any], clock_hz: float) -> dict[str, Any]:
+    """One call's figure under setting ``name``, compiled alone (see :func:`composed`)."""
+    from pallas_tune import glue
+
+    g, g_specs, stubs = glue.alone(call, grad=bool(absorbs))
+    r, loops = traced(name, lambda: estimate(g, g_specs, stubs))
+    row: dict[str, Any] = {"live": live, "absorbs": sorted(absorbs)}
+    if not r.ok or r.cycles is None:
+        return {**row, "error": (r.message or r.kind)[:300]}
+    return {**row, **_figure(r, loops, clock_hz)}
 
 
 def _null() -> Any:
