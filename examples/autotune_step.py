@@ -5,7 +5,11 @@ each distinct (kernel, shape) tuned once, the result applied to the step as a co
 On a CPU host the kernels run in Pallas interpret mode: times are interpreter wall clock (they
 track grid steps, not TPU speed), and XLA is no candidate unless asked for (--xla).
 
-    python examples/autotune_step.py [--tokens 200] [--trials 4] [--xla]
+With --estimate (needs libtpu: pip install 'pallas-tune[tpu]') every call is tuned for v6e on
+the compiler's static estimates instead, XLA beside it, and the step's time is composed from
+deviceless compiles (its glue whole, each call alone): v6e ESTIMATES, not measurements.
+
+    python examples/autotune_step.py [--tokens 200] [--trials 4] [--xla] [--estimate]
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--trials", type=int, default=4)
     p.add_argument("--xla", action="store_true", help="time XLA too, even in interpret mode")
+    p.add_argument("--estimate", action="store_true",
+                   help="tune for v6e on compiler estimates; the step's estimate composed")
     args = p.parse_args()
+    if args.estimate:
+        return estimate(args)
 
     keys = jax.random.split(jax.random.key(0), 4)
     d, f = args.hidden, 2 * args.hidden
@@ -60,6 +68,21 @@ def main() -> None:
         result.dump(f.name)
         print(f"saved and reloaded: {pt.AutotuneResult.load(f.name)}")
     print("the tuned block matches the plain-JAX block")
+
+
+def estimate(args: argparse.Namespace) -> None:
+    """The block tuned for v6e on compiler estimates, and the step's composed estimate."""
+    d, f, bf = args.hidden, 2 * args.hidden, jnp.bfloat16
+    shapes = [jax.ShapeDtypeStruct(s, bf) for s in ((args.tokens, d), (d,), (d, f), (f, d))]
+    result = pt.autotune(block, *shapes, trials=args.trials, seed=0, timer="tpu-estimate",
+                         chip="v6e", step_time="composed")
+    print(result)
+    for c in result.calls:
+        print(f"  {c.kernel}  {c.key}\n    -> {c.config} ({c.source}, runs "
+              f"{c.implementation}); tuned {c.best_ms:.4g} ms, XLA {c.xla_ms:.4g} ms (ESTIMATES)")
+    glue = result.step_detail["glue"]
+    print(f"step ({result.step_timer}):\n  glue {glue['ms']:.4g} ms; " + ", ".join(
+        f"{k} {v:.4g} ms" for k, v in result.step_ms.items()))
 
 
 if __name__ == "__main__":

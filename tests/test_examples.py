@@ -43,3 +43,18 @@ def test_train_step_tunes_forward_and_backward_then_trains(tmp_path):
     assert len(losses) == 2 and final < losses[0]
     cached = os.listdir(tmp_path / "cache" / "cpu")
     assert any("matmul_bwd" in f for f in cached) and any("rms_norm_bwd" in f for f in cached)
+
+
+@pytest.mark.libtpu
+def test_autotune_step_estimates_the_step_composed(tmp_path):
+    """examples/autotune_step.py --estimate: tuned for v6e on compiler estimates, the step's
+    estimate composed of its glue and each call, under the three settings."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "examples", "autotune_step.py"),
+                        "--estimate", "--trials", "2", "--tokens", "256"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=tmp_path / "cache"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "composed" in r.stdout and "ESTIMATES" in r.stdout
+    figures = dict(re.findall(r"(default|tuned|xla) ([0-9.e-]+) ms", r.stdout))
+    assert set(figures) == {"default", "tuned", "xla"}
+    assert float(figures["tuned"]) <= float(figures["default"]) * 1.05  # Tuning's ranking.
