@@ -82,3 +82,36 @@ def test_whole_step_estimates_sum_every_op_under_three_settings(cache_dir, fresh
     again = pt.AutotuneResult.load(tmp_path / "step.json")
     assert again.step_detail == res.step_detail and again.step_timer == res.step_timer
     fresh.poor_scale._memo.clear()
+
+
+@pytest.mark.libtpu
+def test_recheck_xla_adds_xla_to_entries_tuned_without_it(cache_dir, fresh, capsys):
+    """pallas-tune recheck-xla: an estimate entry tuned before XLA was a candidate gets XLA's
+    estimate beside it and, where XLA is faster, dispatches to XLA (issue 28)."""
+    import os
+
+    from conftest import TESTS_DIR
+
+    from pallas_tune.cli import main
+
+    kernel = fresh.poor_scale
+    res = kernel.tune(X, trials=2, timer="tpu-estimate", chip="v6e", xla=False)
+    key = res.key
+    (entry,) = [e for k, e, _ in kernel.cache.entries("tpu_v6e", kernel.name) if k == key]
+    assert "xla_ms" not in entry and "implementation" not in entry
+    ref = f"{kernel.fn.__module__}:{kernel.fn.__name__}"
+    assert main(["recheck-xla", ref, "--chip", "v6e", "--path", TESTS_DIR]) == 0
+    out = capsys.readouterr().out
+    assert f"{key}: tuned" in out and "runs xla" in out and "entries rewritten" in out
+    (entry,) = [e for k, e, _ in kernel.cache.entries("tpu_v6e", kernel.name) if k == key]
+    assert entry["implementation"] == "xla" and entry["xla_ms"] < entry["median_ms"]
+    assert entry["margin_over_xla"] == pytest.approx(entry["xla_ms"] / entry["median_ms"])
+    assert "recheck-xla" in entry["provenance"]["xla"]["note"]
+    assert entry["config"] == res.best  # The Pallas winner is kept, and still valid.
+    kernel._memo.clear()
+    with pt.target("v6e"):
+        assert kernel.config_for(X).implementation == "xla"
+    kernel._memo.clear()
+    assert main(["recheck-xla", ref, "--chip", "v6e", "--path", TESTS_DIR]) == 0
+    assert "no estimate entry without an XLA figure" in capsys.readouterr().out
+    assert os.path.isdir(cache_dir)

@@ -9,6 +9,7 @@
     pallas-tune check [PATH ...] --space NAME --chip v6e   # ... or on a shape without an entry
     pallas-tune merge FILE ... [--into ROOT]    # merge cache files other hosts wrote into yours
     pallas-tune report --kernel matmul [--key KEY] [--out DIR]
+    pallas-tune recheck-xla MODULE:KERNEL --chip v6e   # XLA beside estimate entries tuned without it
 
 Exit status: 0 success, 1 a failure (a shape that failed to tune, a cache problem found by
 check), 2 a usage error (bad flags or specs), 130 interrupted (Ctrl-C; the sweep resumes), 143
@@ -154,6 +155,7 @@ def _sweep_parser(sub: Any) -> None:
 
 def _tool_parsers(sub: Any) -> None:
     from pallas_tune.cli import check as _check
+    from pallas_tune.cli import recheck as _recheck
     from pallas_tune.cli import report as _report
 
     sh = sub.add_parser("show", help="list what the caches hold")
@@ -171,6 +173,7 @@ def _tool_parsers(sub: Any) -> None:
     sh.set_defaults(func=cmd_show)
     _check.add_parsers(sub)
     _report.add_parser(sub)
+    _recheck.add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
