@@ -3,7 +3,8 @@
 Compiling a whole layer deviceless with its kernels in it can outgrow a host (libtpu's static
 profile simulates every grid step of every kernel in one process: a Llama-3.1-8B layer passed
 7.7 GB). :func:`pallas_tune.step.composed` compiles instead the **glue**, the step with every
-tunable call replaced by a *stub*, and then the glue with one call put back at a time.
+tunable call replaced by a *stub* (:func:`glue_function`), once, and then each distinct call
+alone (:func:`alone`), counted as often as the step uses it (:func:`live_counts`).
 
 A stub is an empty Pallas kernel (``name="pallas_tune_stub"``): its operands and results stay
 in place (``memory_space=pl.ANY``) and its body does nothing, so whatever feeds the call is
