@@ -187,6 +187,9 @@ def _num(v) -> str:
 def _composed(r: dict) -> list[str]:
     """A composed layer's calls: what each adds to the glue under each setting."""
     d, by = r["step_detail"], {(c["kernel"], c["key"]): c for c in r["calls"]}
+    if "ms" not in d.get("glue", {}):  # No glue figure: nothing composed.
+        return ["", f"## {r['title']}", "", "No composed figure: the glue's compile gave none ("
+                + str(d.get("glue", {}).get("error", "?"))[:300].replace("\n", " ") + ")."]
     out = ["", f"## {r['title']}", "", f"Step timer: {r['step_timer']}.", "",
            f"Glue (every tunable call stubbed): {_num(d['glue']['ms'])} ms ESTIMATE "
            f"({d['glue']['cycles']} cycles, compiled in {d['glue']['compile_s']} s). Each call "
