@@ -182,8 +182,9 @@ def test_composed_estimate_is_the_glue_plus_each_call_and_near_the_whole_step():
         assert all(c["ms"] > 0 and not c["partial"] for c in calls), calls
     # Each kernel compiled alone, its operands where the step has them (parameters in HBM,
     # intermediates made in the program): the Pallas settings' figures are the whole step's.
-    # The all-XLA program may also fuse across calls, which composing misses.
+    # The all-XLA program may also fuse across calls, which composing misses: its composed
+    # figure is higher (measured +6% with libtpu 0.0.42, +16% with 0.0.50 at this size).
     assert ms["default"] == pytest.approx(whole["default"], rel=0.01)
     assert ms["tuned"] == pytest.approx(whole["tuned"], rel=0.01)
-    assert ms["xla"] == pytest.approx(whole["xla"], rel=0.15)
+    assert whole["xla"] * 0.95 < ms["xla"] < whole["xla"] * 1.3
     assert 0 < detail["glue"]["ms"] < min(ms.values())
