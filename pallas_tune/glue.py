@@ -45,6 +45,7 @@ class StubCall:
     key: str
     count: int = 1
     params: tuple[int, ...] = ()
+    tag: int = 0  # Its index among the calls met: its stubs' names end with it.
 
 
 class _Stubs:
@@ -54,6 +55,7 @@ class _Stubs:
         self.calls: dict[tuple[str, str], StubCall] = {}
         self.stubs = 0
         self.inputs: tuple[Any, ...] = ()  # The step's own arguments, as traced.
+        self.last = -1  # The tag of the call met last.
 
     def met(self, kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
             ) -> tuple[str, str]:
@@ -66,8 +68,10 @@ class _Stubs:
         else:
             params = tuple(i for i, a in enumerate(args)
                            if any(_primal(a) is x for x in self.inputs))
-            self.calls[(kernel.name, key)] = StubCall(
-                kernel, tuple(abstractify(list(args))), dict(kwargs), key, params=params)
+            found = self.calls[(kernel.name, key)] = StubCall(
+                kernel, tuple(abstractify(list(args))), dict(kwargs), key, params=params,
+                tag=len(self.calls))
+        self.last = found.tag  # For its stub, made right after.
         return kernel.name, key
 
     def produce(self, arrays: Sequence[Any], shapes: Any, tag: int = -1) -> Any:
@@ -106,7 +110,7 @@ def _stub(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], config: C
     import jax
 
     stubs = _ACTIVE[-1]
-    tag = list(stubs.calls).index((kernel.name, kernel.cache_key(*args, **kwargs)))
+    tag = stubs.last  # Set by the resolution hook that sent this call here.
 
     def arrays(a: Sequence[Any]) -> list[Any]:  # Its own arguments: no closed-over tracer.
         return [x for x in a if _vjp._is_array(x)]

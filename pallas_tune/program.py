@@ -121,10 +121,6 @@ class AutotuneResult:
         return (f"AutotuneResult({len(self.calls)} calls: {tuned} tuned, "
                 f"{len(self.calls) - tuned} from the cache; {xla} run XLA)")
 
-    def get(self, chip: str, kernel: str, key: str) -> TunedCall | None:
-        """The call of ``kernel`` (its name) at ``key`` on ``chip``, if the result has it."""
-        return self._by.get((chip, kernel, key))
-
     # ---- applying ----------------------------------------------------------------------------
 
     def __enter__(self) -> AutotuneResult:

@@ -17,6 +17,7 @@ counts such a loop as a fixed guess).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -185,7 +186,7 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
         with chips.target(chip, abstract_mesh=True), warnings.catch_warnings():
             warnings.simplefilter("ignore", PallasTuneWarning)  # Misses: the settings decide.
             try:
-                with settings(result)[name] if name else _null():
+                with settings(result)[name] if name else contextlib.nullcontext():
                     return what()
             finally:
                 jax.clear_caches()  # Nothing stubbed or set stays in JAX's trace caches.
@@ -200,7 +201,7 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
 
     with Estimator(workers, memory_limit_bytes=memory_limit_bytes) as est:
         def estimate(g: Callable[..., Any], g_specs: list[Any], stubs: int) -> Any:
-            blob, g_specs, loops = _export(g, g_specs, {}, chip, _null())
+            blob, g_specs, loops = _export(g, g_specs, {}, chip, contextlib.nullcontext())
             r = est.map(call_exported, g_specs, {}, [{"exported": blob}], spec.name,
                         standin=False)[0]  # The stubs: the ops expected without an estimate.
             return dataclasses.replace(r, ops_without_estimate=max(
@@ -214,11 +215,12 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
             {"kernel": c.kernel.name, "key": c.key, "count": c.count, "live": n}
             for c, n in zip(calls, live, strict=True)]}
         out: dict[str, float] = {}
+        done: dict[Any, Any] = {}  # Programs compiled alone, by call, implementation, config.
         for name in only:
             gone = {(c.kernel.name, c.key): absorbed_by(c, name) for c in calls}
             absorbed = set().union(*gone.values())
             per = [{"absorbed": True} if (c.kernel.name, c.key) in absorbed else _alone(
-                c, n, gone[(c.kernel.name, c.key)], name, traced, estimate, spec.clock_hz)
+                c, n, gone[(c.kernel.name, c.key)], name, traced, estimate, spec.clock_hz, done)
                 for c, n in zip(calls, live, strict=True)]
             figures = [r for r in per if "absorbed" not in r]
             detail[name] = {"calls": per, "partial": bool(
@@ -234,28 +236,30 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
 
 
 def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[..., Any],
-           estimate: Callable[..., Any], clock_hz: float) -> dict[str, Any]:
-    """One call's figure under setting ``name``, compiled alone (see :func:`composed`)."""
+           estimate: Callable[..., Any], clock_hz: float, done: dict[Any, Any]
+           ) -> dict[str, Any]:
+    """One call's figure under setting ``name``, compiled alone (see :func:`composed`); a
+    program compiled under another setting (the same config, or XLA twice) is not again."""
     from pallas_tune import glue
 
-    g, g_specs, stubs = glue.alone(call, grad=bool(absorbs))
-    r, loops = traced(name, lambda: estimate(g, g_specs, stubs))
+    config = traced(name, lambda: call.kernel.config_for(*call.args, **call.kwargs))
+    xla = config.implementation == "xla"  # The reference: the same program at any config.
+    mark = (call.kernel.name, call.key, xla, () if xla else tuple(sorted(config.items())),
+            bool(absorbs))
+    if mark not in done:
+        g, g_specs, stubs = glue.alone(call, grad=bool(absorbs))
+        done[mark] = traced(name, lambda: estimate(g, g_specs, stubs))
+    r, loops = done[mark]
     row: dict[str, Any] = {"live": live, "absorbs": sorted(absorbs)}
     if not r.ok or r.cycles is None:
         return {**row, "error": (r.message or r.kind)[:300]}
     return {**row, **_figure(r, loops, clock_hz)}
 
 
-def _null() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _figure(r: Any, loops: int, clock_hz: float, minus: int = 0) -> dict[str, Any]:
+def _figure(r: Any, loops: int, clock_hz: float) -> dict[str, Any]:
     from pallas_tune.measure.estimate import cycles_to_ms
 
-    return {"ms": cycles_to_ms(r.cycles - minus, clock_hz), "cycles": r.cycles - minus,
+    return {"ms": cycles_to_ms(r.cycles, clock_hz), "cycles": r.cycles,
             "ops_without_estimate": r.ops_without_estimate, "dynamic_loops": loops,
             "partial": bool(r.ops_without_estimate or loops),
             "compile_s": round(r.compile_s, 2)}

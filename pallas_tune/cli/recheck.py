@@ -93,13 +93,9 @@ def _estimated(entry: dict[str, Any]) -> bool:
 
 def _with_xla(entry: dict[str, Any], xla_ms: float, impl: str, note: str,
               row: dict[str, Any]) -> dict[str, Any]:
-    out = dict(entry)
-    out["xla_ms"] = xla_ms
-    out["margin_over_xla"] = xla_ms / float(entry["median_ms"])
-    if impl == "xla":
-        out["implementation"] = "xla"
-    if row.get("partial"):
-        out["xla_partial"] = row["partial"]
+    from pallas_tune.tuning.result import xla_fields
+
+    out = {**entry, **xla_fields(xla_ms, float(entry["median_ms"]), row.get("partial", 0), impl)}
     prov = dict(out.get("provenance", {}))
     prov["xla"] = {"timer": "tpu-estimate", "partial": row.get("partial", 0),
                    "note": ("XLA's figure (the reference's whole program, a compiler ESTIMATE) "

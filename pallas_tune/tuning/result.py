@@ -148,13 +148,23 @@ class TuningResult:
             "search_median_ms": self.best_record.median_ms,
             **({"default_ms": self.default_ms} if math.isfinite(self.default_ms) else {}),
             **({"effective": self.effective} if self.effective else {}),
-            **({"xla_ms": self.xla_ms, "margin_over_xla": self.xla_ms / self.best_ms}
-               if math.isfinite(self.xla_ms) and self.best_ms > 0 else {}),
-            **({"xla_partial": self.xla_partial} if self.xla_partial else {}),
-            **({"implementation": "xla"} if self.implementation == "xla" else {}),
+            **xla_fields(self.xla_ms, self.best_ms, self.xla_partial, self.implementation),
             "provenance": self.provenance,
             "trials": [r.to_json() for r in self.records],
         }
+
+
+def xla_fields(xla_ms: float, best_ms: float, partial: int, implementation: str
+               ) -> dict[str, Any]:
+    """A cache entry's fields on XLA: its time and the winner's margin over it (where it was
+    timed or estimated), the ops it has without an estimate, and ``implementation: "xla"``
+    where the call runs XLA."""
+    return {
+        **({"xla_ms": xla_ms, "margin_over_xla": xla_ms / best_ms}
+           if math.isfinite(xla_ms) and best_ms > 0 else {}),
+        **({"xla_partial": partial} if partial else {}),
+        **({"implementation": "xla"} if implementation == "xla" else {}),
+    }
 
 
 def _cell(v: Any) -> Any:
