@@ -63,7 +63,7 @@ def _dlhs(d, rhs, group_sizes, tm, tk, tn):
     m, n = d.shape
     k = rhs.shape[1]
     tm, tk, tn = min(tm, m), min(tk, k), min(tn, n)
-    starts, ends, visit_group, visit_tile = _group_metadata(group_sizes, m, tm)
+    starts, ends, visit_group, visit_tile, _ = _group_metadata(group_sizes, m, tm)
 
     def d_map(j, v, nn, starts, ends, group, tile):
         return tile[v], nn
@@ -91,25 +91,28 @@ def _dlhs(d, rhs, group_sizes, tm, tk, tn):
     )(starts, ends, visit_group, visit_tile, d, rhs)
 
 
-def _group_metadata(group_sizes, m: int, tm: int):
-    """(starts, ends, visit_groups, visit_tiles) for a static number of visits: the forward's
-    ``make_group_metadata`` (kernels/grouped_matmul.py imports this module, so it cannot be
-    imported from there; moving it to a shared module would change the forward's code
-    fingerprint and stale its shipped entries: a follow-up for its next re-tune)."""
+def _group_metadata(group_sizes, m: int, tm: int, *, visit_empty: bool = False):
+    """(starts, ends, visit_groups, visit_tiles, valid) for a static number of visits, ordered
+    by group: one per (group, m-tile) pair that overlaps (the forward's ``make_group_metadata``;
+    kernels/grouped_matmul.py imports this module, so it cannot be imported from there: moving
+    it would change the forward's code fingerprint and stale its shipped entries). With
+    ``visit_empty`` (tgmm) an empty group is visited once too, at a tile in range, all its rows
+    masked. Surplus visits repeat the last real one, with valid 0."""
     groups = group_sizes.shape[0]
+    tiles = pl.cdiv(m, tm)
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    first = starts // tm
+    first = jnp.minimum(starts // tm, tiles - 1)
     last = jnp.maximum(ends - 1, 0) // tm
-    count = jnp.where(sizes > 0, last - first + 1, 0)
+    count = jnp.where(sizes > 0, last - first + 1, int(visit_empty))
     csum = jnp.cumsum(count)
-    visits = pl.cdiv(m, tm) + groups - 1
-    v = jnp.arange(visits, dtype=jnp.int32)
-    v = jnp.minimum(v, csum[-1] - 1)  # Surplus visits repeat the last real one.
+    v = jnp.arange(tiles + (2 * groups - 1 if visit_empty else groups - 1), dtype=jnp.int32)
+    valid = (v < csum[-1]).astype(jnp.int32)
+    v = jnp.minimum(v, csum[-1] - 1)
     group = jnp.searchsorted(csum, v, side="right").astype(jnp.int32)
     tile = first[group] + (v - (csum[group] - count[group]))
-    return starts, ends, group, tile.astype(jnp.int32)
+    return starts, ends, group, tile.astype(jnp.int32), valid
 
 
 def _kernel(starts_ref, ends_ref, group_ref, tile_ref, d_ref, rhs_ref, o_ref, acc_ref, *, tm,
@@ -150,7 +153,7 @@ def _drhs(lhs, d, group_sizes, groups, tm, tk, tn):
     m, k = lhs.shape
     n = d.shape[1]
     tm, tk, tn = min(tm, m), min(tk, k), min(tn, n)
-    meta = _tgmm_metadata(group_sizes, m, tm)
+    meta = _group_metadata(group_sizes, m, tm, visit_empty=True)
 
     def lhs_map(kk, nn, v, starts, ends, group, tile, valid):
         return tile[v], kk
@@ -175,27 +178,6 @@ def _drhs(lhs, d, group_sizes, groups, tm, tk, tn):
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         name=f"grouped_matmul_bwd_drhs_{tm}x{tk}x{tn}",
     )(*meta, lhs, d)
-
-
-def _tgmm_metadata(group_sizes, m: int, tm: int):
-    """(starts, ends, visit_groups, visit_tiles, valid) for tgmm: every group visited at least
-    once (an empty group once, at a tile in range, all its rows masked), visits ordered by
-    group; surplus visits (the count is static) repeat the last real one with valid 0."""
-    groups = group_sizes.shape[0]
-    tiles = pl.cdiv(m, tm)
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    first = jnp.minimum(starts // tm, tiles - 1)
-    last = jnp.maximum(ends - 1, 0) // tm
-    count = jnp.where(sizes > 0, last - first + 1, 1)
-    csum = jnp.cumsum(count)
-    v = jnp.arange(tiles + 2 * groups - 1, dtype=jnp.int32)  # >= sum(count), at most.
-    valid = (v < csum[-1]).astype(jnp.int32)
-    v = jnp.minimum(v, csum[-1] - 1)
-    group = jnp.searchsorted(csum, v, side="right").astype(jnp.int32)
-    tile = first[group] + (v - (csum[group] - count[group]))
-    return starts, ends, group, tile.astype(jnp.int32), valid
 
 
 def _tgmm_kernel(starts_ref, ends_ref, group_ref, tile_ref, valid_ref, lhs_ref, d_ref, o_ref,
