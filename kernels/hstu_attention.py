@@ -31,7 +31,7 @@ What the kernel does per step, from the v6e compiler's static profile
   (``pltpu.roll(..., stride=1)``); every 128-key chunk of every strip is then a lane-aligned
   slice of that one rotated array. No gather, and one rotate per vreg of a (128, bq + bkv)
   array rather than per vreg of the block. Where it fits in VMEM (``_ROTATED_BYTES``) the
-  whole table is rotated once outside the kernel instead (``_rotated``, a tile and a reshape)
+  whole table is rotated once outside the kernel instead (``_hstu.rotated``, a tile and a reshape)
   and stays resident: every bias part is then a lane-aligned load, with no rotates and no
   block-wide bias value to spill in the kernel.
 
@@ -52,62 +52,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
+from pallas_tune.kernels import _hstu
+from pallas_tune.kernels._hstu import LANES as _LANES
+from pallas_tune.kernels._hstu import hstu_attention_reference
+from pallas_tune.kernels.hstu_attention_bwd import hstu_attention_bwd, hstu_attention_bwd_args
 
 __all__ = ["hstu_attention", "hstu_attention_reference"]
 
-_LANES = 128
 _STRIP = 256  # Query columns per stair of a diagonal block (as in flash_attention).
-_ROTATED_BYTES = 8 << 20  # VMEM for the resident rotated bias table (``_rotated``), at most.
+_ROTATED_BYTES = 8 << 20  # VMEM for the resident rotated bias table (``_hstu.rotated``), at most.
 _LAG = 2  # Software pipelining of ``update``'s parts (best of 0-3 by the v6e estimate).
-
-
-def hstu_attention_reference(q, k, v, rel_bias, *, alpha: float | None = None,
-                             norm: float | None = None):
-    """Plain-JAX HSTU attention with the same semantics (f32 scores, bf16-style P·V)."""
-    s = q.shape[2]
-    alpha = 1.0 / math.sqrt(q.shape[-1]) if alpha is None else alpha
-    norm = 1.0 / s if norm is None else norm
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * alpha
-    dist = jnp.arange(s)[:, None] - jnp.arange(s)[None, :]
-    rab = rel_bias.astype(jnp.float32)[jnp.clip(dist, 0, rel_bias.shape[0] - 1)]
-    p = jax.nn.silu(scores + rab)
-    p = jnp.where(dist >= 0, p, 0.0)
-    out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return (out * norm).astype(q.dtype)
-
-
-def _bias_rows(tab_ref, base, *, rows: int, cols: int):
-    """The rotated table from which every part of a (rows, cols) bias block is sliced.
-
-    The block is Toeplitz, B[r, c] = tab[base + c - r + rows], with ``base`` a multiple of 128
-    or static (see ``_table``). The slice L = tab[base : base + W] (W = roundup(rows + cols,
-    128)) broadcast to R = 128 rows (all ``rows`` if not a multiple of 128), row ρ rotated by
-    ρ - R, gives RW[ρ, m] = L[m - ρ + R], and rows kR .. kR + R of B are the lane-aligned
-    slice RW[:, (K-1-k)R:][:, :cols] for K = rows / R (``_bias_part``). One rotate per vreg
-    of (R, W) for the whole block, not one per vreg of the block (at 2048 x 2048: 512 rotates
-    instead of 4,352).
-    """
-    r = _LANES if rows % _LANES == 0 else rows
-    width = pl.cdiv(rows + cols, _LANES) * _LANES
-    line = tab_ref[:, pl.ds(base, width)]
-    return pltpu.roll(jnp.broadcast_to(line, (r, width)), width - r, 1, stride=1, stride_axis=0)
-
-
-def _bias_part(wide, lo: int, hi: int, nrows: int, *, rows: int):
-    """Rows [0, nrows) and columns [lo, hi) of the bias block of ``_bias_rows``."""
-    r = wide.shape[0]
-    n = rows // r
-    parts = [wide[:, (n - 1 - k) * r + lo:(n - 1 - k) * r + hi] for k in range(nrows // r)]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
-
-
-def _bias_slice(rot_ref, base, lo: int, hi: int, nrows: int, *, rows: int):
-    """``_bias_part`` loaded straight from the rotated table of ``_rotated`` (rows a multiple of
-    128): RW[:, m] = rot[:, base + m], so no rotate in the kernel and no block-wide value."""
-    n = rows // _LANES
-    parts = [rot_ref[:, pl.ds(base + (n - 1 - k) * _LANES + lo, hi - lo)]
-             for k in range(nrows // _LANES)]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
 
 def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, seq, pad, alpha,
@@ -167,9 +121,9 @@ def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, se
         base = off - bkv + pad
         base = base if isinstance(base, int) else pl.multiple_of(base, _LANES)
         if rotated:  # tab_ref holds the rotated table: slices of it are the block's bias.
-            wide = functools.partial(_bias_slice, tab_ref, base, rows=bkv)
+            wide = functools.partial(_hstu.bias_slice, tab_ref, base, rows=bkv)
         else:
-            wide = functools.partial(_bias_part, _bias_rows(tab_ref, base, rows=bkv, cols=bq),
+            wide = functools.partial(_hstu.bias_part, _hstu.bias_rows(tab_ref, base, rows=bkv, cols=bq),
                                      rows=bkv)
         ss, ps = {}, {}
         for n in range(len(parts) + 2 * _LAG):  # Part n's q kᵀ, n - LAG's SiLU, n - 2 LAG's vᵀ pᵀ.
@@ -231,58 +185,22 @@ def _staircase(update, lo, *, bq, bkv):
     update(*parts)
 
 
-def _table(rel_bias, *, pad: int, length: int):
-    """tab[x] = rel_bias[min(x - pad, nb - 1)] for x >= pad, else 0 (masked anyway): the
-    score of key k for query q has bias tab[q - k + pad].
-
-    Built from a broadcast and padding, not a gather: a gather of this size cost more than the
-    whole kernel in the v6e estimate (81,551 cycles at 4096 tokens).
-    """
-    bias = rel_bias.astype(jnp.float32)
-    nb = bias.shape[0]
-    body = bias[:min(nb, length - pad)]
-    rest = jnp.broadcast_to(bias[-1], (length - pad - body.shape[0],))
-    return jnp.concatenate([jnp.zeros((pad,), jnp.float32), body, rest])[None, :]
-
-
-def _rotated(table):
-    """rot[ρ, y] = tab[y - ρ + 128] (0 where y - ρ + 128 is past the end): the table of
-    ``_bias_rows`` rotated once for every block, (128, len) and resident in VMEM."""
-    n = table.shape[1]
-    # ext[i] = tab[i + 128] for -128 <= i < n - 128 (indices mod len(ext)), zero past the end;
-    # row r of ext tiled and read with a row length one shorter than ext is ext[y - r], so
-    # rot[r, y] = tab[y - r + 128]. No gather: a tile, a reshape and slices.
-    ext = jnp.concatenate([table[0, _LANES:], jnp.zeros((_LANES,), table.dtype),
-                           table[0, :_LANES]])
-    e = ext.shape[0]
-    return jnp.tile(ext, _LANES)[:_LANES * (e - 1)].reshape(_LANES, e - 1)[:, :n]
-
-
-def _blocks(seq: int, bq: int, bkv: int) -> tuple[int, int]:
-    bq, bkv = min(bq, seq), min(bkv, seq)
-    for name, b in (("bq", bq), ("bkv", bkv)):
-        if b != seq and b % _LANES:
-            raise pt.InvalidConfig(f"{name}={b} must be a multiple of {_LANES} or cover the "
-                                   f"whole sequence ({seq})")
-    return bq, bkv
-
-
 def _standin(args, kwargs, config):
     """Fewer (batch, head) rows, identical work each, same tiles (tpu-estimate)."""
     from pallas_tune.measure.estimate import shrink_parallel
 
     q, k, v, rel_bias = args
     b, h, s, _ = q.shape
-    bq, bkv = _blocks(s, config["bq"], config["bkv"])
+    bq, bkv = _hstu.blocks(s, config["bq"], config["bkv"])
     (nb, nh), scale = shrink_parallel([b, h], pl.cdiv(s, bq) * pl.cdiv(s, bkv))
     shape = lambda x: jax.ShapeDtypeStruct((nb, nh, s, x.shape[-1]), x.dtype)  # noqa: E731
     return [shape(q), shape(k), shape(v), rel_bias], kwargs, scale
 
 
-# backward="xla": jax.grad is jax.vjp of the reference, recomputed from the inputs (no backward
-# kernel yet: nothing of the gradient is tuned).
+# Its gradient is hstu_attention_bwd's two Pallas passes (dK/dV with the bias table's gradient,
+# then dQ), a tunable kernel of its own resolved when the gradient is traced.
 @pt.tunable(space="hstu_attention", reference=hstu_attention_reference, standin=_standin,
-            backward="xla")
+            backward=hstu_attention_bwd, backward_args=hstu_attention_bwd_args)
 def hstu_attention(q, k, v, rel_bias, *, alpha: float | None = None, norm: float | None = None,
                    bq: int, bkv: int):
     """Causal HSTU attention; see the module docstring. ``rel_bias``: (num_buckets,), any float.
@@ -298,23 +216,23 @@ def hstu_attention(q, k, v, rel_bias, *, alpha: float | None = None, norm: float
         raise ValueError(f"rel_bias must be a non-empty 1-D table, got shape {rel_bias.shape}")
     alpha = 1.0 / math.sqrt(d) if alpha is None else float(alpha)
     norm = 1.0 / s if norm is None else float(norm)
-    bq, bkv = _blocks(s, bq, bkv)
+    bq, bkv = _hstu.blocks(s, bq, bkv)
     nq, nk = pl.cdiv(s, bq), pl.cdiv(s, bkv)
     # Bias slices start at q_start - k_start + lo - rows + pad (``_kernel``): multiples of 128
     # when pad = bkv (mod 128), since blocks are multiples of 128 or cover the sequence (then
     # their start is a static 0), and so are the staircase's strips. Slices end before
     # nq * bq + pad + 128.
     pad = pl.cdiv(bq + bkv, _LANES) * _LANES + bkv % _LANES
-    table = _table(rel_bias, pad=pad, length=pl.cdiv(nq * bq + pad + _LANES, _LANES) * _LANES)
+    table = _hstu.table(rel_bias, pad=pad, length=pl.cdiv(nq * bq + pad + _LANES, _LANES) * _LANES)
     # The table rotated once outside the kernel and resident in VMEM where it fits (at 4096
     # tokens, 2048x2048, 8,321 fewer estimated cycles in the kernel, 4,700 more outside it);
-    # else each step rotates its own slice (``_bias_rows``).
+    # else each step rotates its own slice (``_hstu.bias_rows``).
     # Not for one block per sequence: one rotation per (batch, head) costs less in the kernel
     # (S=2048, 2048x2048: 77,269 cycles against 80,111).
     rotated = (bkv % _LANES == 0 and nq * nk > 1
                and _LANES * table.shape[1] * 4 <= _ROTATED_BYTES)
     if rotated:
-        table = _rotated(table)
+        table = _hstu.rotated(table)
 
     def kv_index(bi, hi, i, j):
         last = (i * bq + bq - 1) // bkv  # Repeat the last needed block: no DMA when skipped.

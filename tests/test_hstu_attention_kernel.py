@@ -22,11 +22,8 @@ from model_kernel_checks import (
     estimate_sweep,
     oracle,
 )
-from pallas_tune.kernels.hstu_attention import (
-    _table,
-    hstu_attention,
-    hstu_attention_reference,
-)
+from pallas_tune.kernels._hstu import table as _table
+from pallas_tune.kernels.hstu_attention import hstu_attention, hstu_attention_reference
 
 import pallas_tune as pt
 
