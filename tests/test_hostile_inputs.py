@@ -211,6 +211,8 @@ def test_chip_flag_on_a_cpu_host_is_a_message(cache_dir, capsys, monkeypatch, ch
     (dict(chip="bogus"), "chip"), (dict(storage="bogus://"), "storage"),
     (dict(storage="notaurl"), "storage"), (dict(seed=2**40), "seed"),
     (dict(repeats=10**12), "repeats"), (dict(max_attempts=10**15), "max_attempts"),
+    (dict(worker_memory_gb=0), "worker_memory_gb"),
+    (dict(worker_memory_gb=float("nan")), "worker_memory_gb"),
 ])
 def test_tune_options_reject_absurd_values(kwargs, words):
     with pytest.raises(TuneOptionError, match=words):
@@ -221,7 +223,7 @@ def test_tune_options_reject_absurd_values(kwargs, words):
     dict(chip="v6e"), dict(chip="TPU v6 lite"), dict(chip="nvidia_h100"), dict(chip="cpu"),
     dict(chip="NVIDIA GH200 480GB"), dict(chip="tpu_v9"), dict(storage="sqlite:///tune.db"),
     dict(storage="postgresql+psycopg://user@host/db"), dict(storage="sqlite://"),
-    dict(trials=100_000, workers=8, seed=2**32 - 1),
+    dict(trials=100_000, workers=8, seed=2**32 - 1), dict(worker_memory_gb=9.5),
 ])
 def test_tune_options_keep_accepting_real_values(kwargs):
     pt.TuneOptions(**kwargs)

@@ -173,3 +173,25 @@ def test_estimate_sweeps_warm_start_from_neighbours_and_the_roofline(cache_dir, 
     assert tiles[1] == (512, 256, 1024), tiles
     # The third is the roofline model's pick: big tiles, not a sampler's random point.
     assert tiles[2][0] * tiles[2][1] >= 512 * 512, tiles
+
+
+def test_worker_memory_gb_caps_each_estimate_worker(monkeypatch):
+    """TuneOptions.worker_memory_gb (--worker-memory-gb) reaches the estimate pool as a byte
+    cap; unset, the pool's host-sized default (-1) applies."""
+    import types
+
+    from pallas_tune.measure import estimate
+    from pallas_tune.tuning.options import TuneOptions
+    from pallas_tune.tuning.plan import open_evaluator
+
+    seen = []
+
+    def evaluator(*_, memory_limit_bytes, **__):
+        seen.append(memory_limit_bytes)
+        return types.SimpleNamespace(start=lambda: None)
+
+    monkeypatch.setattr(estimate, "EstimateEvaluator", evaluator)
+    plan = types.SimpleNamespace(estimating=True, parts=None, setup=None)
+    open_evaluator(plan, TuneOptions(worker_memory_gb=1.5))
+    open_evaluator(plan, TuneOptions())
+    assert seen == [int(1.5 * 2**30), -1]

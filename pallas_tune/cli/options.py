@@ -13,7 +13,8 @@ __all__ = ["add_tune_options", "tune_options"]
 _OPTION_TYPES: dict[str, Any] = {
     **dict.fromkeys(("trials", "seed", "warm_start", "patience", "max_attempts", "warmup",
                      "repeats", "retime_top", "workers", "compile_workers"), int),
-    **dict.fromkeys(("min_time_s", "max_time_s", "slow_factor", "vreg_limit"), float),
+    **dict.fromkeys(("min_time_s", "max_time_s", "slow_factor", "vreg_limit",
+                     "worker_memory_gb"), float),
     **dict.fromkeys(("sampler", "storage", "study_name", "timer", "chip", "feasibility",
                      "estimate_fallback"), str),
     **dict.fromkeys(("isolate", "standin", "write", "xla", "grad", "transfer"), bool),

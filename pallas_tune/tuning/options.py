@@ -92,6 +92,9 @@ class TuneOptions:
         Measurement uses one.
       compile_workers: in-process, compile a batch in this many threads, then measure one at
         a time (default 1 on a CPU backend, 4 on an accelerator).
+      worker_memory_gb: address-space cap of each ``tpu-estimate`` compile worker, in GiB; a
+        compile past it fails as that trial's outcome instead of taking the host's memory
+        (default None: the host's memory less a reserve, split between the workers).
 
     Screening
       feasibility: ``"auto"`` (default; on TPU chips ``"compile"`` where libtpu is installed and
@@ -140,6 +143,7 @@ class TuneOptions:
     timeout_s: float | Mapping[str, float] | None = None
     workers: int = 2
     compile_workers: int | None = None
+    worker_memory_gb: float | None = None
     feasibility: str = "auto"
     vreg_limit: float | None = None
     standin: bool = True
@@ -165,6 +169,8 @@ class TuneOptions:
             _number(self, "slow_factor", 1.0, strict=True)
         if self.vreg_limit is not None:
             _number(self, "vreg_limit", 0.0, strict=True)
+        if self.worker_memory_gb is not None:
+            _number(self, "worker_memory_gb", 0.0, strict=True)
         for name in ("isolate", "xla"):
             if getattr(self, name) not in (None, True, False):
                 raise TuneOptionError(f"{name}={getattr(self, name)!r} must be True, False or "

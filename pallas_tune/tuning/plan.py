@@ -107,7 +107,9 @@ def open_evaluator(plan: Plan, options: TuneOptions) -> Evaluator:
 
         evaluator: Evaluator = EstimateEvaluator(
             plan.parts, plan.setup, workers=options.workers, limits=options.limits,
-            fallback=options.estimate_fallback, standin=options.standin)
+            fallback=options.estimate_fallback, standin=options.standin,
+            memory_limit_bytes=(-1 if options.worker_memory_gb is None
+                                else int(options.worker_memory_gb * (1 << 30))))
     elif plan.isolate:
         from pallas_tune.measure.pool import Pool
 
