@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, subprocess_env
 
 EXAMPLES = [p for p in sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
-            if p.name != "train_step.py"]  # Checked in detail below.
+            if p.name not in ("train_step.py", "train_hstu.py")]  # Checked in detail below.
 ARGS = {"tune_matmul.py": ["--size", "256", "--trials", "4"]}
 
 
@@ -58,3 +58,17 @@ def test_autotune_step_estimates_the_step_composed(tmp_path):
     figures = dict(re.findall(r"(default|tuned|xla) ([0-9.e-]+) ms", r.stdout))
     assert set(figures) == {"default", "tuned", "xla"}
     assert float(figures["tuned"]) <= float(figures["default"]) * 1.05  # Tuning's ranking.
+
+
+def test_train_hstu_tunes_the_pallas_backward_and_trains(tmp_path):
+    """examples/train_hstu.py: the backward tuned is the Pallas kernel, its entry written to
+    the cache, the traced gradient matches XLA's autodiff of the reference (the example asserts
+    it), and SGD lowers the loss."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_hstu.py")],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=tmp_path / "cache"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "backward (pallas)" in r.stdout and "gradient matches" in r.stdout
+    assert list((tmp_path / "cache").glob("*/*hstu_attention_bwd*.json"))
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", r.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
