@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pallas_tune.config import _freeze
+
 __all__ = ["Landscape", "STRATEGIES", "Trace", "find_landscapes", "load", "make_prior", "run",
            "trace"]
 
@@ -77,10 +79,6 @@ class Landscape:
     @property
     def optimum(self) -> float:
         return min(self.means.values())
-
-
-def _freeze(v: Any) -> Any:
-    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
 
 
 def load(path: str) -> Landscape:
