@@ -1,9 +1,10 @@
 """Training shapes, forward and backward: XLA vs upstream vs tuned, v6e compiler ESTIMATES.
 
 Every shipped kernel with a Pallas backward (matmul, grouped matmul, flash attention, HSTU
-attention) on the training shape sets below (HSTU: its DLRM-HSTU set, search_spaces/hstu_attention.toml): per shape a forward row and a backward row, each compiled deviceless
-for TPU v6e with libtpu, each program's static cycle estimate converted at the chip clock (as in
-benchmarks/model_shapes.py, whose helpers this reuses):
+attention) on the training shape sets below (HSTU: its DLRM-HSTU set,
+search_spaces/hstu_attention.toml): per shape a forward row and a backward row, each compiled
+deviceless for TPU v6e with libtpu, each program's static cycle estimate converted at the chip
+clock (as in benchmarks/model_shapes.py, whose helpers this reuses):
 
 - XLA: forward, the kernel's plain-JAX ``*_reference``; backward, XLA's gradient: ``jax.vjp`` of
   that reference at the same arguments for the same cotangent (benchmarks/xla_gradient.py,

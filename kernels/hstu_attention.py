@@ -30,8 +30,9 @@ What the kernel does per step, from the v6e compiler's static profile
   128-lane-aligned slice of the table, broadcast to 128 rows and rotated with a per-row stride
   (``pltpu.roll(..., stride=1)``); every 128-key chunk of every strip is then a lane-aligned
   slice of that one rotated array. No gather, and one rotate per vreg of a (128, bq + bkv)
-  array rather than per vreg of the block. Where it fits in VMEM (``_ROTATED_BYTES``) the
-  whole table is rotated once outside the kernel instead (``_hstu.rotated``, a tile and a reshape)
+  array rather than per vreg of the block. Where it fits in VMEM (``_hstu.ROTATED_BYTES``) the
+  whole table is rotated once outside the kernel instead (``_hstu.bias_table``: a tile and a
+  reshape)
   and stays resident: every bias part is then a lane-aligned load, with no rotates and no
   block-wide bias value to spill in the kernel.
 
@@ -60,7 +61,6 @@ from pallas_tune.kernels.hstu_attention_bwd import hstu_attention_bwd, hstu_atte
 __all__ = ["hstu_attention", "hstu_attention_reference"]
 
 _STRIP = 256  # Query columns per stair of a diagonal block (as in flash_attention).
-_ROTATED_BYTES = 8 << 20  # VMEM for the resident rotated bias table (``_hstu.rotated``), at most.
 _LAG = 2  # Software pipelining of ``update``'s parts (best of 0-3 by the v6e estimate).
 
 
@@ -123,8 +123,8 @@ def _kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, acc_ref, *, bq, bkv, nq, nk, se
         if rotated:  # tab_ref holds the rotated table: slices of it are the block's bias.
             wide = functools.partial(_hstu.bias_slice, tab_ref, base, rows=bkv)
         else:
-            wide = functools.partial(_hstu.bias_part, _hstu.bias_rows(tab_ref, base, rows=bkv, cols=bq),
-                                     rows=bkv)
+            wide = functools.partial(_hstu.bias_part,
+                                     _hstu.bias_rows(tab_ref, base, rows=bkv, cols=bq), rows=bkv)
         ss, ps = {}, {}
         for n in range(len(parts) + 2 * _LAG):  # Part n's q kᵀ, n - LAG's SiLU, n - 2 LAG's vᵀ pᵀ.
             if n < len(parts):
@@ -218,21 +218,7 @@ def hstu_attention(q, k, v, rel_bias, *, alpha: float | None = None, norm: float
     norm = 1.0 / s if norm is None else float(norm)
     bq, bkv = _hstu.blocks(s, bq, bkv)
     nq, nk = pl.cdiv(s, bq), pl.cdiv(s, bkv)
-    # Bias slices start at q_start - k_start + lo - rows + pad (``_kernel``): multiples of 128
-    # when pad = bkv (mod 128), since blocks are multiples of 128 or cover the sequence (then
-    # their start is a static 0), and so are the staircase's strips. Slices end before
-    # nq * bq + pad + 128.
-    pad = pl.cdiv(bq + bkv, _LANES) * _LANES + bkv % _LANES
-    table = _hstu.table(rel_bias, pad=pad, length=pl.cdiv(nq * bq + pad + _LANES, _LANES) * _LANES)
-    # The table rotated once outside the kernel and resident in VMEM where it fits (at 4096
-    # tokens, 2048x2048, 8,321 fewer estimated cycles in the kernel, 4,700 more outside it);
-    # else each step rotates its own slice (``_hstu.bias_rows``).
-    # Not for one block per sequence: one rotation per (batch, head) costs less in the kernel
-    # (S=2048, 2048x2048: 77,269 cycles against 80,111).
-    rotated = (bkv % _LANES == 0 and nq * nk > 1
-               and _LANES * table.shape[1] * 4 <= _ROTATED_BYTES)
-    if rotated:
-        table = _hstu.rotated(table)
+    table, pad, rotated = _hstu.bias_table(rel_bias, seq=s, bq=bq, bkv=bkv)
 
     def kv_index(bi, hi, i, j):
         last = (i * bq + bq - 1) // bkv  # Repeat the last needed block: no DMA when skipped.

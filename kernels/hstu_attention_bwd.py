@@ -50,7 +50,6 @@ from pallas_tune.kernels._hstu import LANES, hstu_attention_reference
 __all__ = ["hstu_attention_bwd", "hstu_attention_bwd_args", "hstu_attention_bwd_reference"]
 
 _SUBLANES = 8
-_ROTATED_BYTES = 8 << 20  # As the forward: the rotated table stays resident where it fits.
 _DOT_T = (((1,), (1,)), ((), ()))  # a bᵀ: contract both minor dims.
 
 
@@ -113,15 +112,6 @@ def _fold(dtab, pad: int, s: int, nb: int):
     return jnp.concatenate([dist[:nb - 1], jnp.sum(dist[nb - 1:])[None]])
 
 
-def _bias_table(rel_bias, n: int, bq: int, bkv: int):
-    """(table, pad, rotated) as the forward builds them for blocks (bq, bkv) over n rows."""
-    pad = pl.cdiv(bq + bkv, LANES) * LANES  # bkv is a multiple of 128 here.
-    nq = n // bq
-    table = _hstu.table(rel_bias, pad=pad, length=pl.cdiv(nq * bq + pad + LANES, LANES) * LANES)
-    rotated = nq * (n // bkv) > 1 and LANES * table.shape[1] * 4 <= _ROTATED_BYTES
-    return (_hstu.rotated(table) if rotated else table), pad, rotated
-
-
 def _recompute(tab_ref, q_ref, k_ref, v_ref, g_ref, *, i, j, bq, bkv, pad, rotated, mask):
     """(pᵀ, dsᵀ without norm) of the block, (bkv, bq) f32, and the table offset it read."""
     q_start, k_start = i * bq, j * bkv
@@ -180,7 +170,7 @@ def _unrotate(acc):
 def _dkv_call(rel_bias, qa, k, v, g, bq, bkv, *, norm):
     b, h, n, d = qa.shape
     nq, nk = n // bq, n // bkv
-    table, pad, rotated = _bias_table(rel_bias, n, bq, bkv)
+    table, pad, rotated = _hstu.bias_table(rel_bias, seq=n, bq=bq, bkv=bkv)
     width = table.shape[1]
 
     def q_index(bi, hi, j, i):  # The q blocks before the first that sees KV block j repeat it.
@@ -244,7 +234,7 @@ def _dkv_kernel(tab_ref, q_ref, k_ref, v_ref, g_ref, dk_ref, dv_ref, dtab_ref, d
 
 def _dq_call(rel_bias, qa, k, v, g, bq, bkv, *, scale):
     b, h, n, d = qa.shape
-    table, pad, rotated = _bias_table(rel_bias, n, bq, bkv)
+    table, pad, rotated = _hstu.bias_table(rel_bias, seq=n, bq=bq, bkv=bkv)
 
     def kv_index(bi, hi, i, j):  # Skipped blocks repeat the last needed one (no DMA).
         return (bi, hi, jnp.minimum(j, (i * bq + bq - 1) // bkv), 0)
