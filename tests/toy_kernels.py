@@ -241,3 +241,28 @@ def poor_scale(x, *, factor=2.0, br, bc, buffering):
     multiply beats every config on the compiler's estimate (the XLA-wins case for
     ``tpu-estimate``)."""
     return scale.fn(x, factor=factor, br=br, bc=bc, buffering=buffering)
+
+
+def matmul_bwd_whole(x, y, g, **tiles):
+    """matmul_bwd's two kernels with one trivial XLA op after them: a program that is not
+    only kernels, so the tpu-estimate timer compiles it whole (the comparison for the
+    one-kernel-per-compile estimate of matmul_bwd itself)."""
+    from pallas_tune.kernels.matmul_bwd import matmul_bwd
+
+    dx, dy = matmul_bwd.fn(x, y, g, **tiles)
+    return dx, dy + jnp.zeros((), dy.dtype)
+
+
+def matmul_bwd_dx(x, y, g, **tiles):
+    """matmul_bwd's dx kernel alone: dy's result is dropped, so the compiler drops its kernel
+    (and the tpu-estimate timer does not split the program)."""
+    from pallas_tune.kernels.matmul_bwd import matmul_bwd
+
+    return matmul_bwd.fn(x, y, g, **tiles)[0]
+
+
+def matmul_bwd_dy(x, y, g, **tiles):
+    """matmul_bwd's dy kernel alone (see matmul_bwd_dx)."""
+    from pallas_tune.kernels.matmul_bwd import matmul_bwd
+
+    return matmul_bwd.fn(x, y, g, **tiles)[1]

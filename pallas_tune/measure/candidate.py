@@ -259,7 +259,8 @@ def screen(parts: KernelParts, calls: Sequence[Any], args: Sequence[Any],
     if verdict.status in _UNCERTAIN and stage == "compile":
         if channel is not None:
             channel.phase("check")
-        result = _compile.compile_deviceless(parts.fn, args, kwargs, chip=chip)
+        result = (_compile.compile_per_call(parts.fn, args, kwargs, chip=chip)
+                  or _compile.compile_deviceless(parts.fn, args, kwargs, chip=chip))
         if not result.ok:
             return ((_failure_outcome(result.kind), f"compiler: {result.message[:2000]}",
                      result.kind), verdict.vmem_bytes)

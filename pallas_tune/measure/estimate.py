@@ -56,6 +56,7 @@ class EstimateResult:
     message: str = ""
     ops_without_estimate: int = 0  # Compiled ops whose LLO estimate was 0 (not counted).
     model_cycles: int | None = None  # XLA's cost model, summed over fusions (XLA programs).
+    kernels_alone: int = 0  # > 0: the sum of this many kernels, each compiled alone.
 
 
 def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -73,7 +74,10 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
     if loops:
         return EstimateResult(ok=False, kind="no_estimate", scale=scale,
                               message=dynamic_loop_message(parts.name, loops))
-    result = _compile.compile_deviceless(parts.fn, args, {**kwargs, **config}, chip=chip)
+    # A program of kernels only is compiled one kernel per program, at a fraction of the
+    # memory of profiling them together (see compile_per_call).
+    split = _compile.compile_per_call(parts.fn, args, {**kwargs, **config}, chip=chip)
+    result = split or _compile.compile_deviceless(parts.fn, args, {**kwargs, **config}, chip=chip)
     if not result.ok:
         return EstimateResult(ok=False, kind=result.kind, message=result.message,
                               compile_s=result.compile_s, scale=scale)
@@ -86,7 +90,8 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
                           scoped_vmem_bytes=result.scoped_vmem_bytes,
                           ops_without_estimate=sum(c == 0 for c in result.estimated_cycles),
                           model_cycles=int(round(sum(result.model_cycles) * scale))
-                          if result.model_cycles else None)
+                          if result.model_cycles else None,
+                          kernels_alone=len(result.estimated_cycles) if split else 0)
 
 
 class EstimateSession:
@@ -167,7 +172,7 @@ class EstimateSession:
             return TrialRecord(outcome=Outcome.OK, cycles=r.cycles, vmem_bytes=r.scoped_vmem_bytes,
                                measurement=Measurement(times_ms=(ms,), compile_ms=r.compile_s * 1e3,
                                                        timer="tpu-estimate"),
-                               detail=f"estimate x{r.scale:g}" if r.scale != 1 else "", **common)
+                               detail=_detail(r), **common)
         if r.kind == "no_estimate" and self.fallback == "roofline":
             rl = roofline_calls(p.calls, chip_spec(self.chip))
             return TrialRecord(outcome=Outcome.OK, detail="roofline model (libtpu returned no "
@@ -205,6 +210,14 @@ class EstimateSession:
                      ) -> EstimateResult:
         return estimate(refs.load(), cand.from_wire(args), cand.from_wire(kwargs), config, chip,
                         standin)
+
+
+def _detail(r: EstimateResult) -> str:
+    """How an estimate was made, where not as one whole compile of the full problem."""
+    parts = [f"estimate x{r.scale:g}"] if r.scale != 1 else []
+    if r.kernels_alone:
+        parts.append(f"sum of {r.kernels_alone} kernels compiled alone")
+    return "; ".join(parts)
 
 
 def _memory_limit(workers: int, limit: int | None, total: int | None = None) -> int | None:
