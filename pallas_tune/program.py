@@ -220,6 +220,7 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
     too large to compile whole on the host (:func:`pallas_tune.step.composed`). Under that timer the
     calls are looked up in, and tuned for, the target chip's cache (``chip=``).
     """
+    from pallas_tune.measure import shared
     from pallas_tune.tuning import TuneOptions
 
     if step_time not in (False, True, "composed"):
@@ -238,18 +239,14 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
     with chips.target(options.chip) if estimating and options.chip else _nothing():
         found = [(call, _cached(call)) for call in find_calls(fn, *args, **kwargs)]
     calls, results = [], {}
-    for call, done in found:
-        if done is not None:
-            calls.append(done)
-            continue
-        result = call.kernel.tune(*call.args, options=options, **call.kwargs)
-        results[(call.kernel.name, call.key)] = (call.kernel, result)
-        calls.append(TunedCall(
-            kernel=call.kernel.name, key=call.key, chip=result.chip, config=result.best,
-            source="tuned", implementation=result.implementation,
-            default_ms=result.default_ms, best_ms=result.best_ms, xla_ms=result.xla_ms,
-            xla_partial=result.xla_partial,
-            timer=str(result.provenance.get("timer", "")), effective=result.effective))
+    with shared.shared_pools():  # The calls' estimate runs share their compile workers.
+        for call, done in found:
+            if done is not None:
+                calls.append(done)
+                continue
+            result = call.kernel.tune(*call.args, options=options, **call.kwargs)
+            results[(call.kernel.name, call.key)] = (call.kernel, result)
+            calls.append(_tuned(call, result))
     out = AutotuneResult(calls, results=results)
     if step_time and estimating:
         chip = options.chip or (calls[0].chip if calls else "v6e")
@@ -259,6 +256,14 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
     elif step_time:
         out.step_ms, out.step_timer = step.wall_clock(fn, args, kwargs, out)
     return out
+
+
+def _tuned(call: Call, result: Any) -> TunedCall:
+    return TunedCall(kernel=call.kernel.name, key=call.key, chip=result.chip, config=result.best,
+                     source="tuned", implementation=result.implementation,
+                     default_ms=result.default_ms, best_ms=result.best_ms,
+                     xla_ms=result.xla_ms, xla_partial=result.xla_partial,
+                     timer=str(result.provenance.get("timer", "")), effective=result.effective)
 
 
 def _nothing() -> Any:

@@ -115,3 +115,40 @@ def test_recheck_xla_adds_xla_to_entries_tuned_without_it(cache_dir, fresh, caps
     assert main(["recheck-xla", ref, "--chip", "v6e", "--path", TESTS_DIR]) == 0
     assert "no estimate entry without an XLA figure" in capsys.readouterr().out
     assert os.path.isdir(cache_dir)
+
+
+@pytest.mark.libtpu
+def test_autotune_starts_the_compile_workers_once_for_all_its_calls(fresh, monkeypatch):
+    """A program's calls share one pool of estimate workers (each loads libtpu once): the
+    second call's run retargets the workers the first one started; each run still tunes its
+    own kernel against its own reference, and the pool closes when autotune returns."""
+    from pallas_tune.measure import estimate, pool
+
+    started, closed = [], []
+    real_worker, real_close = pool._Worker, pool.Pool.close
+
+    def worker(spec):
+        started.append(spec.factory)
+        return real_worker(spec)
+
+    def close(self):
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(pool, "_Worker", worker)
+    monkeypatch.setattr(pool.Pool, "close", close)
+
+    def program(x):
+        return jnp.tanh(fresh.poor_scale(x)) + fresh.scale(x) * 3.0
+
+    fresh.poor_scale._memo.clear()
+    res = pt.autotune(program, X, trials=2, timer="tpu-estimate", chip="v6e", workers=1)
+    assert [c.source for c in res.calls] == ["tuned", "tuned"]
+    impl = {c.kernel: c.implementation for c in res.calls}
+    assert impl[fresh.poor_scale.name] == "xla" and impl[fresh.scale.name] == "pallas"
+    assert all(math.isfinite(c.best_ms) for c in res.calls)
+    assert started == [estimate._SESSION] and len(closed) == 1  # One worker, one pool.
+    # Outside autotune, each tuning run has its pool of its own, as before.
+    fresh.scale.tune(X, trials=1, timer="tpu-estimate", chip="v6e", workers=1, write=False)
+    assert len(started) == 2 and len(closed) == 2
+    fresh.poor_scale._memo.clear()

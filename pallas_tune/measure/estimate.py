@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from pallas_tune.measure import candidate as cand
+from pallas_tune.measure import shared
 from pallas_tune.measure.evaluate import PoolEvaluator
 from pallas_tune.measure.loops import data_dependent_loops, dynamic_loop_message
 from pallas_tune.measure.pool import Pool
@@ -107,6 +108,14 @@ class EstimateSession:
         flags = os.environ.get("LIBTPU_INIT_ARGS", "")
         if FLAG not in flags:  # Before libtpu loads: nothing imported jax yet.
             os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {FLAG}={dump}".strip()
+        self.retarget(parts, setup, use_standin, fallback)
+
+    def retarget(self, parts: cand.PartRefs | None, setup: cand.Setup | None,
+                 use_standin: bool = True, fallback: str | None = None,
+                 channel: Any = None) -> None:
+        """Serves another tuning run (another kernel or shape) in this worker: a pool shared
+        by the calls of one :func:`pallas_tune.autotune` starts its workers once."""
+        del channel  # Unused.
         from pallas_tune import chips
 
         self.parts = parts.load() if parts is not None else None
@@ -214,10 +223,8 @@ class EstimateSession:
 
 def _detail(r: EstimateResult) -> str:
     """How an estimate was made, where not as one whole compile of the full problem."""
-    parts = [f"estimate x{r.scale:g}"] if r.scale != 1 else []
-    if r.kernels_alone:
-        parts.append(f"sum of {r.kernels_alone} kernels compiled alone")
-    return "; ".join(parts)
+    return "; ".join(([f"estimate x{r.scale:g}"] if r.scale != 1 else []) + (
+        [f"sum of {r.kernels_alone} kernels compiled alone"] if r.kernels_alone else []))
 
 
 def _memory_limit(workers: int, limit: int | None, total: int | None = None) -> int | None:
@@ -251,18 +258,35 @@ class EstimateEvaluator(PoolEvaluator):
     def __init__(self, parts: cand.KernelParts, setup: cand.Setup, *, workers: int = 2,
                  limits: Mapping[str, float | None] | None = None, fallback: str | None = None,
                  standin: bool = True, memory_limit_bytes: int | None = -1):
-        self._dump = tempfile.mkdtemp(prefix="pallas-tune-llo-")
         refs = parts.refs()
         wire = dataclasses.replace(setup, args=cand.to_wire(list(setup.args)),
                                    kwargs=cand.to_wire(dict(setup.kwargs)))
         self.has_standin = standin and parts.standin is not None
         self._reference = (cand.KernelParts.of(parts.reference).refs(), wire
                            ) if parts.reference is not None else None
-        super().__init__(_estimate_pool((refs, wire, self._dump, self.has_standin, fallback),
-                                        workers=workers, main_path=refs.main_path,
-                                        limits=limits, memory_limit=memory_limit_bytes),
-                         reference=False)
+        job, dumps = (refs, wire, self.has_standin, fallback), []
+
+        def start() -> tuple[Pool, str]:
+            dumps.append(tempfile.mkdtemp(prefix="pallas-tune-llo-"))
+            return _estimate_pool((refs, wire, dumps[0], *job[2:]), workers=workers,
+                                  main_path=refs.main_path, limits=limits,
+                                  memory_limit=memory_limit_bytes), dumps[0]
+
+        pool, reused = shared.acquire((workers, tuple(sorted((limits or {}).items())),
+                                       memory_limit_bytes, refs.main_path), start)
+        if reused:
+            pool.retarget("retarget", *job)
+        self._pool_kept = shared.active()  # The pool outlives this run: see measure.shared.
+        self._dump = "" if self._pool_kept else dumps[0]
+        super().__init__(pool, reference=False)
         self.fallback = fallback
+
+    def start(self) -> dict[str, Any]:
+        device = super().start()
+        if self._pool_kept:  # The first job's info: ask the retargeted session again.
+            reply = self.pool.call("info", phase="trace")
+            self.device = reply.value if reply.kind == "done" else device
+        return self.device
 
     def _evaluate(self, candidates: Any) -> list[TrialRecord]:
         records = super()._evaluate(candidates)
@@ -320,6 +344,8 @@ class EstimateEvaluator(PoolEvaluator):
         return use, check
 
     def close(self) -> None:
+        if self._pool_kept:  # The pool outlives this run (see shared_pools).
+            return
         super().close()
         shutil.rmtree(self._dump, ignore_errors=True)
 

@@ -240,6 +240,12 @@ class Pool:
             if w.info is not None and w.job is None:
                 w.call_now(method, args)
 
+    def retarget(self, method: str, *args: Any) -> None:
+        """Forgets what :meth:`remember` replays, then remembers ``method(*args)``: a pool kept
+        for a new job (a worker started later sets up for that job alone)."""
+        self._replay.clear()
+        self.remember(method, *args)
+
     def call(self, method: str, *args: Any, phase: str = "run",
              answer: Callable[[Any], Any] | None = None) -> Reply:
         """One call on one worker (see :meth:`map`)."""
