@@ -177,7 +177,9 @@ def _ms(rows_step: dict, detail: dict, k: str) -> str:
     if v is None or not math.isfinite(v):
         errors = [c["error"] for c in detail[k].get("calls", []) if "error" in c]
         return "no estimate: " + str(detail[k].get("error") or (errors or ["?"])[0])[:80]
-    return f"{v:.3f}" + (" partial" if detail.get(k, {}).get("partial") else "")
+    n = detail.get(k, {}).get("standalone", 0)
+    return (f"{v:.3f}" + (" partial" if detail.get(k, {}).get("partial") else "")
+            + (f" ({n} call(s) standalone)" if n else ""))
 
 
 def _num(v) -> str:
@@ -195,7 +197,8 @@ def _composed(r: dict) -> list[str]:
            f"({d['glue']['cycles']} cycles, compiled in {d['glue']['compile_s']} s). Each call "
            "below: what putting it back into the glue adds, all its occurrences (ms, ESTIMATE); "
            "'in the one above' = it vanished when that call ran as XLA (XLA's autodiff "
-           f"replaced it). Step figures estimated in {r.get('step_wall_s', '?')} s.", "",
+           "replaced it); 'standalone' = its in-step program failed to compile, so it was "
+           "estimated as a program of its own (inputs as parameters). Step figures estimated in {r.get('step_wall_s', '?')} s.", "",
            "| kernel | key | calls | source | tuned runs | tuned config | default | tuned | "
            "all-XLA |", "|---|---|---|---|---|---|---|---|---|"]
     for i, c in enumerate(d["calls"]):
@@ -204,7 +207,8 @@ def _composed(r: dict) -> list[str]:
         for name in ("default", "tuned", "xla"):
             f = d.get(name, {}).get("calls", [])
             f = f[i] if i < len(f) else {}
-            cells.append(_num(f["ms"]) + (" partial" if f.get("partial") else "") if "ms" in f
+            cells.append(_num(f["ms"]) + (" partial" if f.get("partial") else "")
+                         + (" standalone" if f.get("standalone") else "") if "ms" in f
                          else "in the one above" if f.get("absorbed")
                          else f"error: {f['error'][:60]}" if "error" in f else "-")
         out.append(f"| {c['kernel'].rsplit('.', 1)[-1]} | `{c['key']}` | {c['count']} | "

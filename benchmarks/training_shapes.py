@@ -30,7 +30,7 @@ clock (as in benchmarks/model_shapes.py, whose helpers this reuses):
 Every figure is a COMPILER ESTIMATE, not a measurement.
 
     python benchmarks/training_shapes.py [--only llama3_training_matmul ...] [--max-shapes N]
-        [--indices I ...] [--passes forward backward] [--skip-xla [SET ...]]
+        [--indices I ...] [--passes forward backward] [--skip-xla [SET ...]] [--memory-gb G]
         [--rows-out part.json] [--out benchmarks/results/training_shapes.md]
     python benchmarks/training_shapes.py --combine part1.json part2.json --out ...
 
@@ -169,6 +169,8 @@ def main() -> None:
     p.add_argument("--indices", nargs="+", type=int,
                    help="only these shapes (0-based, in each set's file order)")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    p.add_argument("--memory-gb", type=float, default=0,
+                   help="cap each compile worker's memory (GB; 0: host memory less a reserve)")
     a = p.parse_args()
     if a.combine:
         ms.combine(a.combine, a.out, title=TITLE, sets=SETS, render_fn=render)
@@ -183,7 +185,8 @@ def main() -> None:
     clock = chip_spec("v6e").clock_hz
     t0 = time.perf_counter()
     rows = []
-    with Estimator(a.workers) as est:
+    cap = int(a.memory_gb * (1 << 30)) if a.memory_gb else -1
+    with Estimator(a.workers, memory_limit_bytes=cap) as est:
         for space_name, _ in SETS:
             if a.only and space_name not in a.only:
                 continue

@@ -207,6 +207,11 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
             return dataclasses.replace(r, ops_without_estimate=max(
                 0, r.ops_without_estimate - stubs)) if r.ok else r, loops
 
+        def standalone(c: Any, config: Any) -> Any:  # The call's own program, no stubs.
+            xla = config.implementation == "xla"
+            return est.map(c.kernel.reference if xla else c.kernel, list(c.args), c.kwargs,
+                           [{} if xla else dict(config)], spec.name, standin=False)[0], 0
+
         glue_reply, loops = traced(None, lambda: estimate(glue.glue_function(flat_fn), specs,
                                                           n_stubs))
         if not glue_reply.ok or glue_reply.cycles is None:
@@ -220,11 +225,12 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
             gone = {(c.kernel.name, c.key): absorbed_by(c, name) for c in calls}
             absorbed = set().union(*gone.values())
             per = [{"absorbed": True} if (c.kernel.name, c.key) in absorbed else _alone(
-                c, n, gone[(c.kernel.name, c.key)], name, traced, estimate, spec.clock_hz, done)
-                for c, n in zip(calls, live, strict=True)]
+                c, n, gone[(c.kernel.name, c.key)], name, traced, (estimate, standalone),
+                spec.clock_hz, done) for c, n in zip(calls, live, strict=True)]
             figures = [r for r in per if "absorbed" not in r]
             detail[name] = {"calls": per, "partial": bool(
-                detail["glue"]["partial"] or any(r.get("partial") for r in figures))}
+                detail["glue"]["partial"] or any(r.get("partial") for r in figures)),
+                "standalone": sum(bool(r.get("standalone")) for r in figures)}
             if all("cycles" in r for r in figures):
                 total = glue_reply.cycles + sum(r["live"] * r["cycles"] for r in figures)
                 out[name] = cycles_to_ms(total, spec.clock_hz)
@@ -236,12 +242,18 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
 
 
 def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[..., Any],
-           estimate: Callable[..., Any], clock_hz: float, done: dict[Any, Any]
-           ) -> dict[str, Any]:
+           estimators: tuple[Callable[..., Any], Callable[..., Any]], clock_hz: float,
+           done: dict[Any, Any]) -> dict[str, Any]:
     """One call's figure under setting ``name``, compiled alone (see :func:`composed`); a
-    program compiled under another setting (the same config, or XLA twice) is not again."""
+    program compiled under another setting (the same config, or XLA twice) is not again.
+
+    Where that program fails to compile (libtpu's static profile dies on some programs of
+    stubs and kernels that compile and profile as a program of their own: seen, libtpu 0.0.50,
+    flash_attention_bwd at 512 tokens), a call without a VJP is estimated as its own program,
+    its inputs parameters, and the figure says so (``standalone``, with the error)."""
     from pallas_tune import glue
 
+    estimate, standalone = estimators
     config = traced(name, lambda: call.kernel.config_for(*call.args, **call.kwargs))
     xla = config.implementation == "xla"  # The reference: the same program at any config.
     mark = (call.kernel.name, call.key, xla, () if xla else tuple(sorted(config.items())),
@@ -251,9 +263,17 @@ def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[
         done[mark] = traced(name, lambda: estimate(g, g_specs, stubs))
     r, loops = done[mark]
     row: dict[str, Any] = {"live": live, "absorbs": sorted(absorbs)}
+    if r.ok and r.cycles is not None:
+        return {**row, **_figure(r, loops, clock_hz)}
+    error = (r.message or r.kind)[:300]
+    if absorbs:
+        return {**row, "error": error}
+    if (*mark, "standalone") not in done:
+        done[(*mark, "standalone")] = traced(name, lambda: standalone(call, config))
+    r, loops = done[(*mark, "standalone")]
     if not r.ok or r.cycles is None:
-        return {**row, "error": (r.message or r.kind)[:300]}
-    return {**row, **_figure(r, loops, clock_hz)}
+        return {**row, "error": error}
+    return {**row, **_figure(r, loops, clock_hz), "standalone": True, "in_step_error": error}
 
 
 def _figure(r: Any, loops: int, clock_hz: float) -> dict[str, Any]:
