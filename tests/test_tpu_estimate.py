@@ -201,6 +201,44 @@ def test_a_full_compile_that_dies_leaves_the_standin_in_use_and_labelled():
     assert standin_verdict(cfg, 4.0, scaled, far)[0] is False
 
 
+def _checker(scales, outcomes):
+    """An EstimateEvaluator whose workers answer stand-in scales and estimates from tables."""
+    from types import SimpleNamespace
+
+    from pallas_tune.measure.estimate import EstimateEvaluator
+
+    ev = object.__new__(EstimateEvaluator)
+    ev.has_standin, asked, ev.used = True, [], []
+    ev.pool = SimpleNamespace(
+        map=lambda calls, **kw: [SimpleNamespace(kind="done", value=scales[c[1][0]["t"]])
+                                 for c in calls],
+        remember=lambda method, use: ev.used.append(use))
+    ev._estimate = lambda config, standin: (asked.append((config["t"], standin))
+                                            or outcomes[(config["t"], standin)])
+    return ev, asked
+
+
+def test_the_standin_check_passes_over_standins_that_die_in_their_worker():
+    """The smallest-scale candidate may keep many steps on its stand-in (matmul_bwd at
+    4096x4096x28672 with 128 dx tiles beside 1024 dy ones: its stand-in died at 12 GB, and
+    the check then sent every candidate to full compiles that died too)."""
+    from pallas_tune.measure.estimate import EstimateResult
+
+    ok = lambda c: EstimateResult(ok=True, kind="ok", cycles=c)  # noqa: E731
+    died = EstimateResult(ok=False, kind="worker_crashed", message="the worker died")
+    configs = [{"t": t} for t in (1, 2, 3, 4)]
+    scales = {1: 1.5, 2: 3.0, 3: 1.0, 4: 2.0}  # Tried by scale above 1: t=1, then 4, then 2.
+    ev, asked = _checker(scales, {(1, True): died, (4, True): ok(1000), (4, False): ok(1020)})
+    use, check = ev.check_standin(configs)
+    assert use and check["trusted"] and check["config"] == {"t": 4} and ev.used == [True]
+    assert asked == [(1, True), (4, True), (4, False)]
+    # Every stand-in tried dies (3 at most): no full compile, the stand-in kept UNVERIFIED.
+    ev, asked = _checker(scales, {(t, True): died for t in (1, 2, 4)})
+    with pytest.warns(pt.PallasTuneWarning, match="stand-in compile .* UNVERIFIED"):
+        use, check = ev.check_standin(configs)
+    assert use and check["unverified"] and asked == [(1, True), (4, True), (2, True)]
+
+
 @pytest.mark.libtpu
 def test_estimate_sweeps_warm_start_from_neighbours_and_the_roofline(cache_dir, monkeypatch):
     """The estimate workers rank warm starts too: a nearby shape's winner is the first

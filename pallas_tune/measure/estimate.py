@@ -36,9 +36,11 @@ from pallas_tune.measure.evaluate import PoolEvaluator
 from pallas_tune.measure.loops import data_dependent_loops, dynamic_loop_message
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
+from pallas_tune.measure.standin import shrink_parallel, standin_verdict
 
 __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator",
-           "data_dependent_loops", "estimate_flag_missing_message", "standin_verdict"]
+           "data_dependent_loops", "estimate_flag_missing_message", "shrink_parallel",
+           "standin_verdict"]
 
 FLAG: Final = "--xla_jf_dump_static_llo_profile_to"
 _SESSION: Final = "pallas_tune.measure.estimate:EstimateSession"
@@ -314,23 +316,26 @@ class EstimateEvaluator(PoolEvaluator):
 
     def check_standin(self, configs: Sequence[Mapping[str, Any]]) -> tuple[bool, dict[str, Any]]:
         """Estimates one candidate on the stand-in and in full; trusts the stand-in within 5%
-        (else every candidate is compiled in full). Picks, among ``configs``, the one that
-        passes screening with the smallest stand-in scale above 1 (the cheapest full compile
-        that still exercises the scaling)."""
+        (else every candidate is compiled in full). Tries the configs that pass screening by
+        smallest stand-in scale above 1 (the cheapest full compile that exercises the scaling),
+        up to 3 while a stand-in dies in its worker (e.g. 128 tiles beside 1024 ones)."""
         if not self.has_standin:
             return False, {}
         replies = self.pool.map([("standin_scale", (dict(c),), "trace") for c in configs])
-        best = None
+        ranked = []
         for config, reply in zip(configs, replies, strict=True):
             scale = reply.value if reply.kind == "done" else None
             if scale == "error":
                 return self._use(False, {"error": "stand-in raised"})
-            if scale is not None and scale > 1 and (best is None or scale < best[1]):
-                best = (dict(config), scale)
-        if best is None:
+            if scale is not None and scale > 1:
+                ranked.append((scale, len(ranked), dict(config)))
+        if not ranked:
             return self._use(True, {"note": "no candidate needed a stand-in"})
-        config, scale = best
-        scaled, full = (self._estimate(config, use) for use in (True, False))
+        for scale, _, config in sorted(ranked)[:3]:
+            scaled = self._estimate(config, True)
+            if scaled.ok or scaled.kind != "worker_crashed":
+                break
+        full = self._estimate(config, False) if scaled.ok else scaled  # None fits: skip it.
         return self._use(*standin_verdict(config, scale, scaled, full))
 
     def _estimate(self, config: Mapping[str, Any], standin: bool) -> EstimateResult:
@@ -348,27 +353,6 @@ class EstimateEvaluator(PoolEvaluator):
             return
         super().close()
         shutil.rmtree(self._dump, ignore_errors=True)
-
-
-def standin_verdict(config: Mapping[str, Any], scale: float, scaled: EstimateResult,
-                    full: EstimateResult) -> tuple[bool, dict[str, Any]]:
-    """Whether to use the stand-in, from one candidate estimated both ways; and the record."""
-    from pallas_tune import errors
-
-    if scaled.ok and not full.ok and full.kind == "worker_crashed":
-        # The full problem does not compile within a worker's memory (the LLO profile of a
-        # large grid: 18 GB for a 8192x4096x14336 matmul with 256 tiles), so full compiles
-        # cannot stand in for the stand-in either. Keep it, unverified, and say so.
-        msg = (f"the full-problem compile of {dict(config)} died in its worker "
-               f"({full.message}); the stand-in is used UNVERIFIED for this shape")
-        errors.warn(msg)
-        return True, {"config": dict(config), "scale": scale, "trusted": False,
-                      "unverified": True, "error": msg}
-    if not (scaled.ok and full.ok):
-        return False, {"config": dict(config), "error": "stand-in or full compile failed"}
-    err = abs((scaled.cycles or 0) - (full.cycles or 0)) / max(1, full.cycles or 0)
-    return err <= 0.05, {"config": dict(config), "scale": scale,
-                         "relative_error": round(err, 4), "trusted": err <= 0.05}
 
 
 class Estimator:
@@ -426,24 +410,3 @@ def estimate_flag_missing_message() -> str:
 
 def cycles_to_ms(cycles: int, clock_hz: float) -> float:
     return cycles / clock_hz * 1e3
-
-
-def shrink_parallel(blocks: Sequence[int], other_steps: int, target_steps: int = 128
-                    ) -> tuple[list[int], float]:
-    """Fewer blocks along parallel grid axes (identical work per block), keeping at least
-    ``target_steps`` grid steps in all. Returns the new block counts and the scale factor."""
-    new = list(blocks)
-    full = other_steps
-    for b in blocks:
-        full *= b
-    for i in range(len(new)):
-        rest = other_steps
-        for j, b in enumerate(new):
-            if j != i:
-                rest *= b
-        need = -(-target_steps // max(1, rest))
-        new[i] = max(1, min(new[i], need))
-    steps = other_steps
-    for b in new:
-        steps *= b
-    return new, full / steps

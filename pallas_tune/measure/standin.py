@@ -1,0 +1,54 @@
+"""Stand-ins for the ``tpu-estimate`` timer: a smaller problem with the same tiles, whose
+estimate, scaled, stands for the full problem's (see :mod:`.estimate`). Kernels build theirs
+with :func:`shrink_parallel`; the tuner decides whether to trust one with
+:func:`standin_verdict`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["shrink_parallel", "standin_verdict"]
+
+
+def standin_verdict(config: Mapping[str, Any], scale: float, scaled: Any,
+                    full: Any) -> tuple[bool, dict[str, Any]]:
+    """Whether to use the stand-in, from one candidate estimated both ways; and the record."""
+    from pallas_tune import errors
+
+    if not full.ok and full.kind == "worker_crashed":
+        # The full problem does not compile within a worker's memory (the LLO profile of a
+        # large grid: 18 GB for a 8192x4096x14336 matmul with 256 tiles), so full compiles
+        # cannot stand in for the stand-in either (nor where the stand-ins tried died too).
+        # Keep it, unverified, and say so.
+        msg = (f"the {'full-problem' if scaled.ok else 'stand-in'} compile of {dict(config)} "
+               f"died in its worker ({full.message}); the stand-in is used UNVERIFIED")
+        errors.warn(msg)
+        return True, {"config": dict(config), "scale": scale, "trusted": False,
+                      "unverified": True, "error": msg}
+    if not (scaled.ok and full.ok):
+        return False, {"config": dict(config), "error": "stand-in or full compile failed"}
+    err = abs((scaled.cycles or 0) - (full.cycles or 0)) / max(1, full.cycles or 0)
+    return err <= 0.05, {"config": dict(config), "scale": scale,
+                         "relative_error": round(err, 4), "trusted": err <= 0.05}
+
+
+def shrink_parallel(blocks: Sequence[int], other_steps: int, target_steps: int = 128
+                    ) -> tuple[list[int], float]:
+    """Fewer blocks along parallel grid axes (identical work per block), keeping at least
+    ``target_steps`` grid steps in all. Returns the new block counts and the scale factor."""
+    new = list(blocks)
+    full = other_steps
+    for b in blocks:
+        full *= b
+    for i in range(len(new)):
+        rest = other_steps
+        for j, b in enumerate(new):
+            if j != i:
+                rest *= b
+        need = -(-target_steps // max(1, rest))
+        new[i] = max(1, min(new[i], need))
+    steps = other_steps
+    for b in new:
+        steps *= b
+    return new, full / steps
