@@ -112,6 +112,29 @@ def standing(row) -> str:
     return f"tuned {x / t:.2f}x faster" if x > t else f"XLA {t / x:.2f}x faster"
 
 
+def recorded_xla(kernel, key, clock, fresh):
+    """``fresh`` (this run's XLA estimate), or, where its compile failed in this host's worker,
+    the XLA estimate the tuner recorded in the cache entry for ``key`` when both came from the
+    libtpu now installed (the same compiler's figure for the same program: tuning estimates
+    the reference, and for a backward ``jax.vjp`` of it, in a 12 GB worker); else ``fresh``."""
+    from importlib import metadata
+
+    from pallas_tune.measure.estimate import EstimateResult
+
+    if fresh is None or fresh.ok:
+        return fresh, ""
+    found = kernel.cache.lookup("tpu_v6e", kernel.name, key)
+    entry = found[0] if found else {}
+    versions = entry.get("provenance", {}).get("versions", {})
+    libtpu = versions.get("libtpu") if isinstance(versions, dict) else None
+    if not entry.get("xla_ms") or libtpu != metadata.version("libtpu"):
+        return fresh, ""
+    cycles = round(entry["xla_ms"] * clock / 1e3)
+    return EstimateResult(ok=True, kind="ok", cycles=cycles,
+                          ops_without_estimate=int(entry.get("xla_partial", 0))), (
+        f"XLA: the tuner's estimate recorded in the entry (this run's compile: {fresh.kind})")
+
+
 def backward_row(est, name, kernel, args, kwargs, clock, skip_xla=False):
     bwd = kernel.backward
     bwd_args, bwd_kwargs = backward_call(kernel, args, kwargs, 0)  # As `sweep --grad` makes them.
@@ -124,9 +147,13 @@ def backward_row(est, name, kernel, args, kwargs, clock, skip_xla=False):
     up = upstream_backward(name, bwd_args, bwd_kwargs)
     up_r = est.map(up[0], up[1], up[2], [up[3]], "tpu_v6e")[0] if up else None
     tuned = est.map(bwd, bwd_args, bwd_kwargs, [tuned_cfg], "tpu_v6e")[0] if tuned_cfg else None
+    xla, note = recorded_xla(bwd, key, clock, xla)
     row = ms.make_row(name, kernel.cache_key(*args, **kwargs), clock, xla=xla, up=up_r,
                       up_label=up[4] if up else "—", tuned=tuned, tuned_cfg=tuned_cfg,
                       roof=backward_roofline(name, args, kwargs, bwd_args), skip_xla=skip_xla)
+    if note:
+        row["xla"] += " (recorded)"
+        row["notes"] = "; ".join(filter(None, [note, row["notes"]]))
     return {**row, "backward_kernel": bwd.name, "backward_key": key}
 
 
