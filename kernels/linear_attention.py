@@ -26,6 +26,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
 from pallas_tune.kernels import _ragged
+from pallas_tune.kernels.linear_attention_bwd import (linear_attention_bwd,
+                                                      linear_attention_bwd_args)
 
 __all__ = ["linear_attention", "linear_attention_reference"]
 
@@ -140,7 +142,7 @@ def linear_attention_reference(q, k, v, *, decay: float = 1.0):
     return out.astype(q.dtype)
 
 
-# backward="xla": jax.grad is jax.vjp of the reference, recomputed from the inputs (no backward
-# kernel yet: nothing of the gradient is tuned).
+# jax.grad runs linear_attention_bwd, a tunable kernel of its own (two Pallas passes).
 linear_attention = pt.tunable(space="linear_attention", reference=linear_attention_reference,
-                              standin=_standin, backward="xla")(linear_attention)
+                              standin=_standin, backward=linear_attention_bwd,
+                              backward_args=linear_attention_bwd_args)(linear_attention)

@@ -13,7 +13,8 @@ import pytest
 from conftest import REPO, subprocess_env
 
 EXAMPLES = [p for p in sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
-            if p.name not in ("train_step.py", "train_hstu.py")]  # Checked in detail below.
+            if p.name not in ("train_step.py", "train_hstu.py",
+                              "train_linear_attention.py")]  # Checked in detail below.
 ARGS = {"tune_matmul.py": ["--size", "256", "--trials", "4"]}
 
 
@@ -70,5 +71,20 @@ def test_train_hstu_tunes_the_pallas_backward_and_trains(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "backward (pallas)" in r.stdout and "gradient matches" in r.stdout
     assert list((tmp_path / "cache").glob("*/*hstu_attention_bwd*.json"))
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", r.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_train_linear_attention_tunes_the_pallas_backward_and_trains(tmp_path):
+    """examples/train_linear_attention.py: the backward tuned is the Pallas kernel, its entry
+    written to the cache, the traced gradient matches XLA's autodiff of the recurrence (the
+    example asserts it), and SGD lowers the loss."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "examples",
+                                                     "train_linear_attention.py")],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=tmp_path / "cache"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "backward (pallas)" in r.stdout and "gradient matches" in r.stdout
+    assert list((tmp_path / "cache").glob("*/*linear_attention_bwd*.json"))
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", r.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0]

@@ -13,7 +13,7 @@ import pytest
 import pallas_tune as pt
 from pallas_tune import glue, step
 from pallas_tune.kernels.flash_attention import flash_attention
-from pallas_tune.kernels.linear_attention import linear_attention
+from pallas_tune.kernels.mamba2_ssd import mamba2_ssd
 from pallas_tune.kernels.matmul import matmul
 from pallas_tune.kernels.rms_norm import rms_norm
 from pallas_tune.tunable import resolution_hook
@@ -146,14 +146,16 @@ def test_a_call_whose_results_nothing_needs_is_not_counted():
 
 
 def test_a_backward_that_is_xla_autodiff_stays_in_the_glue():
-    # linear_attention declares backward="xla": no tunable call stands for its gradient.
-    q = S((1, 2, 128, 64), F32)
-    fwd = lambda q, k, v: linear_attention(q, k, v).sum()  # noqa: E731
-    _, calls_f, g_f = _glue(fwd, [q, q, q])
-    _, calls_b, g_b = _glue(jax.grad(fwd, (0, 1, 2)), [q, q, q])
+    # mamba2_ssd declares backward="xla": no tunable call stands for its gradient.
+    t, h, p, n = 128, 8, 64, 128
+    args = [S((1, t, h * p), F32), S((1, t, h), F32), S((h,), F32), S((1, t, n), F32),
+            S((1, t, n), F32), S((h,), F32)]
+    fwd = lambda *a: mamba2_ssd(*a).sum()  # noqa: E731
+    _, calls_f, g_f = _glue(fwd, args)
+    _, calls_b, g_b = _glue(jax.grad(fwd, (0, 1, 3, 4)), args)
     assert [c.kernel.name for c in calls_b] == [c.kernel.name for c in calls_f]
-    assert "dot_general" not in _primitives(g_f, [q, q, q])
-    assert "dot_general" in _primitives(g_b, [q, q, q])  # The reference's VJP.
+    assert "dot_general" not in _primitives(g_f, args)
+    assert "dot_general" in _primitives(g_b, args)  # The reference's VJP.
 
 
 def test_composed_needs_the_estimate_timer():

@@ -124,18 +124,18 @@ def test_gradient_declaration_is_not_part_of_the_forward_fingerprint():
 
 def test_show_says_how_each_kernel_differentiates(cache_dir, capsys):
     from pallas_tune import cli
-    from pallas_tune.kernels.linear_attention import linear_attention
+    from pallas_tune.kernels.mamba2_ssd import mamba2_ssd
     from pallas_tune.kernels.matmul import matmul
 
     for kernel, config in ((matmul, dict(matmul.space.default)),
-                           (linear_attention, dict(linear_attention.space.default))):
+                           (mamba2_ssd, dict(mamba2_ssd.space.default))):
         kernel.cache.write("cpu", kernel.name, "k", {"key": "k", "config": config,
                                                      "median_ms": 1.0})
     assert cli.main(["show", "--chip", "cpu"]) == 0
     out = capsys.readouterr().out
     assert ("pallas_tune.kernels.matmul.matmul: backward pallas: kernel "
             "pallas_tune.kernels.matmul_bwd.matmul_bwd") in out
-    assert ("pallas_tune.kernels.linear_attention.linear_attention: backward xla: jax.vjp of "
+    assert ("pallas_tune.kernels.mamba2_ssd.mamba2_ssd: backward xla: jax.vjp of "
             "the reference (not a kernel") in out
 
 

@@ -25,24 +25,52 @@ def _bwd_tiles(t):
     return {f"{p}_{d}": t for p in ("dx", "dy") for d in ("bm", "bn", "bk")}
 
 
-def test_a_program_of_kernels_only_splits_into_its_kernels():
+def test_a_program_of_several_kernels_splits_into_its_kernels_and_the_rest():
     import toy_kernels
     from pallas_tune.feasibility.compile import kernel_calls
+    from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd
     from pallas_tune.kernels.matmul_bwd import matmul_bwd
 
     args = _bwd_args(512, 256, 384)
-    calls = kernel_calls(matmul_bwd.fn, args, _bwd_tiles(128))
+    calls, rest = kernel_calls(matmul_bwd.fn, args, _bwd_tiles(128))
+    assert rest is None  # Nothing but the two kernels.
     assert [[tuple(a.shape) for a in ops] for _, ops in calls] == [
         [(512, 384), (256, 384)], [(512, 256), (512, 384)]]  # dx = g·yᵀ, dy = xᵀ·g.
     for one, ops in calls:  # Each part is a program of its own: its kernel, nothing else.
         eqns = jax.make_jaxpr(one)(*ops).jaxpr.eqns
         assert [e.primitive.name for e in eqns] == ["pallas_call"]
     assert [o.shape for o in jax.eval_shape(calls[0][0], *calls[0][1])] == [(512, 256)]
-    # One kernel, or any XLA op beside the kernels: the program compiles whole.
+    # One kernel, kernels nested in another op, or a dropped result: the program is whole.
     assert kernel_calls(matmul.fn, [X, X], dict(bm=256, bn=256, bk=256, buffering=2,
                                                 semantics=SEM)) is None
     assert kernel_calls(toy_kernels.matmul_bwd_whole, args, _bwd_tiles(128)) is None
     assert kernel_calls(toy_kernels.matmul_bwd_dx, args, _bwd_tiles(128)) is None  # dy dropped.
+    # Flash attention's backward: its dK/dV and dQ passes, and the row statistics (lse in
+    # log2 units, delta = rowsum(o * do)) made by XLA ops, which the rest returns.
+    q = jax.ShapeDtypeStruct((1, 4, 256, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1, 256, 64), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 4, 256), jnp.float32)
+    calls, rest = kernel_calls(flash_attention_bwd.fn, [q, kv, kv, q, lse, q],
+                               dict(causal=True, bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=128))
+    assert len(calls) == 2 and rest is not None
+    made = jax.eval_shape(rest[0], *rest[1])
+    assert sorted(tuple(o.shape) for o in made) == [(1, 4, 1, 256)] * 2
+    assert "pallas_call" not in str(jax.make_jaxpr(rest[0])(*rest[1]))
+
+
+@pytest.mark.libtpu
+def test_flash_attention_backward_with_gqa_is_estimated_pass_by_pass():
+    """libtpu 0.0.50's static profile aborts on the causal GQA backward compiled whole (from
+    2048 tokens; each pass alone profiles fine): split, it has a figure."""
+    from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd
+
+    q = jax.ShapeDtypeStruct((1, 4, 2048, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1, 2048, 128), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((1, 4, 2048), jnp.float32)
+    with Estimator(1) as est:
+        (r,) = est.map(flash_attention_bwd, [q, kv, kv, q, lse, q], {"causal": True},
+                       [dict(flash_attention_bwd.space.default)], "v6e", standin=False)
+    assert r.ok and r.kernels_alone == 2 and r.cycles > 0, r.message
 
 
 @pytest.mark.libtpu

@@ -87,6 +87,7 @@ class CompileResult:
     # XLA's own per-fusion cost-model cycles (another source, present for XLA fusions only).
     model_cycles: tuple[int, ...] = ()
     hlo_text: str = ""
+    kernels_alone: int = 0  # > 0: the sum of this many kernels compiled alone (and the rest).
 
 
 # What the compiler actually allocated, in each kernel's backend config (memory space 1 is VMEM).
@@ -155,50 +156,96 @@ def compile_deviceless(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapp
 
 
 def kernel_calls(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
-                 ) -> list[tuple[Callable[..., Any], list[Any]]] | None:
-    """``fn``'s program as its kernels, each a function of its own operands, where the program
-    is nothing but two or more ``pallas_call``\\ s on its inputs and on each other's results
-    (e.g. a backward's dx and dy products); None for any other program, which must compile
-    whole (its XLA ops cost time and fuse with their neighbours)."""
+                 ) -> tuple[list[tuple[Callable[..., Any], list[Any]]], Any] | None:
+    """``fn``'s program split where it calls two or more ``pallas_call``\\ s at its top level
+    (a backward's dK/dV and dQ passes, its dx and dy products): ``(kernels, rest)``, each kernel
+    a function of its own operands with those operands' shapes, and ``rest`` the program's
+    other ops as one such pair (the kernels' operands made, their results used; None when
+    there are none). None for any other program, which compiles whole: one kernel, a kernel
+    whose result is dropped (the compiler drops it too), a literal operand, or kernels nested
+    in another op."""
     import jax
 
     from pallas_tune.feasibility import inspect as _inspect
 
     flat_fn, arrays = _inspect.array_function(fn, args, kwargs)
-    jaxpr = jax.make_jaxpr(flat_fn)(*arrays).jaxpr
-    eqns = jaxpr.eqns
-    if len(eqns) < 2 or any(e.primitive.name != "pallas_call" for e in eqns) or any(
-            type(v).__name__ == "Literal" for e in eqns for v in e.invars):
+    closed = jax.make_jaxpr(flat_fn)(*arrays)
+    jaxpr = closed.jaxpr
+    kernels = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    others = [e for e in jaxpr.eqns if e.primitive.name != "pallas_call"]
+    if len(kernels) < 2 or any(type(v).__name__ == "Literal" for e in kernels for v in e.invars):
         return None
-    used = {id(v) for v in jaxpr.outvars} | {id(v) for e in eqns for v in e.invars}
-    if any(id(v) not in used for e in eqns for v in e.outvars):
-        return None  # A kernel whose result is dropped: the compiler drops it too.
+    used = {id(v) for v in jaxpr.outvars} | {id(v) for e in jaxpr.eqns for v in e.invars}
+    if any(id(v) not in used for e in kernels for v in e.outvars) or any(
+            "pallas_call" in str(e.params) for e in others):
+        return None
     calls = []
-    for e in eqns:
+    for e in kernels:
         def one(*operands: Any, _e: Any = e) -> Any:
             return _e.primitive.bind(*operands, **_e.params)
 
-        calls.append((one, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in e.invars]))
-    return calls
+        calls.append((one, [_struct(v) for v in e.invars]))
+    return calls, (_rest(closed, kernels, others) if others else None)
+
+
+def _struct(v: Any) -> Any:
+    import jax
+
+    return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+
+
+def _rest(closed: Any, kernels: Sequence[Any], others: Sequence[Any]
+          ) -> tuple[Callable[..., Any], list[Any]]:
+    """The program's ops other than ``kernels``, as a function of the program's inputs and the
+    kernels' results, returning what the kernels take from those ops and the program's outputs
+    those ops make (so that none is dropped)."""
+    jaxpr = closed.jaxpr
+    made = {id(v) for e in others for v in e.outvars}
+    ins = list(jaxpr.invars) + [v for e in kernels for v in e.outvars]
+    outs = list({id(v): v for v in [*(v for e in kernels for v in e.invars), *jaxpr.outvars]
+                 if id(v) in made}.values())
+
+    def rest(*values: Any) -> Any:
+        env = {id(v): x for v, x in zip(jaxpr.constvars, closed.consts, strict=True)}
+        env.update((id(v), x) for v, x in zip(ins, values, strict=True))
+
+        def read(v: Any) -> Any:
+            return v.val if type(v).__name__ == "Literal" else env[id(v)]
+
+        for e in others:
+            out = e.primitive.bind(*map(read, e.invars), **e.primitive.get_bind_params(e.params))
+            env.update((id(v), x) for v, x in zip(
+                e.outvars, out if e.primitive.multiple_results else [out], strict=True))
+        return [env[id(v)] for v in outs]
+
+    return rest, [_struct(v) for v in ins]
 
 
 def compile_per_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                      *, chip: str) -> CompileResult | None:
-    """Compiles each kernel of a program made only of kernels (:func:`kernel_calls`) in a
-    program of its own, and sums what the compiler reports; None for any other program.
+    """Compiles each kernel of a program of several (:func:`kernel_calls`) in a program of its
+    own, and the program's other ops in one more, and sums what the compiler reports; None
+    for any other program.
 
     Why: libtpu's static profile of a program holding two large kernels can cost far more than
     the two profiled alone (measured, libtpu 0.0.42 and 0.0.50: matmul_bwd at 4096x4096x6144
     with 1024 tiles, 17.6 GB and 101 s whole; 2.2 GB and 17 s for both kernels alone, one
-    after the other). No XLA op is lost, as the program has none. The sum is slightly above a
-    whole compile's: there the compiler hides part of a kernel's first DMAs behind the kernel
-    before it (measured, libtpu 0.0.50, matmul_bwd with equal tiles: +7.4% at 1024x512x768
-    with 256 tiles, +1.05% at 2048^3 with 512 tiles); each kernel's own figure is unchanged."""
-    calls = kernel_calls(fn, args, kwargs)
-    if calls is None:
+    after the other), or abort (libtpu 0.0.50: flash_attention_bwd, causal with GQA, from
+    2048 tokens: a check failure in its static profile; each pass alone estimates fine). The
+    sum is near a whole compile's: there the compiler hides part of a kernel's first DMAs
+    behind the kernel before it, by an amount that moves with the libtpu version (measured,
+    matmul_bwd at 2048x1024x1536 with 512 tiles: whole 1% below the sum on 0.0.50, 23%
+    above it on 0.0.42); each kernel's own figure is unchanged. The other ops (e.g. the
+    backward's row statistics) are compiled apart from the kernels they feed."""
+    from pallas_tune import chips
+
+    with chips.target(chips.normalize_chip(chip), abstract_mesh=True):  # Kernels may ask it.
+        split = kernel_calls(fn, args, kwargs)
+    if split is None:
         return None
+    kernels, rest = split
     results = []
-    for one, operands in calls:
+    for one, operands in kernels + ([rest] if rest is not None else []):
         r = compile_deviceless(one, operands, {}, chip=chip)
         if not r.ok:
             return dataclasses.replace(r, compile_s=sum(x.compile_s for x in results) + r.compile_s)
@@ -208,4 +255,5 @@ def compile_per_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mappin
                          compile_s=sum(r.compile_s for r in results),
                          scoped_vmem_bytes=max(scoped) if scoped else None,
                          estimated_cycles=tuple(c for r in results for c in r.estimated_cycles),
-                         model_cycles=tuple(c for r in results for c in r.model_cycles))
+                         model_cycles=tuple(c for r in results for c in r.model_cycles),
+                         kernels_alone=len(kernels))

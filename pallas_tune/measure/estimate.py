@@ -79,8 +79,8 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
                               message=dynamic_loop_message(parts.name, loops))
     # A program of kernels only is compiled one kernel per program, at a fraction of the
     # memory of profiling them together (see compile_per_call).
-    split = _compile.compile_per_call(parts.fn, args, {**kwargs, **config}, chip=chip)
-    result = split or _compile.compile_deviceless(parts.fn, args, {**kwargs, **config}, chip=chip)
+    result = (_compile.compile_per_call(parts.fn, args, {**kwargs, **config}, chip=chip)
+              or _compile.compile_deviceless(parts.fn, args, {**kwargs, **config}, chip=chip))
     if not result.ok:
         return EstimateResult(ok=False, kind=result.kind, message=result.message,
                               compile_s=result.compile_s, scale=scale)
@@ -94,7 +94,7 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
                           ops_without_estimate=sum(c == 0 for c in result.estimated_cycles),
                           model_cycles=int(round(sum(result.model_cycles) * scale))
                           if result.model_cycles else None,
-                          kernels_alone=len(result.estimated_cycles) if split else 0)
+                          kernels_alone=result.kernels_alone)
 
 
 class EstimateSession:
