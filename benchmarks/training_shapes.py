@@ -31,8 +31,13 @@ Every figure is a COMPILER ESTIMATE, not a measurement.
 
     python benchmarks/training_shapes.py [--only llama3_training_matmul ...] [--max-shapes N]
         [--indices I ...] [--passes forward backward] [--skip-xla [SET ...]] [--memory-gb G]
+        [--recorded]
         [--rows-out part.json] [--out benchmarks/results/training_shapes.md]
     python benchmarks/training_shapes.py --combine part1.json part2.json --out ...
+
+``--recorded`` compiles nothing: each row is read from the cache entries (the tuned config's
+and XLA's estimates as the tuner recorded them, with the entry's libtpu version; a figure from
+an older libtpu than the newest in the table is marked ‡).
 
 ``--skip-xla`` with no set skips every XLA program (the 8192-token ones take minutes and
 gigabytes each on a CPU host); such cells read "not run (--skip-xla ...)".
@@ -157,13 +162,58 @@ def backward_row(est, name, kernel, args, kwargs, clock, skip_xla=False):
     return {**row, "backward_kernel": bwd.name, "backward_key": key}
 
 
+def recorded_row(name, kernel, args, kwargs, clock, backward):
+    """A row from the v6e estimate cache entries alone, no compile (``--recorded``): the tuned
+    config's and XLA's estimates as the tuner recorded them beside the winner (the same
+    timer, the same programs as the columns above, made when the entry was tuned). A figure
+    recorded with another libtpu than the newest in the rows is marked ‡ (see render)."""
+    import math
+
+    from pallas_tune.measure.estimate import EstimateResult
+
+    k, a, kw = kernel, args, kwargs
+    if backward:
+        k = kernel.backward
+        a, kw = backward_call(kernel, args, kwargs, 0)
+    found = k.cache.lookup("tpu_v6e", k.name, k.cache_key(*a, **kw))
+    entry = found[0] if found else {}
+
+    def figure(value, partial=0):
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return EstimateResult(ok=True, kind="ok", cycles=round(value * clock / 1e3),
+                              ops_without_estimate=int(partial or 0))
+
+    roof = backward_roofline(name, args, kwargs, a) if backward else ms.roofline(name, args,
+                                                                                 kwargs)
+    xla = figure(entry.get("xla_ms"), entry.get("xla_partial"))
+    row = ms.make_row(name, kernel.cache_key(*args, **kwargs), clock, xla=xla, up=None,
+                      up_label="not run (--recorded)", tuned=figure(entry.get("median_ms")),
+                      tuned_cfg=dict(entry["config"]) if entry else None, roof=roof)
+    versions = entry.get("provenance", {}).get("versions", {})
+    row.update(upstream="not run (--recorded)", implementation=entry.get("implementation"),
+               libtpu=versions.get("libtpu") if isinstance(versions, dict) else None,
+               date=str(entry.get("provenance", {}).get("date", ""))[:10])
+    if entry and xla is None:
+        row["xla"] = "not recorded in the entry"
+    if backward:
+        row.update(backward_kernel=k.name, backward_key=k.cache_key(*a, **kw))
+    return row
+
+
 def render(rows, header: str) -> str:
+    versions = sorted({r["libtpu"] for r in rows if r.get("libtpu")})
+    newest = versions[-1] if versions else None
+
+    def tuned(r):  # ‡: a recorded figure from an older libtpu than the newest in the table.
+        return r["tuned"] + (" ‡" if r.get("libtpu") not in (None, newest) else "")
+
     lines = [header, ""] + ms.table(
         ["kernel", "pass", "shape (forward's cache key)", "XLA ms", "upstream default ms",
          "tuned ms", "XLA/tuned", "upstream/tuned", "roofline (tuned)", "bound", "against XLA",
          "tuned config"], rows,
         lambda r: [r["kernel"], r["pass"], ms._short(r["shape"]), r["xla"], r["upstream"],
-                   r["tuned"], r["xla_ratio"], r["up_ratio"], r["roofline"], r["bound"],
+                   tuned(r), r["xla_ratio"], r["up_ratio"], r["roofline"], r["bound"],
                    standing(r), ms.config_cell(r)])
     lines += ["", "Upstream default per kernel and pass:"]
     for (name, p), label in dict(((r["kernel"], r["pass"]), r["upstream_label"])
@@ -175,6 +225,12 @@ def render(rows, header: str) -> str:
     if backward:
         lines += ["", "Tuned backward kernels (each with its own cache entries): "
                   + ", ".join(backward) + "."]
+    if versions:
+        older = sorted({f"libtpu {r['libtpu']} ({r['date']})" for r in rows
+                        if r.get("libtpu") not in (None, newest)})
+        lines += ["", "Recorded rows (`--recorded`): the tuned config's and XLA's estimates as "
+                  f"the tuner wrote them into each entry, libtpu {newest}"
+                  + (f"; ‡: recorded with {', '.join(older)}" if older else "") + "."]
     notes = [f"- {r['kernel']} {r['pass']} {ms._short(r['shape'])}: "
              + " ".join(r["notes"].split()) for r in rows if r["notes"]]
     if notes:
@@ -198,6 +254,8 @@ def main() -> None:
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
     p.add_argument("--memory-gb", type=float, default=0,
                    help="cap each compile worker's memory (GB; 0: host memory less a reserve)")
+    p.add_argument("--recorded", action="store_true",
+                   help="rows from the cache entries' recorded estimates, no compile")
     a = p.parse_args()
     if a.combine:
         ms.combine(a.combine, a.out, title=TITLE, sets=SETS, render_fn=render)
@@ -207,7 +265,7 @@ def main() -> None:
     skip_all = a.skip_xla == []  # A bare --skip-xla: every set.
     extra = ((" --indices " + " ".join(map(str, a.indices)) if a.indices else "")
              + (" --passes " + " ".join(a.passes) if a.passes != list(PASSES) else "")
-             + (" --skip-xla" if skip_all else ""))
+             + (" --skip-xla" if skip_all else "") + (" --recorded" if a.recorded else ""))
     command = ms.run_command("training_shapes.py", a, extra)
     clock = chip_spec("v6e").clock_hz
     t0 = time.perf_counter()
@@ -224,7 +282,11 @@ def main() -> None:
             for shape in _shapes(loaded, a):
                 spec = cli._spec_items(shape)
                 for pass_ in a.passes:
-                    if pass_ == "forward":
+                    if a.recorded:
+                        args, kwargs = cli.build_call(kernel, spec)
+                        row = recorded_row(name, kernel, args, kwargs, clock,
+                                           pass_ == "backward")
+                    elif pass_ == "forward":
                         row = ms._row(est, name, kernel, spec, clock, skip_xla=skip)
                     else:
                         args, kwargs = cli.build_call(kernel, spec)
