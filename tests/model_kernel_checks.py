@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import pallas_tune as pt
@@ -51,3 +52,19 @@ def estimate_sweep(kernel_ref: str, shapes: str, capsys: Any, *, trials: int = 2
                    "tpu-estimate", "--trials", str(trials), "--workers", "1"])
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+def assert_cotangents_close(grads: Sequence[Any], ref: Sequence[Any], args: Sequence[Any],
+                            names: Sequence[str], f32_tol: float = 1e-5) -> None:
+    """One cotangent per name, each of its argument's shape and dtype, finite (NaN/Inf
+    counted), and close to the f32 reference: ``f32_tol`` (float32 inputs) or 3% (bfloat16,
+    as the first argument says) of each gradient's largest magnitude."""
+    assert len(grads) == len(names)
+    low = args[0].dtype == jnp.bfloat16
+    for name, g, r, a in zip(names, grads, ref, args[:len(names)], strict=True):
+        g32, r32 = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert g.shape == a.shape and g.dtype == a.dtype, (name, g.shape, g.dtype)
+        bad = int(np.sum(~np.isfinite(g32)))
+        assert bad == 0, f"{name}: {bad} NaN/Inf values"
+        tol = (3e-2 if low else f32_tol) * max(1e-3, float(np.abs(r32).max()))
+        np.testing.assert_allclose(g32, r32, atol=tol, rtol=0, err_msg=name)

@@ -61,30 +61,18 @@ def test_autotune_step_estimates_the_step_composed(tmp_path):
     assert float(figures["tuned"]) <= float(figures["default"]) * 1.05  # Tuning's ranking.
 
 
-def test_train_hstu_tunes_the_pallas_backward_and_trains(tmp_path):
-    """examples/train_hstu.py: the backward tuned is the Pallas kernel, its entry written to
-    the cache, the traced gradient matches XLA's autodiff of the reference (the example asserts
-    it), and SGD lowers the loss."""
-    r = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train_hstu.py")],
+@pytest.mark.parametrize("script,backward", [("train_hstu.py", "hstu_attention_bwd"),
+                                             ("train_linear_attention.py",
+                                              "linear_attention_bwd")])
+def test_training_examples_tune_the_pallas_backward_and_train(tmp_path, script, backward):
+    """examples/train_hstu.py and train_linear_attention.py: the backward tuned is the Pallas
+    kernel, its entry written to the cache, the traced gradient matches XLA's autodiff of the
+    forward's reference (the example asserts it), and SGD lowers the loss."""
+    r = subprocess.run([sys.executable, os.path.join(REPO, "examples", script)],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path,
                        env=subprocess_env(PALLAS_TUNE_CACHE_DIR=tmp_path / "cache"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "backward (pallas)" in r.stdout and "gradient matches" in r.stdout
-    assert list((tmp_path / "cache").glob("*/*hstu_attention_bwd*.json"))
-    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", r.stdout)]
-    assert len(losses) == 3 and losses[-1] < losses[0]
-
-
-def test_train_linear_attention_tunes_the_pallas_backward_and_trains(tmp_path):
-    """examples/train_linear_attention.py: the backward tuned is the Pallas kernel, its entry
-    written to the cache, the traced gradient matches XLA's autodiff of the recurrence (the
-    example asserts it), and SGD lowers the loss."""
-    r = subprocess.run([sys.executable, os.path.join(REPO, "examples",
-                                                     "train_linear_attention.py")],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=tmp_path / "cache"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "backward (pallas)" in r.stdout and "gradient matches" in r.stdout
-    assert list((tmp_path / "cache").glob("*/*linear_attention_bwd*.json"))
+    assert list((tmp_path / "cache").glob(f"*/*{backward}*.json"))
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", r.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from model_kernel_checks import oracle
+from model_kernel_checks import assert_cotangents_close, oracle
 
 import pallas_tune as pt
 from pallas_tune.kernels.hstu_attention import hstu_attention, hstu_attention_reference
@@ -35,16 +35,7 @@ def _args(b, h, s, d, dv, nb, dtype, seed=0):
 
 
 def _assert_grads_close(grads, ref, args):
-    """Finite (NaN/Inf counted), each cotangent of its argument's shape and dtype, and close to
-    the f32 reference: 1e-5 (f32) or 3% (bf16) of each gradient's largest magnitude."""
-    assert len(grads) == 4
-    for name, g, r, a in zip(NAMES, grads, ref, args[:4], strict=True):
-        g32, r32 = np.asarray(g, np.float32), np.asarray(r, np.float32)
-        assert g.shape == a.shape and g.dtype == a.dtype, (name, g.shape, g.dtype)
-        bad = int(np.sum(~np.isfinite(g32)))
-        assert bad == 0, f"{name}: {bad} NaN/Inf values"
-        tol = (3e-2 if args[0].dtype == jnp.bfloat16 else 1e-5) * max(1e-3, float(np.abs(r32).max()))
-        np.testing.assert_allclose(g32, r32, atol=tol, rtol=0, err_msg=name)
+    assert_cotangents_close(grads, ref, args, NAMES)
 
 
 def _f32_reference(args, **kwargs):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from model_kernel_checks import oracle
+from model_kernel_checks import assert_cotangents_close, oracle
 
 from pallas_tune.kernels.linear_attention import linear_attention, linear_attention_reference
 from pallas_tune.kernels.linear_attention_bwd import (linear_attention_bwd,
@@ -45,16 +45,7 @@ def _f32_reference(args, decay):
 
 
 def _assert_grads_close(grads, ref, args):
-    """Finite (NaN/Inf counted), each cotangent of its argument's shape and dtype, and close to
-    the f32 reference: 2e-5 (f32) or 3% (bf16) of each gradient's largest magnitude."""
-    assert len(grads) == 3
-    for name, g, r, a in zip(NAMES, grads, ref, args[:3], strict=True):
-        g32, r32 = np.asarray(g, np.float32), np.asarray(r, np.float32)
-        assert g.shape == a.shape and g.dtype == a.dtype, (name, g.shape, g.dtype)
-        bad = int(np.sum(~np.isfinite(g32)))
-        assert bad == 0, f"{name}: {bad} NaN/Inf values"
-        tol = (3e-2 if a.dtype == jnp.bfloat16 else 2e-5) * max(1e-3, float(np.abs(r32).max()))
-        np.testing.assert_allclose(g32, r32, atol=tol, rtol=0, err_msg=name)
+    assert_cotangents_close(grads, ref, args, NAMES, f32_tol=2e-5)
 
 
 def _loss(fn, q, k, v):
