@@ -162,6 +162,30 @@ def backward_row(est, name, kernel, args, kwargs, clock, skip_xla=False):
     return {**row, "backward_kernel": bwd.name, "backward_key": key}
 
 
+def _xla_failure(path, key):
+    """Why an entry has no XLA figure, from its ledger record (the tuner moves a long XLA row
+    there): the compile's failure, or that XLA was not estimated when it was tuned."""
+    import json
+    import os
+
+    ledger = os.fspath(path).removesuffix(".json") + ".trials.jsonl"
+    xla = None
+    try:
+        with open(ledger, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                if record.get("key") == key:
+                    xla = record.get("provenance", {}).get("xla")
+    except (OSError, ValueError):
+        pass
+    if not isinstance(xla, dict) or "error" not in xla:
+        return "not estimated when tuned"
+    error = str(xla["error"])
+    why = ("the worker's memory cap" if "mmap error" in error or "SIGSEGV" in error
+           else "HBM" if "HbmOom" in error else error.splitlines()[0][:40])
+    return f"compile fails ({why})"
+
+
 def recorded_row(name, kernel, args, kwargs, clock, backward):
     """A row from the v6e estimate cache entries alone, no compile (``--recorded``): the tuned
     config's and XLA's estimates as the tuner recorded them beside the winner (the same
@@ -195,7 +219,7 @@ def recorded_row(name, kernel, args, kwargs, clock, backward):
                libtpu=versions.get("libtpu") if isinstance(versions, dict) else None,
                date=str(entry.get("provenance", {}).get("date", ""))[:10])
     if entry and xla is None:
-        row["xla"] = "not recorded in the entry"
+        row["xla"] = _xla_failure(found[1], k.cache_key(*a, **kw))
     if backward:
         row.update(backward_kernel=k.name, backward_key=k.cache_key(*a, **kw))
     return row
