@@ -102,6 +102,10 @@ def roofline(name, args, kwargs) -> tuple[float, float]:
         seqs = min(pages.shape[0], q.shape[0])
         kv = seqs * ctx * kv_pages.shape[2] * q.shape[2] * kv_pages.dtype.itemsize
         return 4.0 * q.shape[0] * q.shape[1] * ctx * q.shape[2], kv + 2 * _nbytes(q)
+    if name == "linear_attention":  # The recurrence: per token and head, S += kᵀ v, o = q S.
+        q, k, v = args
+        b, h, t, d = q.shape
+        return 4.0 * b * h * t * d * v.shape[3], _nbytes(*args) + _nbytes(v)
     if name == "mamba2_ssd":  # The recurrence: per token and head, dt B xᵀ, decay, C S.
         x, dt, A, B, C, D = args
         b, t = x.shape[:2]

@@ -1,8 +1,8 @@
 """Training shapes, forward and backward: XLA vs upstream vs tuned, v6e compiler ESTIMATES.
 
 Every shipped kernel with a Pallas backward (matmul, grouped matmul, flash attention, HSTU
-attention) on the training shape sets below (HSTU: its DLRM-HSTU set,
-search_spaces/hstu_attention.toml): per shape a forward row and a backward row, each compiled
+attention, linear attention) on the training shape sets below (HSTU and linear attention: their
+own sets, search_spaces/hstu_attention.toml and linear_attention.toml): per shape a forward row and a backward row, each compiled
 deviceless for TPU v6e with libtpu, each program's static cycle estimate converted at the chip
 clock (as in benchmarks/model_shapes.py, whose helpers this reuses):
 
@@ -66,12 +66,14 @@ from pallas_tune.tuning.grad import backward_call  # noqa: E402
 TITLE = ("Training shapes on TPU v6e, forward and backward: compiler ESTIMATES, not "
          "measurements")
 SETS = [("llama3_training_matmul", None), ("mixtral_training_grouped_matmul", None),
-        ("llama3_training_attention", None), ("hstu_attention", None)]
+        ("llama3_training_attention", None), ("hstu_attention", None),
+        ("linear_attention", None)]
 # A backward's useful FLOPs per forward FLOP: dX and dW for the matmuls; dS = P∘(dO Vᵀ - δ),
 # dV = Pᵀ dO, dQ = dS K, dK = dSᵀ Q and S recomputed (5 products to the forward's 2); HSTU's
-# the same five (dP = g Vᵀ in place of dO Vᵀ, no δ).
+# the same five (dP = g Vᵀ in place of dO Vᵀ, no δ); linear attention: its recurrence's two
+# products per token (kᵀ v, q S), each differentiated (the passes' recomputation not counted).
 BACKWARD_FLOPS = {"matmul": 2.0, "grouped_matmul": 2.0, "flash_attention": 2.5,
-                  "hstu_attention": 2.5}
+                  "hstu_attention": 2.5, "linear_attention": 2.0}
 PASSES = ("forward", "backward")
 
 
