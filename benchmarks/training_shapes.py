@@ -184,7 +184,9 @@ def _xla_failure(path, key):
         return "not estimated when tuned"
     error = str(xla["error"])
     why = ("the worker's memory cap" if "mmap error" in error or "SIGSEGV" in error
-           else "HBM" if "HbmOom" in error else error.splitlines()[0][:40])
+           else "HBM" if "HbmOom" in error
+           else "the worker died: a libtpu abort" if "the worker died" in error
+           else error.splitlines()[0][:40])
     return f"compile fails ({why})"
 
 
