@@ -165,6 +165,7 @@ def kernel_calls(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[st
     whose result is dropped (the compiler drops it too), a literal operand, or kernels nested
     in another op."""
     import jax
+    from jax.extend.core import Literal
 
     from pallas_tune.feasibility import inspect as _inspect
 
@@ -173,11 +174,12 @@ def kernel_calls(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[st
     jaxpr = closed.jaxpr
     kernels = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
     others = [e for e in jaxpr.eqns if e.primitive.name != "pallas_call"]
-    if len(kernels) < 2 or any(type(v).__name__ == "Literal" for e in kernels for v in e.invars):
+    if len(kernels) < 2 or any(isinstance(v, Literal) for e in kernels for v in e.invars):
         return None
     used = {id(v) for v in jaxpr.outvars} | {id(v) for e in jaxpr.eqns for v in e.invars}
     if any(id(v) not in used for e in kernels for v in e.outvars) or any(
-            "pallas_call" in str(e.params) for e in others):
+            next(_inspect._walk(sub), None) for e in others
+            for sub in _inspect._subjaxprs(e.params)):
         return None
     calls = []
     for e in kernels:
@@ -199,26 +201,15 @@ def _rest(closed: Any, kernels: Sequence[Any], others: Sequence[Any]
     """The program's ops other than ``kernels``, as a function of the program's inputs and the
     kernels' results, returning what the kernels take from those ops and the program's outputs
     those ops make (so that none is dropped)."""
+    from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
     jaxpr = closed.jaxpr
     made = {id(v) for e in others for v in e.outvars}
     ins = list(jaxpr.invars) + [v for e in kernels for v in e.outvars]
     outs = list({id(v): v for v in [*(v for e in kernels for v in e.invars), *jaxpr.outvars]
                  if id(v) in made}.values())
-
-    def rest(*values: Any) -> Any:
-        env = {id(v): x for v, x in zip(jaxpr.constvars, closed.consts, strict=True)}
-        env.update((id(v), x) for v, x in zip(ins, values, strict=True))
-
-        def read(v: Any) -> Any:
-            return v.val if type(v).__name__ == "Literal" else env[id(v)]
-
-        for e in others:
-            out = e.primitive.bind(*map(read, e.invars), **e.primitive.get_bind_params(e.params))
-            env.update((id(v), x) for v, x in zip(
-                e.outvars, out if e.primitive.multiple_results else [out], strict=True))
-        return [env[id(v)] for v in outs]
-
-    return rest, [_struct(v) for v in ins]
+    rest = jaxpr.replace(invars=ins, outvars=outs, eqns=list(others))
+    return jaxpr_as_fun(ClosedJaxpr(rest, closed.consts)), [_struct(v) for v in ins]
 
 
 def compile_per_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

@@ -266,18 +266,18 @@ class EstimateEvaluator(PoolEvaluator):
         self.has_standin = standin and parts.standin is not None
         self._reference = (cand.KernelParts.of(parts.reference).refs(), wire
                            ) if parts.reference is not None else None
-        job, dumps = (refs, wire, self.has_standin, fallback), []
+        dumps: list[str] = []
 
         def start() -> tuple[Pool, str]:
             dumps.append(tempfile.mkdtemp(prefix="pallas-tune-llo-"))
-            return _estimate_pool((refs, wire, dumps[0], *job[2:]), workers=workers,
-                                  main_path=refs.main_path, limits=limits,
+            return _estimate_pool((refs, wire, dumps[0], self.has_standin, fallback),
+                                  workers=workers, main_path=refs.main_path, limits=limits,
                                   memory_limit=memory_limit_bytes), dumps[0]
 
         pool, reused = shared.acquire((workers, tuple(sorted((limits or {}).items())),
                                        memory_limit_bytes, refs.main_path), start)
         if reused:
-            pool.retarget("retarget", *job)
+            pool.retarget("retarget", refs, wire, self.has_standin, fallback)
         self._pool_kept = shared.active()  # The pool outlives this run: see measure.shared.
         self._dump = "" if self._pool_kept else dumps[0]
         super().__init__(pool, reference=False)
