@@ -67,6 +67,22 @@ def test_backward_matches_reference_grads(dtype, causal, hq, hkv, sq, sk):
     _assert_grads_close(grads, _f32_reference_grads(args, causal), dtype)
 
 
+@pytest.mark.parametrize("sq,sk,config", [
+    (1100, 1100, dict(bq_dq=512, bkv_dq=512, bq_dkv=512, bkv_dkv=512)),
+    (1100, 1100, dict(bq_dq=1024, bkv_dq=256, bq_dkv=256, bkv_dkv=1024)),
+    (1100, 1100, dict(bq_dq=256, bkv_dq=1024, bq_dkv=1024, bkv_dkv=256)),
+    (600, 1100, dict(bq_dq=512, bkv_dq=1024, bq_dkv=512, bkv_dkv=256)),
+    (1100, 700, dict(bq_dq=512, bkv_dq=1024, bq_dkv=1024, bkv_dkv=512)),  # bkv clamped: 700.
+])
+def test_backward_strips_and_staircases(sq, sk, config):
+    """Blocks of 512-1024 queries: several column strips per block, the causal staircase on
+    diagonal blocks with either block size the larger (each strip against only the keys it
+    sees), blocks no size divides (masked by position), ragged last blocks, q_len != kv_len."""
+    args, kwargs = flash_attention_bwd_args(_qkv(2, 1, sq, sk, 32, jnp.float32), {"causal": True})
+    grads = flash_attention_bwd(*args, **kwargs, **config)
+    _assert_grads_close(grads, _f32_reference_grads(args, True), jnp.float32)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_lse_matches_reference(causal):
     q, k, v = _qkv(4, 2, 300, 200, 64, jnp.float32)
