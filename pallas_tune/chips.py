@@ -118,7 +118,12 @@ def _abstract_tpu_mesh(name: str) -> Any:
         device = jax.sharding.AbstractDevice(
             device_kind=tpu_device_kind(name), num_cores=1, platform="tpu"
         )
-        return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+        # Auto, not JAX 0.12's default Explicit: under an Explicit mesh every op needs an
+        # explicit sharding rule, and some XLA references have none (lax.ragged_dot: "Explicit
+        # sharding inference for ragged_dot_general is not currently implemented").
+        auto = getattr(jax.sharding, "AxisType", None)
+        kinds = {"axis_types": (auto.Auto,)} if auto is not None else {}
+        return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device, **kinds)
     except (AttributeError, TypeError):  # Older JAX without abstract devices.
         return None
 

@@ -241,6 +241,23 @@ def test_other_rules_and_targets():
     assert _inspect.block_rule_violations(bad, sublanes=4) == []  # Overrides still work.
 
 
+def test_tpu_target_lowers_xla_ops_without_explicit_sharding_rules():
+    """The target's abstract mesh is Auto (JAX 0.12 defaults to Explicit, under which ops with no
+    sharding rule, such as lax.ragged_dot, a natural XLA reference for a grouped matmul, fail to
+    trace), and it still tells Pallas the TPU generation (a kernel lowers for v6e)."""
+    bf = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((256, 128), bf), jax.ShapeDtypeStruct((2, 128, 128), bf),
+            jax.ShapeDtypeStruct((2,), jnp.int32))
+    with chips.target("v6e"):
+        text = jax.jit(jax.lax.ragged_dot).trace(*args).lower(
+            lowering_platforms=("tpu",)).as_text()
+        x = jax.ShapeDtypeStruct((256, 256), bf)
+        kernel = jax.jit(lambda a, b: matmul.fn(a, b, **matmul.space.default)).trace(x, x).lower(
+            lowering_platforms=("tpu",)).as_text()
+    assert "ragged_dot" in text
+    assert "tpu_custom_call" in kernel
+
+
 def test_vmem_rows_pad_to_eight_for_every_dtype():
     # Measured with libtpu: int8 (8, 1024) windows take 8 KiB, not a 32-row native tile.
     est = estimate_vmem(_windows, jax.ShapeDtypeStruct((1024, 1024), jnp.int8), block=(8, 1024),
