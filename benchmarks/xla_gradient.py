@@ -20,3 +20,14 @@ def xla_gradient(*args_and_g: Any, forward: str, **kwargs: Any) -> tuple[Any, ..
     *args, g = args_and_g
     where = [i for i, a in enumerate(args) if hasattr(a, "shape")]
     return _vjp._xla_backward(load(forward), list(args), kwargs, g, where)
+
+
+def ragged_dot_grouped(lhs: Any, rhs: Any, group_sizes: Any) -> Any:
+    """XLA's own grouped matmul, ``jax.lax.ragged_dot`` (f32 accumulation, cast to lhs's dtype):
+    the XLA alternative benchmarks/grouped_xla.py sets beside the tuned ``grouped_matmul``
+    (whose reference, a per-row gather of expert weights, is a correctness oracle)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                              preferred_element_type=jnp.float32).astype(lhs.dtype)

@@ -57,3 +57,26 @@ def test_standing_says_where_xla_is_faster():
     assert ts.standing({"xla_ms": 1.0, "tuned_ms": None, "config": None}) == "not tuned"
     assert ts.standing({"xla_ms": 1.0, "tuned_ms": None, "config": {"bm": 8}}) == (
         "no tuned estimate")
+
+
+def test_ragged_dot_alternative_computes_the_grouped_matmul_and_its_gradient():
+    """benchmarks/grouped_xla.py's XLA alternative is the same function as grouped_matmul's
+    reference (empty and uneven groups, summing to m), forward and gradient, so its figures
+    compare like with like."""
+    import numpy as np
+    from xla_gradient import ragged_dot_grouped, xla_gradient
+
+    from pallas_tune.kernels.grouped_matmul import grouped_matmul_reference
+
+    keys = jax.random.split(jax.random.key(3), 3)
+    lhs = jax.random.normal(keys[0], (40, 24), jnp.float32)
+    rhs = jax.random.normal(keys[1], (4, 24, 16), jnp.float32)
+    sizes = jnp.array([7, 0, 25, 8], jnp.int32)
+    g = jax.random.normal(keys[2], (40, 16), jnp.float32)
+    np.testing.assert_allclose(ragged_dot_grouped(lhs, rhs, sizes),
+                               grouped_matmul_reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+    ours = xla_gradient(lhs, rhs, sizes, g, forward="xla_gradient:ragged_dot_grouped")
+    ref = xla_gradient(lhs, rhs, sizes, g,
+                       forward="pallas_tune.kernels.grouped_matmul:grouped_matmul_reference")
+    for a, b in zip(ours[:2], ref[:2], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
