@@ -80,3 +80,16 @@ def test_ragged_dot_alternative_computes_the_grouped_matmul_and_its_gradient():
                        forward="pallas_tune.kernels.grouped_matmul:grouped_matmul_reference")
     for a, b in zip(ours[:2], ref[:2], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_xla_claims_no_ranking_from_a_figure_below_the_compute_floor():
+    import grouped_xla as gx
+
+    lhs, rhs = S((16384, 4096), BF16), S((8, 4096, 3584), BF16)
+    floor = gx.floor_ms([lhs, rhs], backward=False)
+    assert abs(floor - 2 * 16384 * 4096 * 3584 / 918e12 * 1e3) < 1e-9
+    assert gx.floor_ms([lhs, rhs], backward=True) == 2 * floor
+    assert gx.standing(0.4914, 0.7219, floor).startswith("not comparable: ragged_dot below")
+    assert gx.standing(0.9, 0.6, floor) == "tuned 1.50x faster"
+    assert gx.standing(0.6, 0.9, floor) == "ragged_dot 1.50x faster"
+    assert gx.standing(None, 0.6, floor) == "—"
