@@ -258,6 +258,29 @@ def test_tpu_target_lowers_xla_ops_without_explicit_sharding_rules():
     assert "tpu_custom_call" in kernel
 
 
+def test_kernels_with_scalar_prefetch_are_counted_for_the_estimate_caveat():
+    """libtpu's static profile takes scalar-prefetch values as 0 (loops.PREFETCH_NOTE), so the
+    estimate names such kernels: the grouped matmul's one, its backward's two, no matmul's."""
+    from pallas_tune.kernels.grouped_matmul import grouped_matmul
+    from pallas_tune.kernels.grouped_matmul_bwd import grouped_matmul_bwd
+    from pallas_tune.measure.estimate import EstimateResult, _detail
+    from pallas_tune.measure.loops import PREFETCH_NOTE, prefetch_kernels
+
+    bf = jnp.bfloat16
+    lhs, rhs = jax.ShapeDtypeStruct((512, 256), bf), jax.ShapeDtypeStruct((2, 256, 256), bf)
+    sizes, d = jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((512, 256), bf)
+    tiles = dict(tm=128, tk=128, tn=128)
+    assert prefetch_kernels(grouped_matmul.fn, [lhs, rhs, sizes], tiles, chip="v6e") == 1
+    bwd_tiles = {f"{p}_{t}": 128 for p in ("dlhs", "drhs") for t in ("tm", "tk", "tn")}
+    assert prefetch_kernels(grouped_matmul_bwd.fn, [lhs, rhs, sizes, d], bwd_tiles,
+                            chip="v6e") == 2
+    x = jax.ShapeDtypeStruct((256, 256), bf)
+    assert prefetch_kernels(matmul.fn, [x, x], dict(matmul.space.default), chip="v6e") == 0
+    detail = _detail(EstimateResult(ok=True, kind="ok", cycles=1, prefetch_kernels=2))
+    assert detail == f"2 kernel(s) with scalar prefetch: {PREFETCH_NOTE}"
+    assert _detail(EstimateResult(ok=True, kind="ok", cycles=1)) == ""
+
+
 def test_vmem_rows_pad_to_eight_for_every_dtype():
     # Measured with libtpu: int8 (8, 1024) windows take 8 KiB, not a 32-row native tile.
     est = estimate_vmem(_windows, jax.ShapeDtypeStruct((1024, 1024), jnp.int8), block=(8, 1024),

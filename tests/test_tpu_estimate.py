@@ -125,6 +125,26 @@ def test_matmul_2048_estimates_rank_tiles_and_buffering():
 
 
 @pytest.mark.libtpu
+def test_an_estimate_of_a_scalar_prefetch_kernel_says_what_it_cannot_follow(cache_dir):
+    """The grouped matmul reads its group table by scalar prefetch, which libtpu's profile
+    takes as 0: the estimate counts the kernel, its trial detail and the entry say so."""
+    from pallas_tune.kernels.grouped_matmul import grouped_matmul
+    from pallas_tune.measure.loops import PREFETCH_NOTE
+
+    bf = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((512, 256), bf), jax.ShapeDtypeStruct((2, 256, 256), bf),
+            jax.ShapeDtypeStruct((2,), jnp.int32))
+    with Estimator(1) as est:
+        r = est.map(grouped_matmul, args, {}, [dict(tm=128, tk=128, tn=128)], "v6e",
+                    standin=False)[0]
+    assert r.ok and r.prefetch_kernels == 1, r.message
+    result = grouped_matmul.tune(*args, timer="tpu-estimate", chip="v6e", trials=2,
+                                 workers=1, write=False, xla=False)
+    assert PREFETCH_NOTE in result.provenance["estimate_caveat"]
+    assert PREFETCH_NOTE in result.best_record.detail
+
+
+@pytest.mark.libtpu
 def test_standin_within_5_percent_of_full_compile():
     cfg = [dict(bm=256, bn=256, bk=256, buffering=2, semantics=SEM)]
     with Estimator(1) as est:

@@ -33,7 +33,8 @@ from typing import Any, Final
 from pallas_tune.measure import candidate as cand
 from pallas_tune.measure import shared
 from pallas_tune.measure.evaluate import PoolEvaluator
-from pallas_tune.measure.loops import data_dependent_loops, dynamic_loop_message
+from pallas_tune.measure.loops import (PREFETCH_NOTE, data_dependent_loops,
+                                      dynamic_loop_message, prefetch_kernels)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
@@ -60,6 +61,7 @@ class EstimateResult:
     ops_without_estimate: int = 0  # Compiled ops whose LLO estimate was 0 (not counted).
     model_cycles: int | None = None  # XLA's cost model, summed over fusions (XLA programs).
     kernels_alone: int = 0  # > 0: the sum of this many kernels, each compiled alone.
+    prefetch_kernels: int = 0  # Kernels with scalar-prefetch operands (loops.PREFETCH_NOTE).
 
 
 def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -72,8 +74,9 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
         args, kwargs, scale = parts.standin(list(args), dict(kwargs), dict(config))
     try:
         loops = data_dependent_loops(parts.fn, args, {**kwargs, **config}, chip=chip)
+        prefetch = prefetch_kernels(parts.fn, args, {**kwargs, **config}, chip=chip)
     except Exception:  # noqa: BLE001 - the compile below reports the failure by its kind.
-        loops = 0
+        loops = prefetch = 0
     if loops:
         return EstimateResult(ok=False, kind="no_estimate", scale=scale,
                               message=dynamic_loop_message(parts.name, loops))
@@ -94,7 +97,7 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
                           ops_without_estimate=sum(c == 0 for c in result.estimated_cycles),
                           model_cycles=int(round(sum(result.model_cycles) * scale))
                           if result.model_cycles else None,
-                          kernels_alone=result.kernels_alone)
+                          kernels_alone=result.kernels_alone, prefetch_kernels=prefetch)
 
 
 class EstimateSession:
@@ -226,7 +229,9 @@ class EstimateSession:
 def _detail(r: EstimateResult) -> str:
     """How an estimate was made, where not as one whole compile of the full problem."""
     return "; ".join(([f"estimate x{r.scale:g}"] if r.scale != 1 else []) + (
-        [f"sum of {r.kernels_alone} kernels compiled alone"] if r.kernels_alone else []))
+        [f"sum of {r.kernels_alone} kernels compiled alone"] if r.kernels_alone else []) + (
+        [f"{r.prefetch_kernels} kernel(s) with scalar prefetch: {PREFETCH_NOTE}"]
+        if r.prefetch_kernels else []))
 
 
 def _memory_limit(workers: int, limit: int | None, total: int | None = None) -> int | None:

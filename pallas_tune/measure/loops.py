@@ -1,12 +1,12 @@
-"""Loops whose trip count only the data knows, inside Pallas kernels: libtpu's static profile
-cannot estimate them (see :mod:`.estimate`)."""
+"""What libtpu's static profile cannot know about a Pallas kernel (see :mod:`.estimate`): loops
+whose trip count only the data knows, and scalar-prefetch operands, whose values it takes as 0."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["data_dependent_loops", "dynamic_loop_message"]
+__all__ = ["data_dependent_loops", "dynamic_loop_message", "prefetch_kernels", "PREFETCH_NOTE"]
 
 
 def data_dependent_loops(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
@@ -55,3 +55,35 @@ def dynamic_loop_message(ref: str, loops: int) -> str:
             "the inputs), and libtpu's static profile counts such a loop as a fixed guess, not "
             "by the data. Time it on a TPU (--timer wallclock), or use a config without such "
             "loops.")
+
+
+PREFETCH_NOTE = ("libtpu's static profile takes scalar-prefetch values as 0 (measured, libtpu "
+                 "0.0.50.1: the same matmul under pl.when(s[i] == 0) counts, under s[i] == 1 "
+                 "it does not), so work and block indices that depend on them are not "
+                 "modelled: a bound, not a ranking")
+
+
+def prefetch_kernels(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
+                     chip: str) -> int:
+    """How many of the Pallas kernels of ``fn(*args, **kwargs)`` take scalar-prefetch operands
+    (``PrefetchScalarGridSpec``: group tables, page tables, lengths), whose static estimate
+    therefore does not follow the data (:data:`PREFETCH_NOTE`)."""
+    import jax
+
+    from pallas_tune import chips
+    from pallas_tune.feasibility import inspect as _inspect
+
+    def count(jaxpr: Any) -> int:
+        n = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                n += getattr(eqn.params["grid_mapping"], "num_index_operands", 0) > 0
+                continue
+            for sub in _inspect._subjaxprs(eqn.params):
+                n += count(getattr(sub, "jaxpr", sub))
+        return n
+
+    flat_fn, arrays = _inspect.array_function(fn, args, kwargs)
+    with chips.target(chip, abstract_mesh=True):
+        closed = jax.make_jaxpr(flat_fn)(*arrays)
+    return count(closed.jaxpr)

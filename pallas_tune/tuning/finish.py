@@ -185,6 +185,8 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
                 "you mean to ship.")
     if ranking:
         prov["retimed_interleaved"] = ranking
+    if best is not None and "scalar prefetch" in (best.detail or ""):  # loops.PREFETCH_NOTE
+        prov["estimate_caveat"] = best.detail
     if "xla_estimate" in extra:  # The reference's estimate, labelled as one.
         prov["xla"] = {**xla_row, "note": "static estimate of the TPU compiler for the "
                        "reference's whole program (no stand-in), not a measurement"
