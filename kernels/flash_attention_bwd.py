@@ -256,8 +256,6 @@ def _scores(k, q, c, *, tri, mask, causal, q0, k0, q_valid=0, k_valid=0):
     return jnp.where(ok, s, MASK_VALUE)
 
 
-
-
 def _pipelined(strips, front, back):
     """``back(*strip, *front(*strip))`` for each strip, software-pipelined in program order:
     each strip's ``front`` (its two score-sized matmuls) is emitted ``_LAG`` strips ahead of its

@@ -34,7 +34,7 @@ from pallas_tune.measure import candidate as cand
 from pallas_tune.measure import shared
 from pallas_tune.measure.evaluate import PoolEvaluator
 from pallas_tune.measure.loops import (PREFETCH_NOTE, data_dependent_loops,
-                                      dynamic_loop_message, prefetch_kernels)
+                                      dynamic_loop_message, kernel_census)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
@@ -73,8 +73,7 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
     if use_standin and parts.standin is not None:
         args, kwargs, scale = parts.standin(list(args), dict(kwargs), dict(config))
     try:
-        loops = data_dependent_loops(parts.fn, args, {**kwargs, **config}, chip=chip)
-        prefetch = prefetch_kernels(parts.fn, args, {**kwargs, **config}, chip=chip)
+        loops, prefetch = kernel_census(parts.fn, args, {**kwargs, **config}, chip=chip)
     except Exception:  # noqa: BLE001 - the compile below reports the failure by its kind.
         loops = prefetch = 0
     if loops:

@@ -14,6 +14,7 @@ from pallas_tune._kernel_hash import FIELD as FINGERPRINT_FIELD
 from pallas_tune._kernel_hash import source_changed
 from pallas_tune.errors import MeasurementError, NoFeasibleConfigError
 from pallas_tune.measure.evaluate import Evaluator
+from pallas_tune.measure.loops import PREFETCH_NOTE
 from pallas_tune.measure.records import Outcome, spread
 from pallas_tune.tuning.log import TrialLog
 from pallas_tune.tuning.options import TuneOptions
@@ -185,7 +186,7 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
                 "you mean to ship.")
     if ranking:
         prov["retimed_interleaved"] = ranking
-    if best is not None and "scalar prefetch" in (best.detail or ""):  # loops.PREFETCH_NOTE
+    if best is not None and PREFETCH_NOTE in (best.detail or ""):  # measure.estimate._detail
         prov["estimate_caveat"] = best.detail
     if "xla_estimate" in extra:  # The reference's estimate, labelled as one.
         prov["xla"] = {**xla_row, "note": "static estimate of the TPU compiler for the "
