@@ -12,7 +12,8 @@ needs more memory than this host has) compiles its glue once and each call alone
 (``pallas_tune.step.composed``).
 
 Every figure is a COMPILER ESTIMATE (libtpu's static profile, deviceless), not a measurement.
-"partial" marks a figure where libtpu gave some ops no estimate (a lower bound).
+"partial" marks a lower bound: libtpu gave some ops no estimate, or a kernel has loops or
+table-indexed fetches its static profile cannot follow (``pallas_tune.measure.loops``).
 
 Layers (2048 tokens, bf16; RoPE, gating and residuals in plain JAX):
 - llama_fwd / llama_fwd_bwd: a Llama-3.1-8B decoder layer (d 4096, 32 query / 8 KV heads of

@@ -95,25 +95,25 @@ def call_exported(*arrays: Any, exported: bytes) -> Any:
 
 
 def _export(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], chip: str,
-            ctx: Any) -> tuple[bytes, list[Any], int]:
-    """The step under ``ctx``, exported for TPU and pickled; its array arguments; and how many
-    loops inside its Pallas kernels have a run-time trip count."""
+            ctx: Any) -> tuple[bytes, list[Any], Any]:
+    """The step under ``ctx``, exported for TPU and pickled; its array arguments; and what its
+    Pallas kernels hide from a static estimate (:class:`pallas_tune.measure.loops.Census`)."""
     import pickle
 
     import jax
     from jax import export
 
     from pallas_tune.feasibility.inspect import array_function
-    from pallas_tune.measure.loops import data_dependent_loops
+    from pallas_tune.measure.loops import kernel_census
 
     flat_fn, arrays = array_function(fn, args, kwargs)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     with chips.target(chip, abstract_mesh=True), ctx:
         jax.clear_caches()  # Traced afresh: the configs in force now, not a cached trace's.
-        loops = data_dependent_loops(flat_fn, specs, {}, chip=chip)
+        census = kernel_census(flat_fn, specs, {}, chip=chip)
         exp = export.export(jax.jit(flat_fn), platforms=("tpu",))(*specs)
     # The VJP closure cannot cross a pipe and is not needed to compile the forward program.
-    return pickle.dumps(dataclasses.replace(exp, _get_vjp=None)), specs, loops
+    return pickle.dumps(dataclasses.replace(exp, _get_vjp=None)), specs, census
 
 
 def estimates(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -144,9 +144,8 @@ def estimates(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, 
             detail[name] = {"error": (r.message or r.kind)[:500]}
             continue
         out[name] = cycles_to_ms(r.cycles, spec.clock_hz)
-        detail[name] = {"cycles": r.cycles, "ops_without_estimate": r.ops_without_estimate,
-                        "partial": bool(r.ops_without_estimate or loops[name]),
-                        "dynamic_loops": loops[name], "compile_s": round(r.compile_s, 2)}
+        detail[name] = {"cycles": r.cycles, "compile_s": round(r.compile_s, 2),
+                        **_unmodelled(r, loops[name])}
     partial = [n for n, d in detail.items() if d.get("partial")]
     timer = (f"tpu-estimate: {spec.name} compiler ESTIMATE of the whole step (every op's static "
              f"estimate summed, at {spec.clock_hz / 1e9:g} GHz), not a measurement"
@@ -175,6 +174,7 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
     from pallas_tune.errors import PallasTuneWarning
     from pallas_tune.feasibility.inspect import array_function
     from pallas_tune.measure.estimate import Estimator, cycles_to_ms
+    from pallas_tune.measure.loops import Census
 
     import jax
 
@@ -210,7 +210,7 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
         def standalone(c: Any, config: Any) -> Any:  # The call's own program, no stubs.
             xla = config.implementation == "xla"
             return est.map(c.kernel.reference if xla else c.kernel, list(c.args), c.kwargs,
-                           [{} if xla else dict(config)], spec.name, standin=False)[0], 0
+                           [{} if xla else dict(config)], spec.name, standin=False)[0], Census()
 
         glue_reply, loops = traced(None, lambda: estimate(glue.glue_function(flat_fn), specs,
                                                           n_stubs))
@@ -276,10 +276,17 @@ def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[
     return {**row, **_figure(r, loops, clock_hz), "standalone": True, "in_step_error": error}
 
 
-def _figure(r: Any, loops: int, clock_hz: float) -> dict[str, Any]:
+def _figure(r: Any, census: Any, clock_hz: float) -> dict[str, Any]:
     from pallas_tune.measure.estimate import cycles_to_ms
 
     return {"ms": cycles_to_ms(r.cycles, clock_hz), "cycles": r.cycles,
-            "ops_without_estimate": r.ops_without_estimate, "dynamic_loops": loops,
-            "partial": bool(r.ops_without_estimate or loops),
-            "compile_s": round(r.compile_s, 2)}
+            "compile_s": round(r.compile_s, 2), **_unmodelled(r, census)}
+
+
+def _unmodelled(r: Any, census: Any) -> dict[str, Any]:
+    """What an estimate leaves out: ops with no estimate, kernel loops with a run-time trip
+    count, input blocks fetched by a table the profile takes as 0 (``blind_fetches``); any of
+    them makes the figure ``partial``, a lower bound."""
+    return {"ops_without_estimate": r.ops_without_estimate, "dynamic_loops": census.loops,
+            "blind_fetches": len(census.blind_inputs),
+            "partial": bool(r.ops_without_estimate or census.loops or census.blind_inputs)}

@@ -281,6 +281,43 @@ def test_kernels_with_scalar_prefetch_are_counted_for_the_estimate_caveat():
     assert _detail(EstimateResult(ok=True, kind="ok", cycles=1)) == ""
 
 
+def test_table_indexed_fetches_the_estimate_cannot_see_are_found():
+    """libtpu's profile takes prefetched tables as 0, so a block whose index moves only through
+    a table is, in its eyes, fetched once per move of the grid indices alone. Measured (libtpu
+    0.0.50.1, 1024x4096 by 8x4096x4096, tm=128, tn=1024): tk=4096 (one k step) estimated
+    0.1179 ms, under the 0.174 ms its HBM traffic needs; tk=2048 0.2662 ms, and 0.2621 ms with
+    the tables replaced by program-id arithmetic (balanced routing). The census refuses the
+    first (input fetches collapse), keeps the second (only output writes are left out), and
+    refuses every drhs config of the backward (its visit axis is innermost)."""
+    from pallas_tune.kernels.grouped_matmul import grouped_matmul
+    from pallas_tune.kernels.grouped_matmul_bwd import grouped_matmul_bwd
+    from pallas_tune.measure.estimate import EstimateResult, _detail
+    from pallas_tune.measure.loops import kernel_census
+
+    bf = jnp.bfloat16
+    lhs, rhs = jax.ShapeDtypeStruct((1024, 4096), bf), jax.ShapeDtypeStruct((8, 4096, 4096), bf)
+    sizes, d = jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((1024, 4096), bf)
+    one_step = kernel_census(grouped_matmul.fn, [lhs, rhs, sizes], dict(tm=128, tk=4096, tn=1024),
+                             chip="v6e")
+    assert one_step.prefetch_kernels == 1 and len(one_step.blind_inputs) == 2
+    assert "(1.00 MiB blocks) counted 1 time(s), up to 60 by the data" in one_step.blind_inputs[0]
+    assert "(8.00 MiB blocks) counted 4 time(s), up to 60" in one_step.blind_inputs[1]
+    two_steps = kernel_census(grouped_matmul.fn, [lhs, rhs, sizes],
+                              dict(tm=128, tk=2048, tn=1024), chip="v6e")
+    assert two_steps.blind_inputs == ()
+    # The output tile (128x1024 bf16) is written per visit by the data, per n tile in its eyes.
+    assert two_steps.unseen_write_bytes == 128 * 1024 * 2 * (4 * 15 - 4)
+    assert "up to 14.0 MiB of output writes" in _detail(EstimateResult(
+        ok=True, kind="ok", cycles=1, unseen_write_bytes=two_steps.unseen_write_bytes))
+    bwd = kernel_census(grouped_matmul_bwd.fn, [lhs, rhs, sizes, d],
+                        {f"{p}_{t}": 512 for p in ("dlhs", "drhs") for t in ("tm", "tk", "tn")},
+                        chip="v6e")
+    assert [b.split(":")[0] for b in bwd.blind_inputs] == ["grouped_matmul_bwd_drhs_512x512x512"] * 2
+    x = jax.ShapeDtypeStruct((256, 256), bf)
+    assert kernel_census(matmul.fn, [x, x], dict(matmul.space.default), chip="v6e") == \
+        type(one_step)()
+
+
 def test_vmem_rows_pad_to_eight_for_every_dtype():
     # Measured with libtpu: int8 (8, 1024) windows take 8 KiB, not a 32-row native tile.
     est = estimate_vmem(_windows, jax.ShapeDtypeStruct((1024, 1024), jnp.int8), block=(8, 1024),

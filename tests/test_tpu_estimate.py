@@ -135,13 +135,22 @@ def test_an_estimate_of_a_scalar_prefetch_kernel_says_what_it_cannot_follow(cach
     args = (jax.ShapeDtypeStruct((512, 256), bf), jax.ShapeDtypeStruct((2, 256, 256), bf),
             jax.ShapeDtypeStruct((2,), jnp.int32))
     with Estimator(1) as est:
-        r = est.map(grouped_matmul, args, {}, [dict(tm=128, tk=128, tn=128)], "v6e",
-                    standin=False)[0]
+        r, whole_k = est.map(grouped_matmul, args, {}, [dict(tm=128, tk=128, tn=128),
+                                                         dict(tm=128, tk=256, tn=128)], "v6e",
+                             standin=False)
     assert r.ok and r.prefetch_kernels == 1, r.message
-    result = grouped_matmul.tune(*args, timer="tpu-estimate", chip="v6e", trials=2,
+    # One k step: the profile would see its lhs and rhs tiles fetched once per n tile (tables
+    # of 0), so that config gets no estimate, and the tune goes on without it.
+    assert not whole_k.ok and whole_k.kind == "no_estimate_config", whole_k
+    assert "(0.06 MiB blocks) counted 1 time(s), up to 10 by the data" in whole_k.message
+    result = grouped_matmul.tune(*args, timer="tpu-estimate", chip="v6e", trials=4,
                                  workers=1, write=False, xla=False)
     assert PREFETCH_NOTE in result.provenance["estimate_caveat"]
     assert PREFETCH_NOTE in result.best_record.detail
+    assert result.best_record.config["tk"] < 256
+    for rec in result.records:
+        if min(rec.config["tk"], 256) == 256:
+            assert not rec.outcome.timed and "no static estimate" in rec.error, rec
 
 
 @pytest.mark.libtpu

@@ -33,8 +33,8 @@ from typing import Any, Final
 from pallas_tune.measure import candidate as cand
 from pallas_tune.measure import shared
 from pallas_tune.measure.evaluate import PoolEvaluator
-from pallas_tune.measure.loops import (PREFETCH_NOTE, data_dependent_loops,
-                                      dynamic_loop_message, kernel_census)
+from pallas_tune.measure.loops import (PREFETCH_NOTE, Census, blind_fetch_message,
+                                      data_dependent_loops, dynamic_loop_message, kernel_census)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
@@ -51,7 +51,9 @@ _ENV: Final = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EstimateResult:
     ok: bool
-    kind: str  # "ok" or a compile failure kind (see _compile), or "no_estimate".
+    # "ok", a compile failure kind (see _compile), "no_estimate" (no config of the kernel can be
+    # estimated: the tune stops) or "no_estimate_config" (this config cannot: it is a failed trial).
+    kind: str
     cycles: int | None = None  # Scaled to the full problem.
     standin_cycles: int | None = None
     scale: float = 1.0
@@ -62,6 +64,7 @@ class EstimateResult:
     model_cycles: int | None = None  # XLA's cost model, summed over fusions (XLA programs).
     kernels_alone: int = 0  # > 0: the sum of this many kernels, each compiled alone.
     prefetch_kernels: int = 0  # Kernels with scalar-prefetch operands (loops.PREFETCH_NOTE).
+    unseen_write_bytes: int = 0  # Output writes the profile leaves out (loops.Census).
 
 
 def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -73,12 +76,15 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
     if use_standin and parts.standin is not None:
         args, kwargs, scale = parts.standin(list(args), dict(kwargs), dict(config))
     try:
-        loops, prefetch = kernel_census(parts.fn, args, {**kwargs, **config}, chip=chip)
+        census = kernel_census(parts.fn, args, {**kwargs, **config}, chip=chip)
     except Exception:  # noqa: BLE001 - the compile below reports the failure by its kind.
-        loops = prefetch = 0
-    if loops:
+        census = Census()
+    if census.loops:
         return EstimateResult(ok=False, kind="no_estimate", scale=scale,
-                              message=dynamic_loop_message(parts.name, loops))
+                              message=dynamic_loop_message(parts.name, census.loops))
+    if census.blind_inputs:  # This config only: the tune goes on with the others.
+        return EstimateResult(ok=False, kind="no_estimate_config", scale=scale,
+                              message=blind_fetch_message(parts.name, census.blind_inputs))
     # A program of kernels only is compiled one kernel per program, at a fraction of the
     # memory of profiling them together (see compile_per_call).
     result = (_compile.compile_per_call(parts.fn, args, {**kwargs, **config}, chip=chip)
@@ -96,7 +102,9 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
                           ops_without_estimate=sum(c == 0 for c in result.estimated_cycles),
                           model_cycles=int(round(sum(result.model_cycles) * scale))
                           if result.model_cycles else None,
-                          kernels_alone=result.kernels_alone, prefetch_kernels=prefetch)
+                          kernels_alone=result.kernels_alone,
+                          prefetch_kernels=census.prefetch_kernels,
+                          unseen_write_bytes=census.unseen_write_bytes)
 
 
 class EstimateSession:
@@ -186,13 +194,13 @@ class EstimateSession:
                                measurement=Measurement(times_ms=(ms,), compile_ms=r.compile_s * 1e3,
                                                        timer="tpu-estimate"),
                                detail=_detail(r), **common)
-        if r.kind == "no_estimate" and self.fallback == "roofline":
+        if r.kind in ("no_estimate", "no_estimate_config") and self.fallback == "roofline":
             rl = roofline_calls(p.calls, chip_spec(self.chip))
             return TrialRecord(outcome=Outcome.OK, detail="roofline model (libtpu returned no "
                                "estimate)", measurement=Measurement(
                                    times_ms=(rl.time_ms,), compile_ms=r.compile_s * 1e3,
                                    timer="roofline"), **common)
-        outcome = (Outcome.COMPILE_ERROR if r.kind == "no_estimate"
+        outcome = (Outcome.COMPILE_ERROR if r.kind in ("no_estimate", "no_estimate_config")
                    else cand._failure_outcome(r.kind))
         return TrialRecord(outcome=outcome, error=f"compiler: {r.message[:2000]}", detail=r.kind,
                            **common)
@@ -230,7 +238,9 @@ def _detail(r: EstimateResult) -> str:
     return "; ".join(([f"estimate x{r.scale:g}"] if r.scale != 1 else []) + (
         [f"sum of {r.kernels_alone} kernels compiled alone"] if r.kernels_alone else []) + (
         [f"{r.prefetch_kernels} kernel(s) with scalar prefetch: {PREFETCH_NOTE}"]
-        if r.prefetch_kernels else []))
+        if r.prefetch_kernels else []) + (
+        [f"up to {r.unseen_write_bytes / 2**20:.1f} MiB of output writes follow a table and "
+         "are not counted (overlapped with compute on a TPU)"] if r.unseen_write_bytes else []))
 
 
 def _memory_limit(workers: int, limit: int | None, total: int | None = None) -> int | None:

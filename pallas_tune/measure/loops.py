@@ -1,22 +1,40 @@
 """What libtpu's static profile cannot know about a Pallas kernel (see :mod:`.estimate`): loops
-whose trip count only the data knows, and scalar-prefetch operands, whose values it takes as 0."""
+whose trip count only the data knows, and scalar-prefetch operands, whose values it takes as 0,
+so that a block whose index follows such a table is fetched, in its eyes, only when the grid
+indices alone would move it."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PREFETCH_NOTE", "data_dependent_loops", "dynamic_loop_message", "kernel_census",
-           "prefetch_kernels"]
+__all__ = ["PREFETCH_NOTE", "Census", "blind_fetch_message", "data_dependent_loops",
+           "dynamic_loop_message", "kernel_census", "prefetch_kernels"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Census:
+    """What :func:`kernel_census` found. ``blind_inputs``: one line per input block whose fetches
+    the profile collapses (its index changes along a grid axis only through a table, and no
+    inner axis refetches it anyway); ``unseen_write_bytes``: output writes it leaves out the
+    same way (overlapped with compute on a TPU, so noted, not refused)."""
+
+    loops: int = 0
+    prefetch_kernels: int = 0
+    blind_inputs: tuple[str, ...] = ()
+    unseen_write_bytes: int = 0
 
 
 def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
-                  chip: str) -> tuple[int, int]:
-    """(loops, prefetch kernels) of the Pallas kernels of ``fn(*args, **kwargs)``, from one
-    trace: how many loops inside them have a trip count that is not static (``while`` in a
-    kernel's jaxpr: ``lax.while_loop``, or ``fori_loop`` over traced bounds, e.g. a length read
-    from memory), outside the else branches of conditionals; and how many of them take
-    scalar-prefetch operands (``PrefetchScalarGridSpec``: group, page or length tables).
+                  chip: str) -> Census:
+    """The :class:`Census` of the Pallas kernels of ``fn(*args, **kwargs)``, from one trace:
+    how many loops inside them have a trip count that is not static (``while`` in a kernel's
+    jaxpr: ``lax.while_loop``, or ``fori_loop`` over traced bounds, e.g. a length read from
+    memory), outside the else branches of conditionals; how many take scalar-prefetch operands
+    (``PrefetchScalarGridSpec``: group, page or length tables); and which of their blocks the
+    profile sees fetched less often than the data would fetch them (:func:`_table_fetches`).
 
     libtpu's static profile cannot know such a trip count and counts a fixed guess whatever the
     data (libtpu 0.0.50.1: JAX's ragged paged attention over 2.1 GB of KV cache "estimated" at
@@ -28,13 +46,23 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
     from pallas_tune import chips
     from pallas_tune.feasibility import inspect as _inspect
 
+    blind: list[str] = []
+    unseen = [0]
+
     def count(jaxpr: Any, inside: bool) -> tuple[int, int]:
         loops = prefetch = 0
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             loops += inside and name == "while"
             if name == "pallas_call":
-                prefetch += getattr(eqn.params["grid_mapping"], "num_index_operands", 0) > 0
+                gm = eqn.params["grid_mapping"]
+                if getattr(gm, "num_index_operands", 0) > 0:
+                    prefetch += 1
+                    for line, is_output, nbytes in _table_fetches(gm, eqn.params.get("name")):
+                        if is_output:
+                            unseen[0] += nbytes
+                        else:
+                            blind.append(line)
                 subs = [eqn.params["jaxpr"]]
             elif name == "cond" and len(eqn.params["branches"]) == 2:
                 # Loops are looked for in the true branch only (a loop in an else branch
@@ -51,20 +79,86 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
     flat_fn, arrays = _inspect.array_function(fn, args, kwargs)
     with chips.target(chip, abstract_mesh=True):
         closed = jax.make_jaxpr(flat_fn)(*arrays)
-    return count(closed.jaxpr, False)
+    loops, prefetch = count(closed.jaxpr, False)
+    return Census(loops, prefetch, tuple(blind), unseen[0])
+
+
+def _table_fetches(gm: Any, kernel: Any) -> list[tuple[str, bool, int]]:
+    """(description, is output, bytes the profile leaves out) per block of a scalar-prefetch
+    kernel whose fetch count, under tables of zeros (what libtpu's profile assumes), is lower
+    than under tables whose entries all differ (what moving data does). A block is refetched
+    when an axis at or outside the innermost grid axis (of extent > 1) its index depends on
+    advances, as in :mod:`pallas_tune.feasibility.roofline`; the dependence is probed by unit
+    steps from the origin, exact for the affine maps of table lookups. Index maps that cannot
+    be evaluated are skipped (the estimate keeps :data:`PREFETCH_NOTE` only)."""
+    import numpy as np
+
+    try:  # Private, and its signature differs between JAX versions: probe, never fail.
+        from jax import core as jax_core
+        from jax._src.state.discharge import discharge_state
+
+        from pallas_tune.feasibility.inspect import _block_dim
+        eval_jaxpr = getattr(jax_core, "eval_jaxpr", None)
+        if eval_jaxpr is None:
+            from jax._src.core import eval_jaxpr
+        grid = tuple(int(g) for g in gm.grid)
+    except Exception:  # noqa: BLE001 - unknown: no finding.
+        return []
+    rank, found = len(grid), []
+    for i, bm in enumerate(gm.block_mappings):
+        closed = bm.index_map_jaxpr
+        if len(closed.jaxpr.invars) <= rank:
+            continue  # Its index does not read a table.
+        try:
+            out = discharge_state(closed)
+            jaxpr, consts = (out.jaxpr, out.consts) if hasattr(out, "consts") else (out, closed.consts)
+            n_out = len(closed.jaxpr.outvars)
+            zero = [np.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.invars[rank:]]
+            moving = [np.arange(t.size).reshape(t.shape).astype(t.dtype) for t in zero]
+
+            def fetches(tables: list[Any]) -> int:
+                def at(idx: Sequence[int]) -> list[int]:
+                    vals = eval_jaxpr(jaxpr, consts, *(np.int32(x) for x in idx), *tables)
+                    return [int(x) for x in vals[:n_out]]
+                base = at([0] * rank)
+                axes = [a for a in range(rank) if grid[a] > 1
+                        and at([int(b == a) for b in range(rank)]) != base]
+                return math.prod(grid[: max(axes) + 1]) if axes else 1
+
+            seen, data = fetches(zero), fetches(moving)
+        except Exception:  # noqa: BLE001 - an index map we cannot evaluate: no finding.
+            continue
+        if data <= seen:
+            continue
+        size = math.prod(_block_dim(d)[0] or 1 for d in bm.block_shape)
+        nbytes = size * np.dtype(bm.array_aval.dtype).itemsize * (data - seen)
+        is_output = i >= gm.num_inputs
+        found.append((f"{kernel or 'pallas_call'}: {'output' if is_output else 'input'} "
+                      f"{bm.origin} ({size * np.dtype(bm.array_aval.dtype).itemsize / 2**20:.2f}"
+                      f" MiB blocks) counted {seen} time(s), up to {data} by the data",
+                      is_output, nbytes))
+    return found
+
+
+def blind_fetch_message(ref: str, blind: Sequence[str]) -> str:
+    return (f"no static estimate for {ref} with this config: libtpu's static profile takes "
+            "scalar-prefetch tables as 0, so it counts fewer fetches of these blocks than the "
+            "data needs and leaves their DMA time out: " + "; ".join(blind) + ". Time it on a "
+            "TPU (--timer wallclock), or use tiles under which an inner grid axis refetches "
+            "these blocks at every step anyway (the grouped matmul's forward: tk < K).")
 
 
 def data_dependent_loops(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
                          chip: str) -> int:
     """The loops of :func:`kernel_census`: those whose trip count only the data knows."""
-    return kernel_census(fn, args, kwargs, chip=chip)[0]
+    return kernel_census(fn, args, kwargs, chip=chip).loops
 
 
 def prefetch_kernels(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
                      chip: str) -> int:
     """The kernels of :func:`kernel_census` with scalar-prefetch operands, whose static
     estimate does not follow the data (:data:`PREFETCH_NOTE`)."""
-    return kernel_census(fn, args, kwargs, chip=chip)[1]
+    return kernel_census(fn, args, kwargs, chip=chip).prefetch_kernels
 
 
 def dynamic_loop_message(ref: str, loops: int) -> str:
