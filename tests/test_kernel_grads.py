@@ -167,6 +167,18 @@ def test_grouped_matmul_bwd_kernel_at_ragged_shapes(dtype):
     assert_grads_match(got[:2], oracle(grouped_matmul_bwd_reference, lhs, rhs, sizes, d)[:2])
 
 
+@pytest.mark.parametrize("tm", [128, 256])
+def test_grouped_matmul_bwd_many_groups_in_one_tile(tm):
+    """drhs adds a tile's rows to each group they belong to: here up to six groups share one m
+    tile (three of them empty, one of a single row), so the kernel's straddle loop runs past its
+    first group, and an empty group's block must come out as zeros."""
+    sizes = [5, 0, 17, 40, 1, 0, 60, 100, 0, 77]
+    lhs, rhs, sizes, d = _grouped(3, sum(sizes), 136, 200, sizes, jnp.float32)
+    got = grouped_matmul_bwd(lhs, rhs, sizes, d, **{**G128, "drhs_tm": tm})
+    assert_grads_match(got[:2], oracle(grouped_matmul_bwd_reference, lhs, rhs, sizes, d)[:2])
+    assert not np.asarray(got[1])[[1, 5, 8]].any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_matmul_grad_matches_reference_grad(dtype):
     lhs, rhs, sizes, _ = _grouped(0, 100, 48, 40, [30, 0, 70], dtype)
@@ -185,7 +197,7 @@ def test_grouped_matmul_grad_matches_reference_grad(dtype):
 
 @st.composite
 def grouped_bwd_cases(draw):
-    m, groups = draw(st.integers(1, 260)), draw(st.integers(1, 3))
+    m, groups = draw(st.integers(1, 260)), draw(st.integers(1, 6))
     cuts = sorted(draw(st.lists(st.integers(0, m), min_size=groups - 1, max_size=groups - 1)))
     sizes = np.diff([0, *cuts, m]).tolist()
     tiles = {name: draw(st.sampled_from([128, 256])) for name in G128}
