@@ -178,9 +178,10 @@ def _ms(rows_step: dict, detail: dict, k: str) -> str:
     if v is None or not math.isfinite(v):
         errors = [c["error"] for c in detail[k].get("calls", []) if "error" in c]
         return "no estimate: " + str(detail[k].get("error") or (errors or ["?"])[0])[:80]
-    n = detail.get(k, {}).get("standalone", 0)
+    n, scaled = detail.get(k, {}).get("standalone", 0), detail.get(k, {}).get("standin", 0)
     return (f"{v:.3f}" + (" partial" if detail.get(k, {}).get("partial") else "")
-            + (f" ({n} call(s) standalone)" if n else ""))
+            + (f" ({n} call(s) standalone)" if n else "")
+            + (f" ({scaled} of them on the kernel's stand-in, scaled)" if scaled else ""))
 
 
 def _num(v) -> str:
@@ -199,7 +200,10 @@ def _composed(r: dict) -> list[str]:
            "below: what putting it back into the glue adds, all its occurrences (ms, ESTIMATE); "
            "'in the one above' = it vanished when that call ran as XLA (XLA's autodiff "
            "replaced it); 'standalone' = its in-step program failed to compile, so it was "
-           "estimated as a program of its own (inputs as parameters). Step figures estimated in {r.get('step_wall_s', '?')} s.", "",
+           "estimated as a program of its own (inputs as parameters); 'stand-in xS' = that "
+           "program's profile died too, so the kernel's own stand-in (fewer parallel tiles, "
+           "the same tiles) was estimated and scaled by S, as the tuner does. Step figures "
+           f"estimated in {r.get('step_wall_s', '?')} s.", "",
            "| kernel | key | calls | source | tuned runs | tuned config | default | tuned | "
            "all-XLA |", "|---|---|---|---|---|---|---|---|---|"]
     for i, c in enumerate(d["calls"]):
@@ -209,7 +213,9 @@ def _composed(r: dict) -> list[str]:
             f = d.get(name, {}).get("calls", [])
             f = f[i] if i < len(f) else {}
             cells.append(_num(f["ms"]) + (" partial" if f.get("partial") else "")
-                         + (" standalone" if f.get("standalone") else "") if "ms" in f
+                         + (" standalone" if f.get("standalone") else "")
+                         + (f" stand-in x{f['standin_scale']:g}" if f.get("standin_scale")
+                            else "") if "ms" in f
                          else "in the one above" if f.get("absorbed")
                          else f"error: {f['error'][:60]}" if "error" in f else "-")
         out.append(f"| {c['kernel'].rsplit('.', 1)[-1]} | `{c['key']}` | {c['count']} | "

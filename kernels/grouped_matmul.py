@@ -171,7 +171,7 @@ def grouped_matmul_reference(lhs, rhs, group_sizes):
     return out.astype(lhs.dtype)
 
 
-# Differentiable: jax.grad calls grouped_matmul_bwd (dlhs in Pallas, drhs in XLA; its own
+# Differentiable: jax.grad calls grouped_matmul_bwd (dlhs and drhs, both Pallas kernels; its own
 # tunable kernel and cache entries).
 grouped_matmul = pt.tunable(space="grouped_matmul", reference=grouped_matmul_reference,
                             standin=_standin, inputs=_inputs, backward=grouped_matmul_bwd,

@@ -12,7 +12,13 @@ annotates every compiled op. The step's figure is the sum of every op's estimate
 kernels and XLA fusions alike) at the chip's clock: a compiler ESTIMATE, not a measurement.
 Ops the compiler reports with no estimate (0 cycles) are counted and the figure is then
 ``partial``: a lower bound. Kernels looping over run-time lengths are counted too (libtpu
-counts such a loop as a fixed guess).
+counts such a loop as a fixed guess), and kernels whose input fetches follow a prefetched
+table no grid axis moves (:class:`pallas_tune.measure.loops.Census`).
+
+Composed (:func:`composed`): where the whole step is too large to compile on this host, its
+glue plus each call, in three tiers: the call put back into the glue; where that program
+fails, the call as a program of its own (``standalone``); where that fails too, the kernel's
+stand-in, scaled (``standin_scale``). Each figure says which tier it came from.
 """
 
 from __future__ import annotations
@@ -207,10 +213,10 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
             return dataclasses.replace(r, ops_without_estimate=max(
                 0, r.ops_without_estimate - stubs)) if r.ok else r, loops
 
-        def standalone(c: Any, config: Any) -> Any:  # The call's own program, no stubs.
+        def standalone(c: Any, config: Any, standin: bool = False) -> Any:  # Its own program.
             xla = config.implementation == "xla"
             return est.map(c.kernel.reference if xla else c.kernel, list(c.args), c.kwargs,
-                           [{} if xla else dict(config)], spec.name, standin=False)[0], Census()
+                           [{} if xla else dict(config)], spec.name, standin=standin)[0], Census()
 
         glue_reply, loops = traced(None, lambda: estimate(glue.glue_function(flat_fn), specs,
                                                           n_stubs))
@@ -230,7 +236,8 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
             figures = [r for r in per if "absorbed" not in r]
             detail[name] = {"calls": per, "partial": bool(
                 detail["glue"]["partial"] or any(r.get("partial") for r in figures)),
-                "standalone": sum(bool(r.get("standalone")) for r in figures)}
+                "standalone": sum(bool(r.get("standalone")) for r in figures),
+                "standin": sum(bool(r.get("standin_scale")) for r in figures)}
             if all("cycles" in r for r in figures):
                 total = glue_reply.cycles + sum(r["live"] * r["cycles"] for r in figures)
                 out[name] = cycles_to_ms(total, spec.clock_hz)
@@ -271,9 +278,18 @@ def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[
     if (*mark, "standalone") not in done:
         done[(*mark, "standalone")] = traced(name, lambda: standalone(call, config))
     r, loops = done[(*mark, "standalone")]
+    how: dict[str, Any] = {"standalone": True}
+    if (not r.ok or r.cycles is None) and not xla and call.kernel.standin is not None:
+        # The whole call's profile died too (seen: 53,760 grid steps of 128 tiles past an 18
+        # GB worker): the kernel's stand-in (fewer parallel tiles, the same tiles), scaled, as
+        # the tuner estimates its candidates.
+        if (*mark, "standin") not in done:
+            done[(*mark, "standin")] = traced(name, lambda: standalone(call, config, True))
+        r, loops = done[(*mark, "standin")]
+        how["standin_scale"] = round(r.scale, 4)
     if not r.ok or r.cycles is None:
         return {**row, "error": error}
-    return {**row, **_figure(r, loops, clock_hz), "standalone": True, "in_step_error": error}
+    return {**row, **_figure(r, loops, clock_hz), **how, "in_step_error": error}
 
 
 def _figure(r: Any, census: Any, clock_hz: float) -> dict[str, Any]:

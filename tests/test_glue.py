@@ -240,3 +240,48 @@ def test_a_call_whose_in_step_program_fails_is_estimated_as_its_own_program(monk
     assert norm["ms"] > 0 and "standalone" not in mm and mm["ms"] > 0
     assert detail["default"]["standalone"] == 1
     assert ms["default"] == pytest.approx(detail["glue"]["ms"] + norm["ms"] + mm["ms"])
+
+
+@pytest.mark.libtpu
+def test_a_call_whose_own_program_dies_too_is_estimated_on_its_stand_in(monkeypatch):
+    """The last tier: where the call's in-step program and its own program both fail (seen:
+    the grouped matmul's 128-tile default at 1024 rows, 53,760 grid steps, past an 18 GB
+    worker), the kernel's stand-in (fewer parallel tiles, the same tiles) is estimated and
+    scaled, as the tuner does, and the figure says so."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from pallas_tune.measure import estimate as est_mod
+
+    real_alone, real_map = glue.alone, est_mod.Estimator.map
+
+    def failing_alone(call, grad=False):
+        g, specs, stubs = real_alone(call, grad)
+        if call.kernel is not matmul:
+            return g, specs, stubs
+
+        def hog():  # 512 MiB of VMEM scratch: no TPU compiles it.
+            def kernel(o_ref, s_ref):
+                o_ref[...] = jnp.zeros_like(o_ref)
+
+            return pl.pallas_call(kernel, out_shape=S((8, 128), F32),
+                                  scratch_shapes=[pltpu.VMEM((16384, 8192), F32)])()
+        return (lambda *arrays: (g(*arrays), hog())), specs, stubs
+
+    def failing_map(self, fn, args, kwargs, configs, chip, standin=True):
+        if fn is matmul and not standin:
+            return [est_mod.EstimateResult(ok=False, kind="worker_crashed",
+                                           message="the worker died from signal SIGSEGV")]
+        return real_map(self, fn, args, kwargs, configs, chip, standin=standin)
+
+    monkeypatch.setattr(glue, "alone", failing_alone)
+    monkeypatch.setattr(est_mod.Estimator, "map", failing_map)
+    args = (S((2048, 512), jnp.bfloat16), S((512, 4096), jnp.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pt.PallasTuneWarning)
+        ms, _, detail = step.composed(lambda x, w: matmul(x, w), args, {},
+                                      pt.AutotuneResult([]), "v6e", only=("default",))
+    (mm,) = detail["default"]["calls"]
+    assert mm["standalone"] and mm["standin_scale"] > 1 and mm["ms"] > 0, mm
+    assert detail["default"]["standin"] == 1
+    assert ms["default"] == pytest.approx(detail["glue"]["ms"] + mm["ms"])
