@@ -7,17 +7,13 @@ For out[rows of group g] = lhs[rows of g] @ rhs[g] and the cotangent d (m, n):
   (cdiv(k, dlhs_tk), visits, cdiv(n, dlhs_tn)), the n axis the reduction. rhs's block
   (dlhs_tk, dlhs_tn) is contracted on its last dim in the kernel (an "NT" dot_general), so rhsᵀ
   is never materialized; a ragged n tail is zeroed on the last step only.
-- drhs = tgmm(lhsᵀ, d): drhs[g] = lhs[rows of g]ᵀ · d[rows of g], the transposed grouped
-  matmul: grid (cdiv(k, drhs_tk), cdiv(n, drhs_tn), cdiv(m, drhs_tm)), the m tiles in order the
-  reduction, with every group's (drhs_tk, drhs_tn) block resident in VMEM (an f32 accumulator
-  of groups x drhs_tk x drhs_tn; an empty group's block is stored as zeros). Each m tile adds
-  its rows of an (drhs_tm, drhs_tk) lhs block and an (drhs_tm, drhs_tn) d block, contracted on
-  the rows in the kernel (a "TN" dot_general: lhsᵀ is never materialized), to the accumulator
-  of each group it holds rows of, the rows of other groups and past m masked in both blocks.
-  Unlike megablox's tgmm (the m axis walked in visits by group, the output block indexed by a
-  scalar-prefetched group table), every block index here is a function of the grid alone, so
-  libtpu's static profile, which takes prefetched tables as 0, counts every fetch: measured
-  (libtpu 0.0.50.1) the visit form's estimate left out most of drhs at every config.
+- drhs = tgmm(lhsᵀ, d): drhs[g] = lhs[rows of g]ᵀ · d[rows of g], megablox's transposed
+  grouped matmul: grid (cdiv(k, drhs_tk), cdiv(n, drhs_tn), visits), the visits (m tiles, by
+  group, every group visited at least once so that an empty group's block is written, as zeros)
+  the reduction. Each visit adds its group's rows of an (drhs_tm, drhs_tk) lhs block and an
+  (drhs_tm, drhs_tn) d block, contracted on the rows in the kernel (a "TN" dot_general: lhsᵀ
+  is never materialized), into an f32 accumulator, zeroed at a group's first visit and stored
+  at its last. Rows of other groups and past m are masked in both blocks.
 
 A tunable kernel of its own (search_spaces/grouped_matmul_bwd.toml), declared as
 ``grouped_matmul``'s ``backward=``, with each product's tiles (``dlhs_*``, ``drhs_*``).
@@ -67,7 +63,7 @@ def _dlhs(d, rhs, group_sizes, tm, tk, tn):
     m, n = d.shape
     k = rhs.shape[1]
     tm, tk, tn = min(tm, m), min(tk, k), min(tn, n)
-    starts, ends, visit_group, visit_tile = _group_metadata(group_sizes, m, tm)
+    starts, ends, visit_group, visit_tile, _ = _group_metadata(group_sizes, m, tm)
 
     def d_map(j, v, nn, starts, ends, group, tile):
         return tile[v], nn
@@ -95,12 +91,13 @@ def _dlhs(d, rhs, group_sizes, tm, tk, tn):
     )(starts, ends, visit_group, visit_tile, d, rhs)
 
 
-def _group_metadata(group_sizes, m: int, tm: int):
-    """(starts, ends, visit_groups, visit_tiles) for a static number of visits, ordered by group:
-    one per (group, m-tile) pair that overlaps; surplus visits repeat the last real one (the
-    forward's ``make_group_metadata``; kernels/grouped_matmul.py imports this module, so it
-    cannot be imported from there: moving it would change the forward's code fingerprint and
-    stale its shipped entries)."""
+def _group_metadata(group_sizes, m: int, tm: int, *, visit_empty: bool = False):
+    """(starts, ends, visit_groups, visit_tiles, valid) for a static number of visits, ordered
+    by group: one per (group, m-tile) pair that overlaps (the forward's ``make_group_metadata``;
+    kernels/grouped_matmul.py imports this module, so it cannot be imported from there: moving
+    it would change the forward's code fingerprint and stale its shipped entries). With
+    ``visit_empty`` (tgmm) an empty group is visited once too, at a tile in range, all its rows
+    masked. Surplus visits repeat the last real one, with valid 0."""
     groups = group_sizes.shape[0]
     tiles = pl.cdiv(m, tm)
     sizes = group_sizes.astype(jnp.int32)
@@ -108,13 +105,14 @@ def _group_metadata(group_sizes, m: int, tm: int):
     starts = ends - sizes
     first = jnp.minimum(starts // tm, tiles - 1)
     last = jnp.maximum(ends - 1, 0) // tm
-    count = jnp.where(sizes > 0, last - first + 1, 0)
+    count = jnp.where(sizes > 0, last - first + 1, int(visit_empty))
     csum = jnp.cumsum(count)
-    v = jnp.arange(tiles + groups - 1, dtype=jnp.int32)
+    v = jnp.arange(tiles + (2 * groups - 1 if visit_empty else groups - 1), dtype=jnp.int32)
+    valid = (v < csum[-1]).astype(jnp.int32)
     v = jnp.minimum(v, csum[-1] - 1)
     group = jnp.searchsorted(csum, v, side="right").astype(jnp.int32)
     tile = first[group] + (v - (csum[group] - count[group]))
-    return starts, ends, group, tile.astype(jnp.int32)
+    return starts, ends, group, tile.astype(jnp.int32), valid
 
 
 def _kernel(starts_ref, ends_ref, group_ref, tile_ref, d_ref, rhs_ref, o_ref, acc_ref, *, tm,
@@ -155,26 +153,26 @@ def _drhs(lhs, d, group_sizes, groups, tm, tk, tn):
     m, k = lhs.shape
     n = d.shape[1]
     tm, tk, tn = min(tm, m), min(tk, k), min(tn, n)
-    meta = _tile_groups(group_sizes, m, tm)
+    meta = _group_metadata(group_sizes, m, tm, visit_empty=True)
 
-    def in_map(kk, nn, i, starts, ends, first, last):
-        return i, kk
+    def lhs_map(kk, nn, v, starts, ends, group, tile, valid):
+        return tile[v], kk
 
-    def d_map(kk, nn, i, starts, ends, first, last):
-        return i, nn
+    def d_map(kk, nn, v, starts, ends, group, tile, valid):
+        return tile[v], nn
 
-    def out_map(kk, nn, i, starts, ends, first, last):
-        return 0, kk, nn
+    def out_map(kk, nn, v, starts, ends, group, tile, valid):
+        return group[v], kk, nn
 
     return pl.pallas_call(
-        functools.partial(_tgmm_kernel, tm=tm, groups=groups),
+        functools.partial(_tgmm_kernel, tm=tm),
         out_shape=jax.ShapeDtypeStruct((groups, k, n), lhs.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(pl.cdiv(k, tk), pl.cdiv(n, tn), pl.cdiv(m, tm)),
-            in_specs=[pl.BlockSpec((tm, tk), in_map), pl.BlockSpec((tm, tn), d_map)],
-            out_specs=pl.BlockSpec((groups, tk, tn), out_map),
-            scratch_shapes=[pltpu.VMEM((groups, tk, tn), jnp.float32)],
+            num_scalar_prefetch=5,
+            grid=(pl.cdiv(k, tk), pl.cdiv(n, tn), meta[2].shape[0]),
+            in_specs=[pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec((tm, tn), d_map)],
+            out_specs=pl.BlockSpec((None, tk, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
@@ -182,47 +180,25 @@ def _drhs(lhs, d, group_sizes, groups, tm, tk, tn):
     )(*meta, lhs, d)
 
 
-def _tile_groups(group_sizes, m: int, tm: int):
-    """(starts, ends, first, last): each group's rows [start, end), and per m tile the groups
-    holding its first and last row (clipped to the last group: rows past the sizes' sum are in
-    none, and every group masks them out)."""
-    groups = group_sizes.shape[0]
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    starts = ends - group_sizes.astype(jnp.int32)
-    top = jnp.arange(pl.cdiv(m, tm), dtype=jnp.int32) * tm
-    bottom = jnp.minimum(top + tm, m) - 1
-    first = jnp.minimum(jnp.searchsorted(ends, top, side="right"), groups - 1)
-    last = jnp.minimum(jnp.searchsorted(ends, bottom, side="right"), groups - 1)
-    return starts, ends, first.astype(jnp.int32), last.astype(jnp.int32)
+def _tgmm_kernel(starts_ref, ends_ref, group_ref, tile_ref, valid_ref, lhs_ref, d_ref, o_ref,
+                 acc_ref, *, tm):
+    v, visits = pl.program_id(2), pl.num_programs(2)
+    g = group_ref[v]
 
-
-def _tgmm_kernel(starts_ref, ends_ref, first_ref, last_ref, lhs_ref, d_ref, o_ref, acc_ref, *,
-                 tm, groups):
-    i = pl.program_id(2)
-
-    @pl.when(i == 0)
-    def _init():
+    @pl.when((v == 0) | (group_ref[jnp.maximum(v - 1, 0)] != g))
+    def _init():  # The group's first visit.
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    rows = i * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
-
-    def add(g):  # Only group g's rows (others', and rows past m, are zeroed in both blocks).
+    @pl.when(valid_ref[v] == 1)
+    def _add():  # Only this group's rows (others', and rows past m, are zeroed in both).
+        rows = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
         mine = (rows >= starts_ref[g]) & (rows < ends_ref[g])
         lhs = jnp.where(mine, lhs_ref[...], jnp.zeros((), lhs_ref.dtype))
         d = jnp.where(mine, d_ref[...], jnp.zeros((), d_ref.dtype))
-        acc_ref[g] += jax.lax.dot_general(lhs, d, _TN, preferred_element_type=jnp.float32)
+        acc_ref[...] += jax.lax.dot_general(lhs, d, _TN, preferred_element_type=jnp.float32)
 
-    first, last = first_ref[i], last_ref[i]
-    add(first)  # Unconditional: libtpu's profile, which takes the tables as 0, counts it too.
-
-    def straddle(j, carry):  # The tile's other groups (a static trip count, no data loop).
-        pl.when(first + j <= last)(lambda: add(first + j))
-        return carry
-
-    jax.lax.fori_loop(1, groups, straddle, 0)
-
-    @pl.when(i == pl.num_programs(2) - 1)
-    def _store():
+    @pl.when((v == visits - 1) | (group_ref[jnp.minimum(v + 1, visits - 1)] != g))
+    def _store():  # The group's last visit (surplus visits are its repeats).
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
