@@ -60,3 +60,23 @@ def test_show_trials_marks_duplicates_and_counts_as_everywhere(cache_dir, capsys
     out = capsys.readouterr().out
     assert "3 trials: 1 timed, 1 infeasible, 1 duplicate" in out
     assert "duplicate" in out and "same program as #0" in out
+
+
+def test_show_marks_an_estimate_with_a_caveat_and_json_carries_it(cache_dir, capsys):
+    """An estimate entry whose provenance records what libtpu's profile could not follow
+    (``estimate_caveat``) is marked in the table, and the text is in the JSON."""
+    cache = TuningCache(str(cache_dir), use_shipped=False)
+    note = "1 kernel(s) with scalar prefetch: taken as 0"
+    for key, prov in (("x=8x128:float32", {"estimate_caveat": note}), ("x=16x128:float32", {})):
+        cache.write("tpu_v6e", "k.cav", key, {
+            "config": {"b": 8}, "median_ms": 0.5,
+            "provenance": {"kind": "estimate", "timer": "tpu-estimate", **prov}}, kind="estimate")
+    assert main(["show", "--kernel", "k.cav"]) == 0
+    rows = {line.split()[2]: line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("k.cav")}
+    assert "(caveat: see --format json)" in rows["x=8x128:float32"]
+    assert "caveat" not in rows["x=16x128:float32"]
+    assert main(["show", "--kernel", "k.cav", "--format", "json"]) == 0
+    by_key = {e["key"]: e for e in json.loads(capsys.readouterr().out)["entries"]}
+    assert by_key["x=8x128:float32"]["estimate_caveat"] == note
+    assert by_key["x=16x128:float32"]["estimate_caveat"] is None

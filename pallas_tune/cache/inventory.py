@@ -39,6 +39,7 @@ class EntryReport:
     implementation: str = "pallas"  # "xla" where the reference won and calls run it.
     default_ms: float | None = None  # The default's time in the same final ranking.
     xla_ms: float | None = None  # The reference's (XLA) time in the same final ranking.
+    caveat: str | None = None  # What an estimate could not follow (provenance.estimate_caveat).
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,7 +88,8 @@ def _entry_report(key: str, value: Any, problem: str | None) -> EntryReport:
         kernel_fingerprint=fingerprint, fingerprint_problem=fingerprint_problem,
         effective=entry.get("effective") if isinstance(entry.get("effective"), dict) else None,
         implementation="xla" if entry.get("implementation") == "xla" else "pallas",
-        default_ms=_number(entry.get("default_ms")), xla_ms=_number(entry.get("xla_ms")))
+        default_ms=_number(entry.get("default_ms")), xla_ms=_number(entry.get("xla_ms")),
+        caveat=prov["estimate_caveat"] if isinstance(prov.get("estimate_caveat"), str) else None)
 
 
 def _file_report(path: str, root: str, shipped: bool, chip: str, role: str, kind: str

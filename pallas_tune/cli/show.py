@@ -105,7 +105,7 @@ def show_rows(reports: Sequence[Any], current: Mapping[str, str | None] | None =
                 continue
             how = (e.timer or "?") + (" (interpret)" if e.interpret else "")
             if r.kind != "measured":
-                how = f"ESTIMATE: {how}"
+                how = f"ESTIMATE: {how}" + (" (caveat: see --format json)" if e.caveat else "")
             if e.outside_space:
                 how += " (outside space)"
             ms = "-" if e.median_ms is None else f"{e.median_ms:.4g}"
@@ -126,7 +126,8 @@ def best_text(e: Any) -> str:
 
 def json_entries(reports: Sequence[Any], rows: Sequence[tuple[str, ...]]) -> list[dict[str, Any]]:
     """``show --format json``: the table's rows with numbers as numbers, and each served
-    entry's config, effective config, implementation and default/XLA times."""
+    entry's config, effective config, implementation, default/XLA times and what an estimate
+    could not follow (``estimate_caveat``, None where nothing)."""
     served = {(r.kernel or os.path.basename(r.path), r.chip, e.key, r.path): e
               for r in reports if r.error is None for e in r.entries if e.problem is None}
     by_row = {(k, c, key): e for (k, c, key, _), e in served.items()}
@@ -137,7 +138,7 @@ def json_entries(reports: Sequence[Any], rows: Sequence[tuple[str, ...]]) -> lis
         if e is not None and not row[3].startswith(("SKIPPED", "DAMAGED")):
             item.update(median_ms=e.median_ms, config=e.config, effective=e.effective,
                         implementation=e.implementation, default_ms=e.default_ms,
-                        xla_ms=e.xla_ms)
+                        xla_ms=e.xla_ms, estimate_caveat=e.caveat)
         else:
             item["median_ms"] = None
         out.append(item)
