@@ -67,7 +67,8 @@ def test_show_marks_an_estimate_with_a_caveat_and_json_carries_it(cache_dir, cap
     (``estimate_caveat``) is marked in the table, and the text is in the JSON."""
     cache = TuningCache(str(cache_dir), use_shipped=False)
     note = "1 kernel(s) with scalar prefetch: taken as 0"
-    for key, prov in (("x=8x128:float32", {"estimate_caveat": note}), ("x=16x128:float32", {})):
+    for key, prov in (("x=8x128:float32", {"estimate_caveat": note}), ("x=16x128:float32", {}),
+                      ("x=24x128:float32", {"estimate_caveat": "long " * 200})):
         cache.write("tpu_v6e", "k.cav", key, {
             "config": {"b": 8}, "median_ms": 0.5,
             "provenance": {"kind": "estimate", "timer": "tpu-estimate", **prov}}, kind="estimate")
@@ -76,7 +77,10 @@ def test_show_marks_an_estimate_with_a_caveat_and_json_carries_it(cache_dir, cap
             if line.startswith("k.cav")}
     assert "(caveat: see --format json)" in rows["x=8x128:float32"]
     assert "caveat" not in rows["x=16x128:float32"]
+    assert "(caveat: see --format json)" in rows["x=24x128:float32"]
     assert main(["show", "--kernel", "k.cav", "--format", "json"]) == 0
     by_key = {e["key"]: e for e in json.loads(capsys.readouterr().out)["entries"]}
     assert by_key["x=8x128:float32"]["estimate_caveat"] == note
     assert by_key["x=16x128:float32"]["estimate_caveat"] is None
+    # A caveat too long for the winners file lives in the trial ledger; show still says so.
+    assert "trial ledger" in by_key["x=24x128:float32"]["estimate_caveat"]

@@ -89,7 +89,17 @@ def _entry_report(key: str, value: Any, problem: str | None) -> EntryReport:
         effective=entry.get("effective") if isinstance(entry.get("effective"), dict) else None,
         implementation="xla" if entry.get("implementation") == "xla" else "pallas",
         default_ms=_number(entry.get("default_ms")), xla_ms=_number(entry.get("xla_ms")),
-        caveat=prov["estimate_caveat"] if isinstance(prov.get("estimate_caveat"), str) else None)
+        caveat=_caveat(prov))
+
+
+def _caveat(prov: dict[str, Any]) -> str | None:
+    """The entry's ``estimate_caveat``; a long one is kept in the trial ledger (``in_ledger``)."""
+    if isinstance(prov.get("estimate_caveat"), str):
+        return prov["estimate_caveat"]
+    moved = prov.get("in_ledger")
+    if isinstance(moved, list) and "estimate_caveat" in moved:
+        return "in the trial ledger beside the file (its last record for this key)"
+    return None
 
 
 def _file_report(path: str, root: str, shipped: bool, chip: str, role: str, kind: str
