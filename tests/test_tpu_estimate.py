@@ -154,6 +154,31 @@ def test_an_estimate_of_a_scalar_prefetch_kernel_says_what_it_cannot_follow(cach
 
 
 @pytest.mark.libtpu
+def test_an_estimate_far_below_what_the_kernels_dots_need_is_refused():
+    """libtpu's profile can lose a whole program: the same accumulating dot estimates near the
+    MXU's time with a 2-D output block and next to nothing with an (8, t, t) one. The census
+    counts the dot FLOPs each kernel does at every step whatever the data (its cheapest branch
+    of a conditional), and an estimate below half their time at the chip's peak is refused."""
+    import toy_kernels
+
+    from pallas_tune.measure.loops import kernel_census
+
+    a = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16)
+    census = kernel_census(toy_kernels.stacked_output, [a, a], dict(t=256, stacked=False),
+                           chip="v6e")
+    assert census.floor_flops == (2.0 * 2048 * 512 * 512,)
+    with Estimator(1) as est:
+        plain, stacked = est.map(toy_kernels.stacked_output, (a, a), {},
+                                 [dict(t=256, stacked=False), dict(t=256, stacked=True)],
+                                 "v6e", standin=False)
+    floor_cycles = census.floor_flops[0] / (918e12 / 1.75e9)
+    assert plain.ok and plain.cycles >= floor_cycles, plain
+    assert not stacked.ok and stacked.kind == "no_estimate_config", stacked
+    assert "did not follow its program" in stacked.message
+    assert "at the chip's peak" in stacked.message
+
+
+@pytest.mark.libtpu
 def test_standin_within_5_percent_of_full_compile():
     cfg = [dict(bm=256, bn=256, bk=256, buffering=2, semantics=SEM)]
     with Estimator(1) as est:

@@ -88,6 +88,7 @@ class CompileResult:
     model_cycles: tuple[int, ...] = ()
     hlo_text: str = ""
     kernels_alone: int = 0  # > 0: the sum of this many kernels compiled alone (and the rest).
+    kernel_cycles: tuple[int, ...] = ()  # With kernels_alone: each kernel's own program's sum.
 
 
 # What the compiler actually allocated, in each kernel's backend config (memory space 1 is VMEM).
@@ -247,4 +248,5 @@ def compile_per_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mappin
                          scoped_vmem_bytes=max(scoped) if scoped else None,
                          estimated_cycles=tuple(c for r in results for c in r.estimated_cycles),
                          model_cycles=tuple(c for r in results for c in r.model_cycles),
-                         kernels_alone=len(kernels))
+                         kernels_alone=len(kernels),
+                         kernel_cycles=tuple(sum(r.estimated_cycles) for r in results[:len(kernels)]))

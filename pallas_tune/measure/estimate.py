@@ -33,8 +33,9 @@ from typing import Any, Final
 from pallas_tune.measure import candidate as cand
 from pallas_tune.measure import shared
 from pallas_tune.measure.evaluate import PoolEvaluator
-from pallas_tune.measure.loops import (PREFETCH_NOTE, Census, blind_fetch_message,
-                                      data_dependent_loops, dynamic_loop_message, kernel_census)
+from pallas_tune.measure.loops import (PREFETCH_NOTE, Census, below_floor, blind_fetch_message,
+                                      data_dependent_loops, dynamic_loop_message, floor_message,
+                                      kernel_census)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
@@ -95,6 +96,10 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
     if not result.estimated_cycles:
         return EstimateResult(ok=False, kind="no_estimate", compile_s=result.compile_s,
                               scale=scale, message=estimate_flag_missing_message())
+    low = below_floor(census.floor_flops, result, chip)
+    if low:
+        return EstimateResult(ok=False, kind="no_estimate_config", compile_s=result.compile_s,
+                              scale=scale, message=floor_message(parts.name, low))
     cycles = sum(result.estimated_cycles)
     return EstimateResult(ok=True, kind="ok", cycles=int(round(cycles * scale)),
                           standin_cycles=cycles, scale=scale, compile_s=result.compile_s,

@@ -1,17 +1,19 @@
 """What libtpu's static profile cannot know about a Pallas kernel (see :mod:`.estimate`): loops
 whose trip count only the data knows, and scalar-prefetch operands, whose values it takes as 0,
 so that a block whose index follows such a table is fetched, in its eyes, only when the grid
-indices alone would move it."""
+indices alone would move it; and a floor no estimate may fall far below: the dot work each
+kernel does at every grid step whatever the data."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["PREFETCH_NOTE", "Census", "blind_fetch_message", "data_dependent_loops",
-           "dynamic_loop_message", "kernel_census", "prefetch_kernels"]
+__all__ = ["FLOOR_SHARE", "PREFETCH_NOTE", "Census", "below_floor", "blind_fetch_message",
+           "data_dependent_loops", "dynamic_loop_message", "floor_message", "kernel_census",
+           "prefetch_kernels"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +27,9 @@ class Census:
     prefetch_kernels: int = 0
     blind_inputs: tuple[str, ...] = ()
     unseen_write_bytes: int = 0
+    # Per kernel, in program order: the dot FLOPs every grid step must do whatever the data
+    # (:func:`_floor_flops`) times the steps: no estimate can be far below their MXU time.
+    floor_flops: tuple[float, ...] = ()
 
 
 def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
@@ -48,6 +53,7 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
 
     blind: list[str] = []
     unseen = [0]
+    floors: list[float] = []
 
     def count(jaxpr: Any, inside: bool) -> tuple[int, int]:
         loops = prefetch = 0
@@ -56,6 +62,9 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
             loops += inside and name == "while"
             if name == "pallas_call":
                 gm = eqn.params["grid_mapping"]
+                body = eqn.params["jaxpr"]
+                steps = math.prod(int(g) if isinstance(g, int) else 0 for g in gm.grid)
+                floors.append(steps * _floor_flops(getattr(body, "jaxpr", body)))
                 if getattr(gm, "num_index_operands", 0) > 0:
                     prefetch += 1
                     for line, is_output, nbytes in _table_fetches(gm, eqn.params.get("name")):
@@ -80,7 +89,32 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
     with chips.target(chip, abstract_mesh=True):
         closed = jax.make_jaxpr(flat_fn)(*arrays)
     loops, prefetch = count(closed.jaxpr, False)
-    return Census(loops, prefetch, tuple(blind), unseen[0])
+    return Census(loops, prefetch, tuple(blind), unseen[0], tuple(floors))
+
+
+def _floor_flops(jaxpr: Any) -> float:
+    """Dot FLOPs one pass of ``jaxpr`` does whatever the data: a conditional counts its
+    cheapest branch (pl.when's else is empty: 0), a scan its body times its length, a loop
+    whose trip count is not static nothing."""
+    from pallas_tune.feasibility.inspect import _subjaxprs
+
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
+                lhs.shape[d] for d in contract)
+        elif name == "cond":
+            total += min(_floor_flops(getattr(b, "jaxpr", b)) for b in eqn.params["branches"])
+        elif name == "scan":
+            body = eqn.params["jaxpr"]
+            total += int(eqn.params["length"]) * _floor_flops(getattr(body, "jaxpr", body))
+        elif name != "while":
+            total += sum(_floor_flops(getattr(sub, "jaxpr", sub))
+                         for sub in _subjaxprs(eqn.params))
+    return total
 
 
 def _table_fetches(gm: Any, kernel: Any) -> list[tuple[str, bool, int]]:
@@ -146,6 +180,41 @@ def blind_fetch_message(ref: str, blind: Sequence[str]) -> str:
             "data needs and leaves their DMA time out: " + "; ".join(blind) + ". Time it on a "
             "TPU (--timer wallclock), or use tiles under which an inner grid axis refetches "
             "these blocks at every step anyway (the grouped matmul's forward: tk < K).")
+
+
+# An estimate below this share of the MXU time its kernel's unconditional dots need is not
+# believed (seen, libtpu 0.0.50.1: a (groups, tk, tn) output block, 0.0018 ms estimated for a
+# kernel whose dots need 0.131 ms at peak). Half, not all: the chip's peak rate is a spec figure.
+FLOOR_SHARE: Final = 0.5
+
+
+def below_floor(floors: Sequence[float], result: Any, chip: str) -> str:
+    """Why a compile's estimate is below what its kernels' dots need (``FLOOR_SHARE`` of their
+    FLOPs at the chip's bf16 peak), or "": per kernel where each was compiled alone, else for
+    a one-kernel program as a whole (its other ops only add)."""
+    from pallas_tune.chips import chip_spec
+
+    spec = chip_spec(chip)
+    per_cycle = (spec.bf16_flops or 0) / spec.clock_hz
+    if result.kernel_cycles and len(result.kernel_cycles) == len(floors):
+        pairs = list(zip(result.kernel_cycles, floors, strict=True))
+    elif len(floors) == 1:
+        pairs = [(sum(result.estimated_cycles), floors[0])]
+    else:
+        return ""
+    for i, (have, flops) in enumerate(pairs):
+        need = flops / per_cycle if per_cycle else 0.0
+        if need and have < FLOOR_SHARE * need:
+            return (f"kernel {i + 1} of {len(pairs)}: {have} cycles estimated, but the dots it "
+                    f"does at every grid step need at least {need:.0f} at the chip's peak")
+    return ""
+
+
+def floor_message(ref: str, why: str) -> str:
+    return (f"no static estimate for {ref} with this config: libtpu's static profile did not "
+            f"follow its program ({why}); the figure is not ranked. Time it on a TPU "
+            "(--timer wallclock), or report the kernel's form to us: a form the profile "
+            "follows can often be found.")
 
 
 def data_dependent_loops(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
