@@ -197,7 +197,8 @@ def _composed(r: dict) -> list[str]:
     out = ["", f"## {r['title']}", "", f"Step timer: {r['step_timer']}.", "",
            f"Glue (every tunable call stubbed): {_num(d['glue']['ms'])} ms ESTIMATE "
            f"({d['glue']['cycles']} cycles, compiled in {d['glue']['compile_s']} s). Each call "
-           "below: what putting it back into the glue adds, all its occurrences (ms, ESTIMATE); "
+           "below: what one occurrence adds when put back into the glue (ms per call, "
+           "ESTIMATE; the layer's figure counts it 'calls' times); "
            "'in the one above' = it vanished when that call ran as XLA (XLA's autodiff "
            "replaced it); 'standalone' = its in-step program failed to compile, so it was "
            "estimated as a program of its own (inputs as parameters); 'stand-in xS' = that "

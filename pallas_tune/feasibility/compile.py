@@ -249,4 +249,5 @@ def compile_per_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mappin
                          estimated_cycles=tuple(c for r in results for c in r.estimated_cycles),
                          model_cycles=tuple(c for r in results for c in r.model_cycles),
                          kernels_alone=len(kernels),
-                         kernel_cycles=tuple(sum(r.estimated_cycles) for r in results[:len(kernels)]))
+                         kernel_cycles=tuple(sum(r.estimated_cycles)
+                                             for r in results[:len(kernels)]))

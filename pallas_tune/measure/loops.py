@@ -145,7 +145,8 @@ def _table_fetches(gm: Any, kernel: Any) -> list[tuple[str, bool, int]]:
             continue  # Its index does not read a table.
         try:
             out = discharge_state(closed)
-            jaxpr, consts = (out.jaxpr, out.consts) if hasattr(out, "consts") else (out, closed.consts)
+            jaxpr, consts = ((out.jaxpr, out.consts) if hasattr(out, "consts")
+                             else (out, closed.consts))
             n_out = len(closed.jaxpr.outvars)
             zero = [np.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.invars[rank:]]
             moving = [np.arange(t.size).reshape(t.shape).astype(t.dtype) for t in zero]
