@@ -68,7 +68,8 @@ def _split(x, dt, A, B, C, D, groups):
 
 
 def mamba2_ssd_reference(x, dt, A, B, C, D, *, groups: int = 1, chunk: int = 256):
-    """The chunked dual form in plain JAX (f32), any sequence length (zero-padded chunks)."""
+    """The chunked dual form in plain JAX (f32), any sequence length (zero-padded chunks), with
+    no loop: the states passed between chunks by a (chunks x chunks) decay weight."""
     b, t, h, p, n = _split(x, dt, A, B, C, D, groups)
     nc = -(-t // chunk)
     pad = nc * chunk - t
@@ -90,14 +91,13 @@ def mamba2_ssd_reference(x, dt, A, B, C, D, *, groups: int = 1, chunk: int = 256
     y = jnp.einsum("bclhn,bcshn,bclsh,bcshp->bclhp", Cs, Bs, decay, X)
     tot = acs[:, :, -1]  # (b, c, h)
     states = jnp.einsum("bclhn,bclh,bclhp->bchnp", Bs, jnp.exp(tot[:, :, None] - acs), X)
-
-    def carry(s, inp):
-        st, tt = inp
-        return s * jnp.exp(tt)[:, :, None, None] + st, s
-
-    _, prev = lax.scan(carry, jnp.zeros((b, h, n, p), f32),
-                       (jnp.moveaxis(states, 1, 0), jnp.moveaxis(tot, 1, 0)))
-    prev = jnp.moveaxis(prev, 0, 1)  # State entering each chunk.
+    # The state entering chunk c: the sum over j < c of states[j] decayed by the chunks between
+    # (exp of tot summed over j < i < c), as one einsum over a (c, j) weight, not a scan: a
+    # loop is serial on TPU, and libtpu 0.0.50.1's static profile aborts on this one.
+    ct = jnp.cumsum(tot, axis=1)
+    gap = ct[:, :, None, :] - tot[:, :, None, :] - ct[:, None, :, :]  # (b, c, j, h)
+    before = jnp.tril(jnp.ones((nc, nc), bool), -1)[None, :, :, None]
+    prev = jnp.einsum("bcjh,bjhnp->bchnp", jnp.exp(jnp.where(before, gap, -jnp.inf)), states)
     y = y + jnp.einsum("bclhn,bchnp,bclh->bclhp", Cs, prev, jnp.exp(acs))
     y = y + xs * D.astype(f32)[:, None]
     return y.reshape(b, nc * chunk, h * p)[:, :t].astype(x.dtype)
