@@ -71,7 +71,7 @@ def test_matches_recurrence(case):
                              oracle(mamba2_ssd_scan, *args, groups=g))
 
 
-@pytest.mark.parametrize("t,chunk", [(1, 256), (100, 64), (256, 256), (257, 128)])  # Any L.
+@pytest.mark.parametrize("t,chunk", [(1, 256), (100, 64), (256, 256), (257, 128), (700, 64)])
 def test_chunked_reference_is_the_recurrence(t, chunk):
     args = _inputs(2, t, 4, 32, 2, 16, jnp.float32, t)
     ok, err, why = compare(mamba2_ssd_reference(*args, groups=2, chunk=chunk),
