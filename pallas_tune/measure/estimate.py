@@ -207,7 +207,8 @@ class EstimateSession:
                                    timer="roofline"), **common)
         outcome = (Outcome.COMPILE_ERROR if r.kind in ("no_estimate", "no_estimate_config")
                    else cand._failure_outcome(r.kind))
-        return TrialRecord(outcome=outcome, error=f"compiler: {r.message[:2000]}", detail=r.kind,
+        source = "not estimable" if r.kind == "no_estimate_config" else "compiler"
+        return TrialRecord(outcome=outcome, error=f"{source}: {r.message[:2000]}", detail=r.kind,
                            **common)
 
     def standin_scale(self, config: Mapping[str, Any], channel: Any) -> float | str | None:
