@@ -32,6 +32,7 @@ from typing import Any
 
 from pallas_tune import chips, step
 from pallas_tune.config import Config
+from pallas_tune.errors import PallasTuneError
 from pallas_tune.tunable import resolution_hook
 
 __all__ = ["AutotuneResult", "TunedCall", "autotune", "find_calls"]
@@ -74,8 +75,9 @@ def find_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Call]:
 @dataclasses.dataclass(frozen=True)
 class TunedCall:
     """A call of the program and the config it runs with. ``source``: ``"cache"`` (an entry
-    existed: not tuned again), ``"tuned"`` (tuned here), or the fallback that served when
-    tuning was not asked for. Times are those of the tuning run (NaN where not measured here),
+    existed: not tuned again), ``"tuned"`` (tuned here), ``"untuned"`` (its tuning failed,
+    ``error`` says why; the result does not apply a config to it), or the fallback that served
+    when tuning was not asked for. Times are those of the tuning run (NaN where not measured here),
     ``default_ms`` and ``best_ms`` from the same final ranking."""
 
     kernel: str
@@ -90,6 +92,7 @@ class TunedCall:
     timer: str = ""
     xla_partial: int = 0  # Estimates: the reference's ops without an estimate (a lower bound).
     effective: dict[str, Any] | None = None  # What ``config`` runs as, where clamped.
+    error: str = ""  # ``source == "untuned"``: why tuning failed (the call runs as it did).
 
     def as_config(self) -> Config:
         return Config(self.config, source="tuned" if self.source == "tuned" else "cache",
@@ -117,9 +120,11 @@ class AutotuneResult:
 
     def __repr__(self) -> str:
         tuned = sum(c.source == "tuned" for c in self.calls)
+        failed = sum(c.source == "untuned" for c in self.calls)
         xla = sum(c.implementation == "xla" for c in self.calls)
         return (f"AutotuneResult({len(self.calls)} calls: {tuned} tuned, "
-                f"{len(self.calls) - tuned} from the cache; {xla} run XLA)")
+                f"{len(self.calls) - tuned - failed} from the cache"
+                + (f", {failed} could not be tuned" if failed else "") + f"; {xla} run XLA)")
 
     # ---- applying ----------------------------------------------------------------------------
 
@@ -127,7 +132,7 @@ class AutotuneResult:
         def apply(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config | None:
             call = self._by.get((chips.current_chip(), kernel.name,
                                  kernel.cache_key(*args, **kwargs)))
-            return call.as_config() if call is not None else None
+            return call.as_config() if call is not None and call.source != "untuned" else None
 
         hook = resolution_hook(apply)
         _forget_traces()
@@ -244,7 +249,12 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
             if done is not None:
                 calls.append(done)
                 continue
-            result = call.kernel.tune(*call.args, options=options, **call.kwargs)
+            try:
+                result = call.kernel.tune(*call.args, options=options, **call.kwargs)
+            except PallasTuneError as e:  # One call that cannot be tuned loses no other's.
+                with chips.target(options.chip) if estimating and options.chip else _nothing():
+                    calls.append(_untuned(call, e))
+                continue
             results[(call.kernel.name, call.key)] = (call.kernel, result)
             calls.append(_tuned(call, result))
     out = AutotuneResult(calls, results=results)
@@ -264,6 +274,19 @@ def _tuned(call: Call, result: Any) -> TunedCall:
                      default_ms=result.default_ms, best_ms=result.best_ms,
                      xla_ms=result.xla_ms, xla_partial=result.xla_partial,
                      timer=str(result.provenance.get("timer", "")), effective=result.effective)
+
+
+def _untuned(call: Call, error: Exception) -> TunedCall:
+    """A call whose tuning failed: it runs with what the dispatcher resolves (a default, a
+    neighbour's entry), and the result says why; warned about, as a miss is."""
+    from pallas_tune import errors
+
+    config = call.kernel.config_for(*call.args, **call.kwargs)
+    errors.warn(f"autotune: {call.kernel.name} {call.key} could not be tuned: "
+                f"{str(error)[:500]}")
+    return TunedCall(kernel=call.kernel.name, key=call.key, chip=chips.current_chip(),
+                     config=config.to_dict(), source="untuned",
+                     implementation=config.implementation, error=str(error)[:2000])
 
 
 def _nothing() -> Any:

@@ -82,6 +82,35 @@ def test_autotune_tunes_each_key_once_applies_and_dispatches_xla(cache_dir, fres
     assert [c.source for c in again.calls] == ["cache", "cache"]  # Nothing tuned twice.
 
 
+def test_a_call_that_cannot_be_tuned_loses_no_other_call(cache_dir, fresh, monkeypatch):
+    """One kernel's tuning failing (seen: the grouped matmul backward, whose every config the
+    estimate refuses) leaves the others tuned: the failed call is listed as untuned with why,
+    warned about, and the result applies nothing to it."""
+    real_tune = pt.TunableKernel.tune
+
+    def failing(self, *args, **kwargs):
+        if self is fresh.scale_or_xla:
+            raise pt.NoFeasibleConfigError("none of 3 candidates succeeded (not estimable)")
+        return real_tune(self, *args, **kwargs)
+
+    monkeypatch.setattr(pt.TunableKernel, "tune", failing)
+    fresh.scale._memo.clear()  # Lookups made by other tests in this process.
+    fresh.scale_or_xla._memo.clear()
+    program = _program(fresh)
+    x, y = fresh.ones((64, 256)), jnp.ones((1024, 128), jnp.float32)
+    with pytest.warns(pt.PallasTuneWarning, match="could not be tuned: none of 3"):
+        result = pt.autotune(program, x, y, trials=3, repeats=1)
+    by_kernel = {c.kernel: c for c in result.calls}
+    ok, failed = by_kernel[fresh.scale.name], by_kernel[fresh.scale_or_xla.name]
+    assert ok.source == "tuned" and failed.source == "untuned"
+    assert "not estimable" in failed.error and "1 could not be tuned" in repr(result)
+    with result:
+        inside = jax.make_jaxpr(program)(x, y)
+    assert len(_pallas_grids(inside)) == 3  # The failed call still runs, as it resolves.
+    loaded = pt.AutotuneResult.from_json(json.loads(json.dumps(result.to_json())))
+    assert [c.source for c in loaded.calls] == ["tuned", "untuned"]
+
+
 def test_autotune_finds_calls_under_grad_vmap_and_scan(cache_dir, fresh):
     """The calls are found wherever tracing meets them (here under vmap and scan)."""
     from pallas_tune.program import find_calls
