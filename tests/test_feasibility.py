@@ -319,6 +319,33 @@ def test_table_indexed_fetches_the_estimate_cannot_see_are_found():
     assert plain == type(one_step)(floor_flops=(2.0 * 256 ** 3,))
 
 
+def test_a_tune_stops_early_when_no_config_can_be_estimated():
+    """A kernel the estimate refuses at every config (the grouped matmul backward) stops after
+    NOT_ESTIMABLE_STOP refusals, not the whole attempt budget; once one config was timed,
+    refusals no longer stop the search."""
+    from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
+    from pallas_tune.tuning.log import NOT_ESTIMABLE_STOP, TrialLog
+    from pallas_tune.tuning.options import TuneOptions
+
+    def refused(i):
+        return TrialRecord(number=i, config={"b": i}, outcome=Outcome.COMPILE_ERROR,
+                           detail="no_estimate_config", error="not estimable: x")
+
+    log = TrialLog(TuneOptions.build(trials=5), space_size=1000)
+    for i in range(NOT_ESTIMABLE_STOP):
+        assert log.wants_more()
+        log.add(refused(i))
+    assert not log.wants_more()
+
+    log = TrialLog(TuneOptions.build(trials=5), space_size=1000)
+    log.add(TrialRecord(number=0, config={"b": -1}, outcome=Outcome.OK,
+                        measurement=Measurement(times_ms=(1.0,), compile_ms=1.0,
+                                                timer="tpu-estimate")))
+    for i in range(1, 2 * NOT_ESTIMABLE_STOP):
+        log.add(refused(i))
+    assert log.wants_more()
+
+
 def test_vmem_rows_pad_to_eight_for_every_dtype():
     # Measured with libtpu: int8 (8, 1024) windows take 8 KiB, not a 32-row native tile.
     est = estimate_vmem(_windows, jax.ShapeDtypeStruct((1024, 1024), jnp.int8), block=(8, 1024),

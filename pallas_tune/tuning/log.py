@@ -14,9 +14,15 @@ from pallas_tune.measure.records import Outcome, TrialRecord
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.result import Progress
 
-__all__ = ["TrialLog"]
+__all__ = ["NOT_ESTIMABLE_STOP", "TrialLog"]
 
 logger = logging.getLogger("pallas_tune.tuning")
+
+# Stop asking once this many candidates had no estimate (``no_estimate_config``: what
+# libtpu's profile cannot follow, see pallas_tune.measure.loops) while none was timed: a
+# kernel refused at every config (the grouped matmul backward's drhs) fails after these, not
+# after the whole attempt budget.
+NOT_ESTIMABLE_STOP = 10
 
 
 def config_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -41,6 +47,7 @@ class TrialLog:
         # only measures what is missing).
         self._timed_imported = 0
         self._duplicates_here = 0
+        self._not_estimable = 0  # Refused estimates before the first timed trial.
         self._best: TrialRecord | None = None
         self._lowest: list[float] = []  # Lowest median of the first i+1 timed trials.
         self._recent: collections.deque[float] = collections.deque(
@@ -94,6 +101,7 @@ class TrialLog:
         imported = record.number in self.imported
         if record.duplicate_of is not None and not imported:
             self._duplicates_here += 1
+        self._not_estimable += record.detail == "no_estimate_config"
         if record.spent_device_time:
             self.timed += 1
             self._timed_imported += imported
@@ -112,7 +120,8 @@ class TrialLog:
         o = self.options
         attempts = o.max_attempts or max(10 * o.trials, 100)
         return (self.timed + pending < o.trials and self.asked < attempts
-                and len(self.by_config) + pending < self.space_size and not self._plateaued())
+                and len(self.by_config) + pending < self.space_size and not self._plateaued()
+                and not (self.timed == 0 and self._not_estimable >= NOT_ESTIMABLE_STOP))
 
     def batch(self, parallelism: int, pending: int = 0) -> int:
         return max(1, min(parallelism, self.options.trials - self.timed - pending))
