@@ -20,7 +20,7 @@ from model_kernel_checks import assert_matches_reference, oracle
 import pallas_tune as pt
 from pallas_tune.kernels import upstream_decode as ud
 from pallas_tune.feasibility import inspect as _rules_module
-from pallas_tune.measure.estimate import data_dependent_loops
+from pallas_tune.measure.loops import kernel_census
 
 S = jax.ShapeDtypeStruct
 
@@ -157,11 +157,11 @@ def test_loops_the_static_estimate_cannot_see_are_found():
     pa = (S((8, 32, 128), jnp.bfloat16), S((8, 1024, 16, 128), jnp.bfloat16),
           S((8, 1024, 16, 128), jnp.bfloat16), S((8,), jnp.int32), S((8, 128), jnp.int32))
     grid = dict(pages_per_compute_block=8, inline_seq_dim=False, megacore_mode=None)
-    assert data_dependent_loops(ud.paged_attention.fn, pa, grid, chip="v6e") == 0
-    assert data_dependent_loops(ud.paged_attention.fn, pa, {**grid, "inline_seq_dim": True},
-                                chip="v6e") == 1
+    assert kernel_census(ud.paged_attention.fn, pa, grid, chip="v6e").loops == 0
+    assert kernel_census(ud.paged_attention.fn, pa, {**grid, "inline_seq_dim": True},
+                         chip="v6e").loops == 1
     cfg = dict(num_kv_pages_per_block=4, num_queries_per_block=16, vmem_limit_bytes=None)
-    assert data_dependent_loops(ud.ragged_paged_attention.fn, RPA_SMALL, cfg, chip="v6e") == 2
+    assert kernel_census(ud.ragged_paged_attention.fn, RPA_SMALL, cfg, chip="v6e").loops == 2
 
 
 @pytest.mark.libtpu

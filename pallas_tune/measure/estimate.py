@@ -33,15 +33,15 @@ from typing import Any, Final
 from pallas_tune.measure import candidate as cand
 from pallas_tune.measure import shared
 from pallas_tune.measure.evaluate import PoolEvaluator
-from pallas_tune.measure.loops import (PREFETCH_NOTE, Census, below_floor, blind_fetch_message,
-                                      data_dependent_loops, dynamic_loop_message, floor_message,
-                                      kernel_census)
+from pallas_tune.measure.loops import (NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE, Census,
+                                      below_floor, blind_fetch_message, dynamic_loop_message,
+                                      floor_message, kernel_census)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
 
 __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator",
-           "data_dependent_loops", "estimate_flag_missing_message", "shrink_parallel",
+           "estimate_flag_missing_message", "shrink_parallel",
            "standin_verdict"]
 
 FLAG: Final = "--xla_jf_dump_static_llo_profile_to"
@@ -52,9 +52,7 @@ _ENV: Final = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EstimateResult:
     ok: bool
-    # "ok", a compile failure kind (see _compile), "no_estimate" (no config of the kernel can be
-    # estimated: the tune stops) or "no_estimate_config" (this config cannot: it is a failed trial).
-    kind: str
+    kind: str  # "ok", a compile failure kind (see _compile), NO_ESTIMATE or NOT_ESTIMABLE.
     cycles: int | None = None  # Scaled to the full problem.
     standin_cycles: int | None = None
     scale: float = 1.0
@@ -81,10 +79,10 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
     except Exception:  # noqa: BLE001 - the compile below reports the failure by its kind.
         census = Census()
     if census.loops:
-        return EstimateResult(ok=False, kind="no_estimate", scale=scale,
+        return EstimateResult(ok=False, kind=NO_ESTIMATE, scale=scale,
                               message=dynamic_loop_message(parts.name, census.loops))
     if census.blind_inputs:  # This config only: the tune goes on with the others.
-        return EstimateResult(ok=False, kind="no_estimate_config", scale=scale,
+        return EstimateResult(ok=False, kind=NOT_ESTIMABLE, scale=scale,
                               message=blind_fetch_message(parts.name, census.blind_inputs))
     # A program of kernels only is compiled one kernel per program, at a fraction of the
     # memory of profiling them together (see compile_per_call).
@@ -94,11 +92,11 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
         return EstimateResult(ok=False, kind=result.kind, message=result.message,
                               compile_s=result.compile_s, scale=scale)
     if not result.estimated_cycles:
-        return EstimateResult(ok=False, kind="no_estimate", compile_s=result.compile_s,
+        return EstimateResult(ok=False, kind=NO_ESTIMATE, compile_s=result.compile_s,
                               scale=scale, message=estimate_flag_missing_message())
     low = below_floor(census.floor_flops, result, chip)
     if low:
-        return EstimateResult(ok=False, kind="no_estimate_config", compile_s=result.compile_s,
+        return EstimateResult(ok=False, kind=NOT_ESTIMABLE, compile_s=result.compile_s,
                               scale=scale, message=floor_message(parts.name, low))
     cycles = sum(result.estimated_cycles)
     return EstimateResult(ok=True, kind="ok", cycles=int(round(cycles * scale)),
@@ -199,15 +197,15 @@ class EstimateSession:
                                measurement=Measurement(times_ms=(ms,), compile_ms=r.compile_s * 1e3,
                                                        timer="tpu-estimate"),
                                detail=_detail(r), **common)
-        if r.kind in ("no_estimate", "no_estimate_config") and self.fallback == "roofline":
+        if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE) and self.fallback == "roofline":
             rl = roofline_calls(p.calls, chip_spec(self.chip))
             return TrialRecord(outcome=Outcome.OK, detail="roofline model (libtpu returned no "
                                "estimate)", measurement=Measurement(
                                    times_ms=(rl.time_ms,), compile_ms=r.compile_s * 1e3,
                                    timer="roofline"), **common)
-        outcome = (Outcome.COMPILE_ERROR if r.kind in ("no_estimate", "no_estimate_config")
+        outcome = (Outcome.COMPILE_ERROR if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE)
                    else cand._failure_outcome(r.kind))
-        source = "not estimable" if r.kind == "no_estimate_config" else "compiler"
+        source = "not estimable" if r.kind == NOT_ESTIMABLE else "compiler"
         return TrialRecord(outcome=outcome, error=f"{source}: {r.message[:2000]}", detail=r.kind,
                            **common)
 
@@ -312,7 +310,7 @@ class EstimateEvaluator(PoolEvaluator):
 
     def _evaluate(self, candidates: Any) -> list[TrialRecord]:
         records = super()._evaluate(candidates)
-        missing = next((r for r in records if r.detail == "no_estimate"), None)
+        missing = next((r for r in records if r.detail == NO_ESTIMATE), None)
         if missing is not None and self.fallback != "roofline":
             from pallas_tune.errors import MeasurementError
 

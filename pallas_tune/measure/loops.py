@@ -11,9 +11,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-__all__ = ["FLOOR_SHARE", "PREFETCH_NOTE", "Census", "below_floor", "blind_fetch_message",
-           "data_dependent_loops", "dynamic_loop_message", "floor_message", "kernel_census",
-           "prefetch_kernels"]
+__all__ = ["FLOOR_SHARE", "NOT_ESTIMABLE", "NO_ESTIMATE", "PREFETCH_NOTE", "Census",
+           "below_floor", "blind_fetch_message", "dynamic_loop_message", "floor_message",
+           "kernel_census"]
+
+# The kinds of an estimate refused (a trial's ``detail``): NO_ESTIMATE, no config of the kernel
+# can be estimated (the tune stops); NOT_ESTIMABLE, this config cannot (a failed trial, the
+# search goes on).
+NO_ESTIMATE: Final = "no_estimate"
+NOT_ESTIMABLE: Final = "no_estimate_config"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -216,19 +222,6 @@ def floor_message(ref: str, why: str) -> str:
             f"follow its program ({why}); the figure is not ranked. Time it on a TPU "
             "(--timer wallclock), or report the kernel's form to us: a form the profile "
             "follows can often be found.")
-
-
-def data_dependent_loops(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
-                         chip: str) -> int:
-    """The loops of :func:`kernel_census`: those whose trip count only the data knows."""
-    return kernel_census(fn, args, kwargs, chip=chip).loops
-
-
-def prefetch_kernels(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
-                     chip: str) -> int:
-    """The kernels of :func:`kernel_census` with scalar-prefetch operands, whose static
-    estimate does not follow the data (:data:`PREFETCH_NOTE`)."""
-    return kernel_census(fn, args, kwargs, chip=chip).prefetch_kernels
 
 
 def dynamic_loop_message(ref: str, loops: int) -> str:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pallas_tune.measure.loops import NOT_ESTIMABLE
 from pallas_tune.measure.records import Outcome, TrialRecord
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.result import Progress
@@ -18,7 +19,7 @@ __all__ = ["NOT_ESTIMABLE_STOP", "TrialLog"]
 
 logger = logging.getLogger("pallas_tune.tuning")
 
-# Stop asking once this many candidates had no estimate (``no_estimate_config``: what
+# Stop asking once this many candidates had no estimate (NOT_ESTIMABLE: what
 # libtpu's profile cannot follow, see pallas_tune.measure.loops) while none was timed: a
 # kernel refused at every config (the grouped matmul backward's drhs) fails after these, not
 # after the whole attempt budget.
@@ -47,7 +48,7 @@ class TrialLog:
         # only measures what is missing).
         self._timed_imported = 0
         self._duplicates_here = 0
-        self._not_estimable = 0  # Refused estimates before the first timed trial.
+        self._not_estimable = 0  # Configs refused an estimate (NOT_ESTIMABLE_STOP).
         self._best: TrialRecord | None = None
         self._lowest: list[float] = []  # Lowest median of the first i+1 timed trials.
         self._recent: collections.deque[float] = collections.deque(
@@ -101,7 +102,7 @@ class TrialLog:
         imported = record.number in self.imported
         if record.duplicate_of is not None and not imported:
             self._duplicates_here += 1
-        self._not_estimable += record.detail == "no_estimate_config"
+        self._not_estimable += record.detail == NOT_ESTIMABLE
         if record.spent_device_time:
             self.timed += 1
             self._timed_imported += imported
