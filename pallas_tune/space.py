@@ -20,7 +20,8 @@ from pallas_tune.config import Config, _freeze
 from pallas_tune.constraints import Constraint, as_constraints
 from pallas_tune.errors import InputTooLargeError, SearchSpaceError
 
-__all__ = ["Config", "Constraint", "Param", "SearchSpace", "TrialEncoder", "load_space"]
+__all__ = ["Config", "Constraint", "Param", "SearchSpace", "TrialEncoder", "load_space",
+           "shipped_spaces", "space_path"]
 
 def typed_equal(a: Any, b: Any) -> bool:
     """Equality that also compares types: ``128.0``, ``True`` and ``128`` are three values."""
@@ -321,8 +322,55 @@ def _as_clamps(value: Any, names: Sequence[str]) -> tuple[tuple[str, Constraint]
     return tuple(sorted(out, key=lambda t: t[0]))
 
 
+def _is_path(name: str) -> bool:
+    """Whether ``--space``/``space=`` text names a file (a path) rather than a shipped space:
+    it has a directory separator, starts with ``.`` or ``~``, or ends in ``.toml``."""
+    seps = {os.sep, "/"} | ({os.altsep} if os.altsep else set())
+    return any(s in name for s in seps) or name.startswith((".", "~")) or name.endswith(".toml")
+
+
+def shipped_spaces() -> list[str]:
+    """The names of the spaces shipped in ``search_spaces/`` (``matmul``, ``llama3_matmul``...)."""
+    try:
+        names = os.listdir(_spaces_dir())
+    except OSError:
+        return []
+    return sorted(n[: -len(".toml")] for n in names if n.endswith(".toml"))
+
+
+def space_path(name_or_path: str) -> str:
+    """The file a space name or path means. A bare name (``llama3_matmul``) is a shipped space
+    and nothing else: a file of that name in the current directory is never read (its
+    ``kernel=`` would be imported by whoever runs ``--space NAME`` there); a file is given as
+    a path (``./llama3_matmul``, ``dir/x.toml``, ``x.toml``, ``/abs/x.toml``, ``~/x.toml``).
+
+    Raises:
+      SearchSpaceError: an unknown name (the known ones listed) or a missing file.
+    """
+    if _is_path(name_or_path):
+        path = os.path.expanduser(name_or_path)
+        if not os.path.lexists(path):
+            base = os.path.basename(name_or_path)
+            stem = base[: -len(".toml")] if base.endswith(".toml") else ""
+            hint = (f"; the shipped space is named without the suffix: {stem}"
+                    if stem and stem in shipped_spaces() else "")
+            raise SearchSpaceError(f"no search-space file {name_or_path!r}: no such file{hint}.")
+        return path
+    if name_or_path in shipped_spaces():
+        return os.path.join(_spaces_dir(), f"{name_or_path}.toml")
+    lies = f"a file {name_or_path!r} lies here, but " if os.path.lexists(name_or_path) else ""
+    raise SearchSpaceError(
+        f"no search-space file {name_or_path!r}: {lies}a bare name is a space shipped in "
+        f"{_spaces_dir()} ({', '.join(shipped_spaces()) or 'none'}); to use a file here, "
+        f"write ./{name_or_path} (a path: ./NAME, DIR/NAME.toml, NAME.toml or /abs/NAME.toml).")
+
+
 def load_space(name_or_path: str) -> dict[str, Any]:
     """Loads and validates a search-space file (TOML) shipped in ``search_spaces/`` or at a path.
+
+    A bare name (no directory separator, not starting with ``.`` or ``~``, no ``.toml``
+    suffix) is a shipped space only, never a file in the current directory; see
+    :func:`space_path`.
 
     The file holds ``[params]`` (name → list of choices), optionally ``default`` (a table),
     ``[constraints]`` (name → expression, see :mod:`pallas_tune.constraints`), ``[clamp]``
@@ -342,15 +390,7 @@ def load_space(name_or_path: str) -> dict[str, Any]:
     Raises:
       SearchSpaceError: the file is missing, not TOML, or any field is malformed.
     """
-    path = name_or_path
-    if not os.path.exists(path):
-        candidate = os.path.join(_spaces_dir(), f"{name_or_path}.toml")
-        if not os.path.exists(candidate):
-            raise SearchSpaceError(
-                f"no search-space file {name_or_path!r}: not a path, and no "
-                f"{name_or_path}.toml in {_spaces_dir()}."
-            )
-        path = candidate
+    path = space_path(name_or_path)
     try:
         raw = _bounded.read_path(path, _settings.max_file_bytes(), what="search-space file")
         data = tomllib.loads(raw.decode("utf-8"))

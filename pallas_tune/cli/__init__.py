@@ -19,6 +19,8 @@ Errors go to stderr.
 Kernels are imported from the installed packages and from ``--path DIR`` only: the current
 directory is not searched (a ``jax.py`` lying there must not run). A ``--space`` file names a
 module to import, like any config that names code; it is validated whole before that import.
+``--space NAME`` (a bare name) is a shipped space, never a file of that name here: a file is
+given as a path (``./NAME``, ``DIR/NAME.toml``, ``NAME.toml``).
 A cache file or a record is data, not config: the kernels they name are imported only when the
 user allowed it (``--import MODULE``, ``--path DIR``, an entry point a package declares, or a
 kernel shipped in pallas-tune; see :mod:`pallas_tune.cli.registry`).
@@ -120,8 +122,10 @@ def _sweep_parser(sub: Any) -> None:
     s.add_argument("--shapes", action="append",
                    help='e.g. "x=1024x1024:bfloat16,y=1024x1024:bfloat16" (repeatable), or '
                         "@FILE with one such line per shape")
-    s.add_argument("--space", help="a search_spaces/ file name or path; supplies the kernel and "
-                                   "shape sets when not given")
+    s.add_argument("--space", help="a shipped space's name (matmul: search_spaces/matmul.toml; "
+                                   "never a file here), or a file given as a path (./NAME, "
+                                   "DIR/NAME.toml, NAME.toml); supplies the kernel and shape "
+                                   "sets when not given")
     s.add_argument("--program", metavar="MODULE:FN",
                    help="tune every tunable call of a whole program (a training or serving "
                         "step) at once; --shapes gives FN's own arguments")

@@ -34,8 +34,9 @@ def add_parsers(sub: Any) -> None:
                         "fingerprint) as problems, not notes")
     c.add_argument("--space", action="append", metavar="NAME",
                    help="also check that the cache holds an entry for every shape of this "
-                        "search_spaces/ file on --chip (repeatable); a shape without one is a "
-                        "problem, named with the sweep command that fills it")
+                        "shipped space (or a file given as a path: ./NAME, DIR/NAME.toml) on "
+                        "--chip (repeatable); a shape without one is a problem, named with the "
+                        "sweep command that fills it")
     c.add_argument("--chip", help="the chip whose entries --space looks for (e.g. v6e)")
     c.set_defaults(func=cmd_check)
     m = sub.add_parser("merge", help="merge cache files written by several hosts into one cache")

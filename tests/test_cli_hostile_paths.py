@@ -1,0 +1,152 @@
+"""Paths the command line is given are as hostile-proof as the cache (issue 38).
+
+1. ``--space NAME``: a bare name is a shipped space only, never a file of that name in the
+   current directory (whose ``kernel=`` would be imported); a file is given as a path.
+2. ``--path DIR``: a module there never replaces the standard library, a dependency or an
+   installed package (warned, naming the file), and a kernel module raising ``SystemExit`` at
+   import is a kernel that could not be loaded (a problem), not the command's exit.
+3. A FIFO nobody writes to, given to ``--shapes @FILE``, ``--from-record`` or ``--space``, is
+   refused after a bounded wait instead of blocking forever; pipes with a writer still work.
+4. ``check DIR`` looks at the cache layout only (``DIR/*.json``, ``DIR/<chip>/*.json``) and stops
+   after a bounded number of directory entries: ``check /`` does not walk the disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from unittest import mock
+
+import pytest
+from conftest import TESTS_DIR, subprocess_env
+
+from pallas_tune import _bounded
+
+_ZEN = "Beautiful is better than ugly"
+
+
+def _cli(args, cache_dir, *, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "pallas_tune", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd,
+                          env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir))
+
+
+def _main(capsys, *args):
+    from pallas_tune.cli import main
+
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _winners(path, kernel, entries, *, chip="cpu"):
+    head = json.dumps({"schema": 2, "kernel": kernel, "chip": chip})
+    lines = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in entries.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(head[:-1] + ', "entries": {\n' + ",\n".join(lines) + "\n}}\n")
+
+
+class _Tuned:
+    """Stands in for tuning a kernel in ``sweep``: records which kernel got that far."""
+
+    def __init__(self):
+        self.kernels = []
+
+    def __call__(self, args, kernel, chip, calls):
+        self.kernels.append(kernel.name)
+        return 0
+
+
+@pytest.fixture
+def marker_module(tmp_path, monkeypatch):
+    """An importable module ``space_marker_mod`` whose import leaves a marker file."""
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "imported"
+    (site / "space_marker_mod.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\nk = None\n")
+    monkeypatch.syspath_prepend(str(site))
+    yield marker
+    sys.modules.pop("space_marker_mod", None)
+
+
+# ---- 1. --space NAME is a shipped space, never a file here ------------------------------------
+
+def test_check_space_name_never_reads_a_file_of_that_name_here(tmp_path, cache_dir):
+    """The issue's case: CI runs `check caches --space llama3_matmul` where a file of that name
+    lies; its kernel= (the Zen of Python's module) must not be imported: the shipped set is
+    checked."""
+    (tmp_path / "llama3_matmul").write_text('kernel = "this:x"\n[params]\nbm = [8]\n'
+                                            '[[shapes]]\nx = "8x128:float32"\n')
+    (tmp_path / "caches").mkdir()
+    r = _cli(["check", "caches", "--space", "llama3_matmul", "--chip", "v6e"], cache_dir,
+             cwd=tmp_path)
+    assert _ZEN not in r.stdout + r.stderr
+    assert "coverage: llama3_matmul (pallas_tune.kernels.matmul.matmul)" in r.stdout, (
+        r.stdout[-2000:] + r.stderr[-2000:])
+    assert r.returncode == 1  # The empty cache has no entry for the set's shapes.
+
+
+def test_sweep_space_name_never_reads_a_file_of_that_name_here(tmp_path, cache_dir, capsys,
+                                                               monkeypatch, marker_module):
+    (tmp_path / "matmul").write_text('kernel = "space_marker_mod:k"\n[params]\nbm = [8]\n'
+                                     '[[shapes]]\nx = "8x128:float32"\n')
+    monkeypatch.chdir(tmp_path)
+    with mock.patch("pallas_tune.cli.sweep._sweep_kernel", _Tuned()) as tuned:
+        rc, _, err = _main(capsys, "sweep", "--space", "matmul", "--no-storage")
+    assert not marker_module.exists()
+    assert rc == 0 and tuned.kernels == ["pallas_tune.kernels.matmul.matmul"], err
+
+
+def test_an_unknown_space_name_lists_the_known_ones_and_how_to_give_a_file(
+        tmp_path, cache_dir, capsys, monkeypatch, marker_module):
+    (tmp_path / "mine").write_text('kernel = "space_marker_mod:k"\n[params]\nbm = [8]\n'
+                                   '[[shapes]]\nx = "8x128:float32"\n')
+    monkeypatch.chdir(tmp_path)
+    cache_dir.mkdir()
+    for argv in (["check", str(cache_dir), "--space", "mine", "--chip", "v6e"],
+                 ["sweep", "--space", "mine", "--no-storage"]):
+        rc, out, err = _main(capsys, *argv)
+        assert rc == 2, out + err
+        assert "llama3_matmul" in err and "matmul" in err  # The known names.
+        assert "./mine" in err, err  # How to use the file lying here.
+        assert not marker_module.exists()
+
+
+@pytest.mark.parametrize("form", ["./myspace", "myspace.toml", "sub/myspace.toml", "abs"])
+def test_a_space_given_as_a_path_is_read(tmp_path, cache_dir, capsys, monkeypatch, form):
+    text = ('kernel = "toy_kernels:scale"\n[params]\nbr = [8]\nbc = [128]\nbuffering = [1]\n'
+            '[[shapes]]\nx = "64x256:float32"\n')
+    name = str(tmp_path / "abs.toml") if form == "abs" else form
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    with mock.patch("pallas_tune.cli.sweep._sweep_kernel", _Tuned()) as tuned:
+        rc, _, err = _main(capsys, "sweep", "--space", name, "--no-storage")
+    assert rc == 0 and tuned.kernels == ["toy_kernels.scale"], err
+
+
+def test_load_space_bare_names_are_shipped_spaces_only(tmp_path, monkeypatch):
+    """The one place that decides (``@tunable(space="matmul")`` included): a bare name is
+    never a file in the current directory."""
+    from pallas_tune.errors import SearchSpaceError
+    from pallas_tune.space import _spaces_dir, load_space
+
+    (tmp_path / "matmul").write_text('kernel = "this:x"\n[params]\nbm = [1]\n')
+    (tmp_path / "matmul.toml").write_text('[params]\nbm = [1]\n')
+    monkeypatch.chdir(tmp_path)
+    shipped = load_space("matmul")
+    assert shipped["path"] == os.path.join(_spaces_dir(), "matmul.toml")
+    assert shipped["kernel"] == "pallas_tune.kernels.matmul:matmul"
+    assert load_space("./matmul")["kernel"] == "this:x"  # A path: the user's own file.
+    assert load_space("matmul.toml")["space"].names == ("bm",)
+    with pytest.raises(SearchSpaceError, match=r"\./nosuch"):
+        load_space("nosuch")
+    with pytest.raises(SearchSpaceError, match="no search-space file"):
+        load_space("./nosuch")
