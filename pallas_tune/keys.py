@@ -143,18 +143,20 @@ def _split_items(text: str) -> list[str]:
     return [i.strip() for i in items if i.strip()]
 
 
-def parse_value(text: str) -> Any:
-    """Parses one ``--shapes`` value: ``dims:dtype`` → ("array", dims, dtype), else a static."""
+def parse_value(text: str, *, nested: bool = False) -> Any:
+    """Parses one ``--shapes`` value: ``dims:dtype`` → ("array", dims, dtype), a parenthesized
+    ``;``-list of them → ("arrays", (...)), else a static. Lists do not nest (a key read from a
+    file may be 3,000 parentheses deep: one level is parsed, the rest is a static string)."""
     m = _ARRAY_RE.match(text)
     if m:
         dims = m.group("dims")
         shape = () if dims in ("", "scalar") else tuple(int(d) for d in dims.split("x"))
         return ("array", shape, m.group("dtype"))
-    if text.startswith("(") and text.endswith(")"):
-        return ("arrays", tuple(parse_value(t) for t in text[1:-1].split(";")))
+    if not nested and text.startswith("(") and text.endswith(")"):
+        return ("arrays", tuple(parse_value(t, nested=True) for t in text[1:-1].split(";")))
     try:
         return ("static", json.loads(text))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # A static nested past Python's stack.
         low = text.lower()
         if low in ("true", "false"):
             return ("static", low == "true")
@@ -182,7 +184,7 @@ def key_distance(a: str, b: str) -> float:
     otherwise the sum of |log2| ratios of the array dims."""
     try:
         pa, pb = parse_key(a), parse_key(b)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: json.loads of a deep static.
         return math.inf
     if pa.keys() != pb.keys():
         return math.inf
@@ -206,7 +208,7 @@ def key_distance(a: str, b: str) -> float:
                     if dx != dy:
                         return math.inf
                     continue
-                dist += abs(math.log2(dx / dy))
+                dist += abs(math.log2(dx) - math.log2(dy))  # Exact for ints of any size.
     return dist
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from pallas_tune import _settings
 from pallas_tune.cache.files import dumps
 
-__all__ = ["append", "read"]
+__all__ = ["append", "read", "read_newest"]
 
 
 def append(path: str, records: Sequence[dict[str, Any]]) -> None:
@@ -47,24 +47,45 @@ def append(path: str, records: Sequence[dict[str, Any]]) -> None:
 def read(path: str, *, key: str | None = None) -> tuple[list[dict[str, Any]], int]:
     """The records of a ledger (oldest first), only those of ``key`` if given, and how many
     lines were skipped as unreadable. A missing file has no records. Raises OSError."""
+    records, bad, _ = read_newest(path, None, key=key)
+    return records, bad
+
+
+def read_newest(path: str, limit: int | None, *, key: str | None = None
+                ) -> tuple[list[dict[str, Any]], int, bool]:
+    """Like :func:`read`, of at most the last ``limit`` bytes of the file (None: all of it):
+    records are appended, so these are the newest. Also returns whether older bytes were left
+    unread. Raises OSError."""
     records, bad = [], 0
-    for record in _lines(path):
+    cut = [False]
+    for record in _lines(path, limit, cut):
         if record is None:
             bad += 1
         elif key is None or record.get("key") == key:
             records.append(record)
-    return records, bad
+    return records, bad, cut[0]
 
 
-def _lines(path: str) -> Iterator[dict[str, Any] | None]:
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # A FIFO would block: not a ledger.
-            yield None
-            return
+def _lines(path: str, limit: int | None = None, cut: list[bool] | None = None
+           ) -> Iterator[dict[str, Any] | None]:
+    try:  # Non-blocking, then checked: a FIFO (even one swapped in after a stat) is no ledger.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        yield None
+        return
     cap = _settings.max_file_bytes()  # Per line: a ledger is history, and may grow past it.
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
+        size = st.st_size
+        if limit is not None and size > limit:
+            f.seek(size - limit - 1)
+            if f.read(1) != b"\n":
+                f.readline(limit)  # Starts mid-record: from the next whole line on.
+            if cut is not None:
+                cut[0] = True
         while raw := f.readline(cap + 1):
             if len(raw) > cap and not raw.endswith(b"\n"):
                 while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):

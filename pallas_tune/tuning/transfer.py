@@ -20,40 +20,37 @@ __all__ = ["PRIOR_TASKS", "prior_for"]
 
 # At most this many other (chip, key) runs inform one search, nearest keys first.
 PRIOR_TASKS = 8
+# What a prior reads of one ledger: its newest bytes (records are appended; a ledger of 10^6
+# rows would otherwise cost a tune minutes and gigabytes), the trials of one run, the chip
+# folders of one root, a key's length.
+LEDGER_BYTES = 16 * 2**20
+TASK_TRIALS = 2000
+ROOT_CHIPS = 64
+KEY_CHARS = 4096
+_VALUE_ITEMS = 64  # A config value may be a short list (a tuple parameter), not a document.
+
+_WARNED: set[str] = set()  # Ledgers warned about in this process (once each).
 
 
 def prior_for(kernel: Any, chip: str, key: str, names: Sequence[str], *, kind: str,
               defaults: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """A :class:`~pallas_tune.search.prior.Prior` over the parameters ``names`` from the
     kernel's ledgers (None where nothing was measured elsewhere), and its provenance record:
-    ``{"tasks": ["chip:key", ...], "trials": n}``. ``defaults``: values for parameters a
-    trial does not name (declared since it ran: it ran as their default, as a restamp says)."""
-    from pallas_tune import keys
-    from pallas_tune.cache import ledger
+    ``{"tasks": ["chip:key", ...], "trials": n}``, with ``"truncated": [ledger, ...]`` where
+    only a ledger's newest ``LEDGER_BYTES`` were read. ``defaults``: values for parameters a
+    trial does not name (declared since it ran: it ran as their default, as a restamp says).
+
+    A prior is advice: a record that is not a well-formed run (whoever wrote it) is skipped,
+    with one warning per ledger naming it, and nothing here stops the tune."""
     from pallas_tune.chips import normalize_chip
     from pallas_tune.search.prior import Prior
 
     here = normalize_chip(chip)
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for root in reversed(kernel.cache.roots()):  # The user's runs replace the shipped ones.
-        for other_chip in _chips(root):
-            path = kernel.cache.ledger_path(other_chip, kernel.name, kind=kind, root=root)
-            try:
-                records, _ = ledger.read(path)
-            except OSError:
-                continue
-            for record in records:  # Later runs of a (chip, key) replace earlier ones.
-                k, trials = record.get("key"), record.get("trials")
-                if isinstance(k, str) and isinstance(trials, list) and (other_chip, k) != (
-                        here, key):
-                    runs[(other_chip, k)] = trials
-    ranked = sorted(runs, key=lambda ck: (ck[0] != here, keys.key_distance(key, ck[1]), ck))
+    runs, truncated = _runs(kernel, here, key, kind)
+    ranked = sorted(runs, key=lambda ck: (ck[0] != here, _distance(key, ck[1]), ck))
     tasks, labels = [], []
     for other_chip, k in ranked:
-        task = [({**(defaults or {}), **t["config"]}, float(t["median_ms"]))
-                for t in runs[(other_chip, k)]
-                if isinstance(t, dict) and t.get("outcome") == "ok"
-                and isinstance(t.get("config"), dict) and _finite(t.get("median_ms"))]
+        task = [({**(defaults or {}), **config}, ms) for config, ms in runs[(other_chip, k)]]
         if len(task) >= 3:
             tasks.append(task)
             labels.append(f"{other_chip}:{k}")
@@ -62,16 +59,158 @@ def prior_for(kernel: Any, chip: str, key: str, names: Sequence[str], *, kind: s
     prior = Prior(names, tasks, labels)
     if not prior:
         return None, {}
-    return prior, {"tasks": prior.names, "trials": prior.trials}
+    record: dict[str, Any] = {"tasks": prior.names, "trials": prior.trials}
+    if truncated:
+        record["truncated"] = truncated
+    return prior, record
+
+
+def _runs(kernel: Any, here: str, key: str, kind: str
+          ) -> tuple[dict[tuple[str, str], list[tuple[dict[str, Any], float]]], list[str]]:
+    """Per other (chip, key), the ok trials of its latest run as (config, ms); and the ledgers
+    read only in part."""
+    from pallas_tune.cache import ledger
+
+    runs: dict[tuple[str, str], list[tuple[dict[str, Any], float]]] = {}
+    truncated = []
+    for root in reversed(kernel.cache.roots()):  # The user's runs replace the shipped ones.
+        for other_chip in _chips(root):
+            path = kernel.cache.ledger_path(other_chip, kernel.name, kind=kind, root=root)
+            try:
+                records, bad, cut = ledger.read_newest(path, LEDGER_BYTES)
+            except OSError:
+                continue
+            skipped = _Skipped(bad, "a line that is not a JSON record" if bad else "")
+            for record in records:  # Later runs of a (chip, key) replace earlier ones.
+                k = record.get("key")
+                problem = _key_problem(k)
+                if problem or (other_chip, k) == (here, key):
+                    if problem:
+                        skipped.add(problem)
+                    continue
+                trials, why = _trials(record.get("trials"))
+                if why:
+                    skipped.add(why)
+                if trials or not why:  # A run none of whose trials is usable replaces none.
+                    runs[(other_chip, k)] = trials
+            if cut:
+                truncated.append(path)
+            _warn(path, skipped, cut)
+    return runs, truncated
+
+
+def _trials(trials: Any) -> tuple[list[tuple[dict[str, Any], float]], str]:
+    """A run's ok trials as (config, ms), at most ``TASK_TRIALS``; and why some were not
+    usable ("" if all were)."""
+    out, why = [], ""
+    for t in trials[:TASK_TRIALS] if isinstance(trials, list) else ():
+        if not isinstance(t, dict):
+            why = why or "a trial that is not an object"
+            continue
+        if t.get("outcome") != "ok":
+            continue
+        config, ms = t.get("config"), _ms(t.get("median_ms"))
+        problem = ("median_ms is not a positive finite number" if ms is None
+                   else _config_problem(config))
+        if problem:
+            why = why or problem
+            continue
+        out.append((config, ms))
+    return out, why
+
+
+def _key_problem(k: Any) -> str:
+    """Why ``k`` is not a cache key ("" if it may be one): a string of at most ``KEY_CHARS``
+    whose array dims are sizes an array can have."""
+    from pallas_tune import keys
+
+    if not isinstance(k, str):
+        return "a key that is not a string"
+    if len(k) > KEY_CHARS:
+        return f"a key over {KEY_CHARS} characters"
+    if any(len(d) > 18 for d in keys.DIM_RE.findall(k)):
+        return "a key with a dimension over 10^18"
+    return ""
+
+
+def _ms(v: Any) -> float | None:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return None
+    try:
+        v = float(v)  # An int of 400 digits is no time (OverflowError).
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) and v > 0 else None
+
+
+def _config_problem(config: Any) -> str:
+    """Why ``config`` cannot be a config ("" if it can): names to plain values (numbers,
+    strings, booleans, None, or short lists of those, as TOML and JSON spell tuples)."""
+    if not isinstance(config, dict):
+        return "a config that is not an object"
+    for name, value in config.items():
+        if not name or not isinstance(name, str) or not name.isidentifier():
+            return f"a config name that is not a parameter name ({name!r:.40})"
+        items = value if isinstance(value, list) else [value]
+        if len(items) > _VALUE_ITEMS or not all(_plain(v) for v in items):
+            return f"config value of {name!r:.40} is not a number, string, boolean or short list"
+    return ""
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return v is None or isinstance(v, bool | int | str) and len(str(v)) <= 256
+
+
+def _distance(a: str, b: str) -> float:
+    from pallas_tune import keys
+
+    try:
+        return keys.key_distance(a, b)
+    except (ValueError, OverflowError, RecursionError, TypeError):
+        return math.inf
+
+
+class _Skipped:
+    """How many records of a ledger were skipped, and the first reason."""
+
+    def __init__(self, count: int = 0, first: str = ""):
+        self.count, self.first = count, first
+
+    def add(self, why: str) -> None:
+        self.count += 1
+        self.first = self.first or why
+
+
+def _warn(path: str, skipped: _Skipped, cut: bool) -> None:
+    """One warning per ledger and process: what was skipped or left unread."""
+    if (not skipped.count and not cut) or path in _WARNED:
+        return
+    _WARNED.add(path)
+    from pallas_tune.errors import warn
+
+    parts = []
+    if skipped.count:
+        parts.append(f"{skipped.count} record(s) were skipped, in whole or in part "
+                     f"(first: {skipped.first})")
+    if cut:
+        parts.append(f"only its newest {LEDGER_BYTES / 2**20:g} MiB were read")
+    warn(f"pallas-tune: the trial ledger {path} was read as a prior for tuning: "
+         f"{'; '.join(parts)}. The tune goes on without them; `pallas-tune check` "
+         "lists what is wrong with the file.")
 
 
 def _chips(root: str) -> list[str]:
+    """The chip folders of a cache root (at most ``ROOT_CHIPS``, by name)."""
     try:
-        return sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))
-                      and not d.startswith("."))
+        with os.scandir(root) as it:
+            found = []
+            for entry in it:
+                if not entry.name.startswith(".") and entry.is_dir():
+                    found.append(entry.name)
+                if len(found) >= 4 * ROOT_CHIPS:
+                    break
     except OSError:
         return []
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return sorted(found)[:ROOT_CHIPS]
