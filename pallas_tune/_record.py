@@ -6,13 +6,25 @@ chip, key, the shapes as a ``--shapes`` spec, and what served instead); ``pallas
 --from-record FILE`` then tunes exactly those shapes. Called on the dispatcher's slow path only
 (once per kernel, chip and key in a process), so unset it costs one dictionary lookup there and
 nothing on the hot path.
+
+Recording never blocks nor breaks the program it watches. The file is opened non-blocking
+(``O_NONBLOCK``): a FIFO no process reads is not waited for, nor is a full pipe. Written: a
+regular file (through a symlink too: the user named it), a character device (``/dev/null``, a
+terminal) and a pipe or FIFO some process reads (``/dev/stderr`` under CI, ``>(jq .)``); refused:
+a block device (a disk), whatever the open itself refuses (a directory, a socket). A path that is
+not written (refused, or any OS error: a missing directory, ``/dev/full``, a read-only file) is
+named in one :class:`~pallas_tune.errors.RecordWarning` per process, variable and path; its lines
+are dropped and the program runs on.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
+import stat
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,7 +50,7 @@ def miss(kernel: Any, chip: str, key: str, args: Sequence[Any], kwargs: Mapping[
     record = {"kernel": kernel.name, "ref": f"{fn.__module__}:{fn.__qualname__}", "chip": chip,
               "key": key, "shapes": shapes, "served": source,
               "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
-    _append(path, record)
+    _append(path, record, ENV)
 
 
 def receipt(kernel: Any, chip: str, key: str, config: Any) -> None:
@@ -59,16 +71,61 @@ def receipt(kernel: Any, chip: str, key: str, config: Any) -> None:
     backward = getattr(kernel, "backward_backend", None)
     if backward:
         record["backward"] = backward
-    _append(path, record)
+    _append(path, record, RECEIPTS_ENV)
 
 
-def _append(path: str, record: Mapping[str, Any]) -> None:
+_dropped: set[tuple[str, str]] = set()  # (variable, path) warned about in this process.
+_lock = threading.Lock()
+
+
+def _append(path: str, record: Mapping[str, Any], env: str) -> None:
+    """Appends one line to ``path``; never blocks (see the module docstring), never raises."""
     line = (json.dumps(record, default=str) + "\n").encode()
     try:  # One write with O_APPEND: lines of concurrent processes do not interleave.
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+                     | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        _drop(env, path, _why_not_opened(path, e))
+        return
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISBLK(mode):  # Checked before writing: a disk never gets our lines.
+            _drop(env, path, "a block device, not a file")
+            return
+        written = os.write(fd, line)
+        if written < len(line):
+            _drop(env, path, f"{written} of {len(line)} bytes written")
+    except OSError as e:
+        _drop(env, path, "the pipe is full" if e.errno == errno.EAGAIN
+              else e.strerror or type(e).__name__)
+    finally:
+        os.close(fd)
+
+
+def _why_not_opened(path: str, e: OSError) -> str:
+    if e.errno == errno.ENXIO:  # No reader on a FIFO; a socket; a device with no driver.
         try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass  # Recording must never break the program it watches.
+            mode = os.stat(path).st_mode
+        except OSError:
+            mode = 0
+        if stat.S_ISFIFO(mode):
+            return "a FIFO no process reads"
+        if stat.S_ISSOCK(mode):
+            return "a socket, not a file"
+    return e.strerror or type(e).__name__
+
+
+def _drop(env: str, path: str, why: str) -> None:
+    """Warns once per process, variable and path that ``path`` is not written."""
+    with _lock:
+        if (env, path) in _dropped:
+            return
+        _dropped.add((env, path))
+    from pallas_tune.errors import RecordWarning, warn
+
+    what = "receipts" if env == RECEIPTS_ENV else "misses"
+    try:
+        warn(f"{env}={path}: not written ({why}); {what} of this process are dropped",
+             RecordWarning)
+    except Exception:  # noqa: BLE001  Warnings made errors (-W error): still never raise.
+        pass

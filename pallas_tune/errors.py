@@ -17,6 +17,7 @@ __all__ = [
     "NoFeasibleConfigError",
     "PallasTuneError",
     "PallasTuneWarning",
+    "RecordWarning",
     "SearchSpaceError",
     "TuneOptionError",
 ]
@@ -80,3 +81,9 @@ def warn(message: str, category: type[Warning] = PallasTuneWarning) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(root):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+class RecordWarning(PallasTuneWarning):
+    """A ``PALLAS_TUNE_RECORD`` or ``PALLAS_TUNE_RECEIPTS`` file could not be written (a
+    directory, a full disk, a FIFO no process reads): what it would have held is dropped.
+    Warned once per process and path; the program runs on."""
