@@ -32,44 +32,100 @@ from typing import Any
 
 from pallas_tune import chips, step
 from pallas_tune.config import Config
-from pallas_tune.errors import PallasTuneError
-from pallas_tune.tunable import resolution_hook
+from pallas_tune.errors import NoFeasibleConfigError, PallasTuneError
+from pallas_tune.tunable import current_hook, resolution_hook
 
 __all__ = ["AutotuneResult", "TunedCall", "autotune", "find_calls"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One tunable call met while tracing: the kernel, its abstract arguments, its key."""
+    """One tunable call met while tracing: the kernel, its abstract arguments, its key; and
+    ``error``: why no config of the kernel can run it (the dispatcher's refusal), if so."""
 
     kernel: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     key: str
+    error: str = ""
+
+
+STANDIN_TRACES = 8  # Configs of a call no config can run traced for its result's shape, at most.
 
 
 def find_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Call]:
     """Every distinct (kernel, key) that tracing ``fn(*args, **kwargs)`` calls, in the order
-    first met. Nothing runs: ``fn`` is traced to a jaxpr on abstract values."""
+    first met. Nothing runs: ``fn`` is traced to a jaxpr on abstract values.
+
+    A call no config can run (:class:`~pallas_tune.errors.NoFeasibleConfigError`) is kept,
+    with ``error``, and the trace goes on past it with a stand-in for its result: a config of
+    its space that traces (refused, e.g. by a declared constraint, but of the right shape), else
+    its reference. With neither, the trace stops there and the error says so."""
     import jax
 
+    from pallas_tune.errors import PallasTuneWarning, RecordWarning
     from pallas_tune.feasibility.inspect import abstractify
 
     found: dict[tuple[str, str], Call] = {}
+    standins: dict[tuple[str, str], Config] = {}
+    stopped: list[tuple[str, str]] = []  # The call the trace stopped at, if it did.
+    outer = current_hook()  # One applied around this trace (a result, a step's setting).
 
-    def record(kernel: Any, a: Sequence[Any], kw: Mapping[str, Any]) -> None:
+    def record(kernel: Any, a: Sequence[Any], kw: Mapping[str, Any]) -> Config | None:
         key = kernel.cache_key(*a, **kw)
-        if (kernel.name, key) not in found:
-            found[(kernel.name, key)] = Call(kernel, tuple(abstractify(list(a))), dict(kw), key)
+        at = (kernel.name, key)
+        if at not in found:
+            found[at] = Call(kernel, tuple(abstractify(list(a))), dict(kw), key)
+        if at in standins:
+            return standins[at]
+        config = outer(kernel, a, kw) if outer is not None else None
+        if config is not None:
+            return config  # type: ignore[no-any-return]
+        resolve = kernel._resolve_slow  # noqa: SLF001  The dispatcher: this hook stands before it.
+        try:  # As the call would resolve, its refusal caught.
+            return resolve(chips.current_chip(), a, kw)  # type: ignore[no-any-return]
+        except NoFeasibleConfigError as e:
+            standin = _stand_in(kernel, a, kw)
+            why = str(e) if standin is not None else (
+                f"{e} (nothing stands in for its result, so the trace stopped there: calls "
+                "after it in the program were not found)")
+            found[at] = dataclasses.replace(found[at], error=why)
+            if standin is None:
+                stopped.append(at)
+                raise
+            standins[at] = standin
+            return standin
 
     import warnings
 
-    from pallas_tune.errors import PallasTuneWarning
-
     with resolution_hook(record), warnings.catch_warnings():
         warnings.simplefilter("ignore", PallasTuneWarning)  # Misses: what is to be tuned.
-        jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+        warnings.simplefilter("default", RecordWarning)  # A receipts file not written: not.
+        try:
+            jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+        except NoFeasibleConfigError:
+            if not stopped:
+                raise  # Not a refusal this hook met (its calls' are all kept).
     return list(found.values())
+
+
+def _stand_in(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config | None:
+    """Something to trace in place of a call no config can run, for its result's shape only
+    (nothing runs): the first of the space's configs that traces, else the reference."""
+    import itertools
+
+    from pallas_tune.feasibility.inspect import find_pallas_calls
+
+    for candidate in itertools.islice(kernel.space.ordered_candidates(), STANDIN_TRACES):
+        config = Config(candidate, source="default")
+        try:
+            find_pallas_calls(kernel.fn, args, {**kwargs, **config})
+        except Exception:  # noqa: BLE001, S112  Refused by the kernel too: the next one.
+            continue
+        return config
+    if kernel.reference is not None:
+        return Config(kernel.space.default or {}, source="default", implementation="xla")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,25 +268,33 @@ def _forget_traces() -> None:
 
 
 def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
-             options: Any = None, **kwargs: Any) -> AutotuneResult:
+             options: Any = None, static_argnums: int | Sequence[int] | None = None,
+             static_argnames: str | Sequence[str] | None = None,
+             **kwargs: Any) -> AutotuneResult:
     """Tunes every tunable call of ``fn(*args, **kwargs)`` that has no cache entry.
 
     Keywords naming a :class:`pallas_tune.TuneOptions` field are tuning options for every
     call (``write`` defaults to False here: the result holds the configs; :meth:`write`
-    stores them); the rest go to ``fn``. ``step_time``: also time the whole program (jitted)
-    with the default configs, the tuned ones and XLA for every kernel with a reference; with
-    ``timer="tpu-estimate"``, the whole step compiled deviceless for the chip and every op's
-    static estimate summed instead (:func:`pallas_tune.step.estimates`), or, with
+    stores them); the rest go to ``fn``. ``static_argnums`` and ``static_argnames``: as
+    ``jax.jit``'s, the arguments ``fn`` uses as Python values (a loop count, a shape), given to
+    it as they are wherever ``fn`` is traced (finding the calls, timing or estimating the step);
+    keyword arguments are always given as they are. ``step_time``: also time the whole program
+    (jitted) with the default configs, the tuned ones and XLA for every kernel with a reference;
+    with ``timer="tpu-estimate"``, the whole step compiled deviceless for the chip and every
+    op's static estimate summed instead (:func:`pallas_tune.step.estimates`), or, with
     ``step_time="composed"``, the step's glue estimated whole and each call alone, for steps
     too large to compile whole on the host (:func:`pallas_tune.step.composed`). Under that timer the
     calls are looked up in, and tuned for, the target chip's cache (``chip=``).
+
+    A call that cannot be tuned (no config of its kernel can run it, or its tuning fails) is
+    listed as ``untuned`` with why, and warned about; the other calls are tuned all the same.
     """
-    from pallas_tune.measure import shared
     from pallas_tune.tuning import TuneOptions
 
     if step_time not in (False, True, "composed"):
         raise ValueError(f"step_time={step_time!r}: use True (the whole step), \"composed\" "
                          "(tpu-estimate only: glue + each call) or False.")
+    fn, args = static_bound(fn, args, kwargs, static_argnums, static_argnames)
     if options is None:
         given = {k: kwargs.pop(k) for k in TuneOptions.names() if k in kwargs}
         given.setdefault("write", False)
@@ -240,9 +304,22 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
         raise ValueError("step_time=\"composed\" adds compiler estimates of the glue and of "
                          "each call: it needs timer=\"tpu-estimate\"; on a device, use "
                          "step_time=True (the whole step, measured).")
+    target = (lambda: chips.target(options.chip)) if estimating and options.chip else _nothing
     # Estimates fill the target chip's cache: its entries are looked up, not this host's.
-    with chips.target(options.chip) if estimating and options.chip else _nothing():
-        found = [(call, _cached(call)) for call in find_calls(fn, *args, **kwargs)]
+    with target():
+        found = [(call, None if call.error else _cached(call))
+                 for call in find_calls(fn, *args, **kwargs)]
+    out = _tune(found, options, target)
+    if step_time:
+        _time_step(out, fn, args, kwargs, options, composed=step_time == "composed")
+    return out
+
+
+def _tune(found: Sequence[tuple[Call, TunedCall | None]], options: Any,
+          target: Callable[[], Any]) -> AutotuneResult:
+    """Each call found tuned (or taken from the cache); one that cannot be is listed untuned."""
+    from pallas_tune.measure import shared
+
     calls, results = [], {}
     with shared.shared_pools():  # The calls' estimate runs share their compile workers.
         for call, done in found:
@@ -250,22 +327,80 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
                 calls.append(done)
                 continue
             try:
+                if call.error:  # No config can run it: nothing to tune.
+                    raise NoFeasibleConfigError(call.error)
                 result = call.kernel.tune(*call.args, options=options, **call.kwargs)
             except PallasTuneError as e:  # One call that cannot be tuned loses no other's.
-                with chips.target(options.chip) if estimating and options.chip else _nothing():
+                with target():
                     calls.append(_untuned(call, e))
                 continue
             results[(call.kernel.name, call.key)] = (call.kernel, result)
             calls.append(_tuned(call, result))
-    out = AutotuneResult(calls, results=results)
-    if step_time and estimating:
-        chip = options.chip or (calls[0].chip if calls else "v6e")
-        how = step.composed if step_time == "composed" else step.estimates
-        out.step_ms, out.step_timer, out.step_detail = how(
-            fn, args, kwargs, out, chip, workers=min(options.workers, 3))
-    elif step_time:
-        out.step_ms, out.step_timer = step.wall_clock(fn, args, kwargs, out)
-    return out
+    return AutotuneResult(calls, results=results)
+
+
+def _time_step(out: AutotuneResult, fn: Callable[..., Any], args: Sequence[Any],
+               kwargs: Mapping[str, Any], options: Any, *, composed: bool) -> None:
+    """The whole step's time (see :func:`autotune`) into ``out``; where the step cannot run
+    (a call no config can run), warned about and left out: the calls' results stand."""
+    from pallas_tune import errors
+
+    try:
+        if options.timer == "tpu-estimate":
+            chip = options.chip or (out.calls[0].chip if out.calls else "v6e")
+            how = step.composed if composed else step.estimates
+            out.step_ms, out.step_timer, out.step_detail = how(
+                fn, args, kwargs, out, chip, workers=min(options.workers, 3))
+        else:
+            out.step_ms, out.step_timer = step.wall_clock(fn, args, kwargs, out)
+    except PallasTuneError as e:
+        errors.warn(f"autotune: the step's time was not taken: {str(e)[:500]}")
+
+
+def static_bound(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                 static_argnums: int | Sequence[int] | None,
+                 static_argnames: str | Sequence[str] | None
+                 ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """``fn`` with its static positional arguments bound (given to it as they are), and its
+    other positional arguments. ``jax.jit``'s meaning: either one alone is completed from the
+    signature (a name given by position is static; a position's name too), negative positions
+    count from the end of ``args``. Raises ValueError for a position past ``args`` or a name
+    ``fn`` does not take."""
+    import inspect
+
+    if static_argnums is None and static_argnames is None:
+        return fn, tuple(args)
+    nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums or ())
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(
+        static_argnames or ())
+    try:
+        params = dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # No signature (a builtin): positions and names as given.
+        params = {}
+    kinds = inspect.Parameter
+    by_name = [k for k, p in params.items() if p.kind is kinds.POSITIONAL_OR_KEYWORD]
+    flexible = not params or any(p.kind is kinds.VAR_KEYWORD for p in params.values())
+    for name in names:
+        if name not in params and name not in kwargs and not flexible:
+            raise ValueError(f"static_argnames names {name!r}, which "
+                             f"{getattr(fn, '__qualname__', fn)} does not take")
+    n = len(args)
+    for i in nums:
+        if not -n <= i < n:
+            raise ValueError(f"static_argnums={i}: only {n} positional argument(s) given")
+    at = {i % n for i in nums}
+    if static_argnums is None:  # Names given by position are static too (jax.jit's rule).
+        at |= {list(params).index(k) for k in names if k in by_name
+               and list(params).index(k) < n}
+    if not at:
+        return fn, tuple(args)
+    static = {i: args[i] for i in at}
+
+    def bound(*dynamic: Any, **kw: Any) -> Any:
+        it = iter(dynamic)
+        return fn(*[static[i] if i in static else next(it) for i in range(n)], *it, **kw)
+
+    return bound, tuple(a for i, a in enumerate(args) if i not in at)
 
 
 def _tuned(call: Call, result: Any) -> TunedCall:
@@ -278,10 +413,11 @@ def _tuned(call: Call, result: Any) -> TunedCall:
 
 def _untuned(call: Call, error: Exception) -> TunedCall:
     """A call whose tuning failed: it runs with what the dispatcher resolves (a default, a
-    neighbour's entry), and the result says why; warned about, as a miss is."""
+    neighbour's entry; nothing, ``{}``, where no config can run it), and the result says why;
+    warned about, as a miss is."""
     from pallas_tune import errors
 
-    config = call.kernel.config_for(*call.args, **call.kwargs)
+    config = Config({}) if call.error else call.kernel.config_for(*call.args, **call.kwargs)
     errors.warn(f"autotune: {call.kernel.name} {call.key} could not be tuned: "
                 f"{str(error)[:500]}")
     return TunedCall(kernel=call.kernel.name, key=call.key, chip=chips.current_chip(),
