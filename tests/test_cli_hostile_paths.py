@@ -150,3 +150,54 @@ def test_load_space_bare_names_are_shipped_spaces_only(tmp_path, monkeypatch):
         load_space("nosuch")
     with pytest.raises(SearchSpaceError, match="no search-space file"):
         load_space("./nosuch")
+
+
+# ---- 2. --path DIR never shadows a dependency; a module's SystemExit is its failure ----------
+
+_KERNEL_MOD = ("import pallas_tune as pt\n"
+               "@pt.tunable(b=[1, 2], name={name!r})\n"
+               "def k(x, *, b):\n    return x\n")
+
+
+def test_path_dir_modules_never_replace_dependencies(tmp_path, cache_dir):
+    d = tmp_path / "dir"
+    d.mkdir()
+    for mod in ("jax", "numpy", "optuna", "json"):
+        (d / f"{mod}.py").write_text(f"open({str(tmp_path / ('ran_' + mod))!r}, 'w').write('x')"
+                                     "\nraise SystemExit(0)\n")
+    (d / "mykern.py").write_text(_KERNEL_MOD.format(name="mykern.k"))
+    root = tmp_path / "root"
+    _winners(root / "cpu" / "mykern.k.json", "mykern.k",
+             {"x=8:float32": {"config": {"b": 3}, "median_ms": 1.0}})
+    r = _cli(["check", str(root), "--path", str(d)], cache_dir, cwd=tmp_path)
+    assert not list(tmp_path.glob("ran_*")), r.stderr[-2000:]
+    assert r.returncode == 1 and "b=3 is not one of the declared choices" in r.stdout, (
+        r.stdout[-2000:] + r.stderr[-2000:])
+    assert str(d / "jax.py") in r.stderr and str(d / "numpy.py") in r.stderr, r.stderr[-2000:]
+    # show reads the shipped caches too, whose adapters are named jax.ops.gpu.*.
+    r = _cli(["show", "--path", str(d)], root, cwd=tmp_path)
+    assert not list(tmp_path.glob("ran_*")), r.stderr[-2000:]
+    assert r.returncode == 0 and "mykern.k" in r.stdout and "jax.ops.gpu.softmax" in r.stdout, (
+        r.stdout[-2000:] + r.stderr[-2000:])
+
+
+def test_a_kernel_module_exiting_at_import_is_a_problem(tmp_path, cache_dir, capsys):
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "exits_mod.py").write_text("raise SystemExit(0)\n")
+    (d / "odd_mod.py").write_text("class Odd(BaseException):\n    pass\nraise Odd('odd')\n")
+    root = tmp_path / "root"
+    for name in ("exits_mod.k", "odd_mod.k"):
+        _winners(root / "cpu" / f"{name}.json", name,
+                 {"x=8:float32": {"config": {"b": 1}, "median_ms": 1.0}})
+    rc, out, err = _main(capsys, "check", root, "--path", d)
+    assert rc == 1, out + err  # Files it could not check against their kernel.
+    assert "exits_mod.k" in out and "SystemExit" in out, out
+    assert "odd_mod.k" in out and "Odd" in out, out
+    rc, out, err = _main(capsys, "check", root, "--path", d, "--import", "exits_mod")
+    assert rc == 2 and "--import exits_mod" in err and "SystemExit" in err, out + err
+    rc, out, err = _main(capsys, "sweep", "exits_mod:k", "--path", d, "--shapes", "x=8:float32",
+                         "--no-storage")
+    assert rc == 2 and "SystemExit" in err, out + err
+    rc, out, err = _main(capsys, "show", "--path", d)
+    assert rc == 0 and "SystemExit" not in err  # Nothing in the user cache names it.

@@ -17,7 +17,9 @@ terminated (SIGTERM, as a scheduler or a preempted host sends it: handled like C
 Errors go to stderr.
 
 Kernels are imported from the installed packages and from ``--path DIR`` only: the current
-directory is not searched (a ``jax.py`` lying there must not run). A ``--space`` file names a
+directory is not searched (a ``jax.py`` lying there must not run), and a module in DIR never
+replaces the standard library, a dependency or an installed package (such a file is skipped
+with a warning; see :mod:`pallas_tune.cli.pathdirs`). A ``--space`` file names a
 module to import, like any config that names code; it is validated whole before that import.
 ``--space NAME`` (a bare name) is a shipped space, never a file of that name here: a file is
 given as a path (``./NAME``, ``DIR/NAME.toml``, ``NAME.toml``).

@@ -52,7 +52,7 @@ def program_args(fn: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
 
 def _load(ref: str, paths: Sequence[str]) -> Any:
     from pallas_tune import _refs
-    from pallas_tune.cli.registry import import_path
+    from pallas_tune.cli.registry import import_path, raised
 
     with import_path(paths):
         try:
@@ -60,6 +60,11 @@ def _load(ref: str, paths: Sequence[str]) -> Any:
         except (ValueError, ImportError, AttributeError) as e:
             raise CLIUsageError(f"cannot load program {ref!r}: {e} (pass --path DIR for a "
                                 "module in a directory of yours)") from None
+        except (Exception, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001 - SystemExit at import: not our exit.
+            raise CLIUsageError(f"cannot load program {ref!r}: importing its module raised "
+                                f"{raised(e)}") from None
     if not callable(fn):
         raise CLIUsageError(f"--program {ref} is not a function (got {type(fn).__name__})")
     return fn

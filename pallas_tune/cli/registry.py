@@ -18,41 +18,42 @@ allowed, in this order:
 Nothing else is imported; the caller reports the kernel as not checked and names the flag that
 allows it. A ``--space`` file and a ``MODULE:NAME`` argument are the user's own choice of code,
 and are loaded as before (:func:`pallas_tune.cli.sweep.load_kernel`).
+
+A ``--path`` directory never replaces another module (:mod:`pallas_tune.cli.pathdirs`), and
+whatever a kernel module raises when imported (``SystemExit`` included: an import is not the
+command's exit) is that kernel failing to load; only Ctrl-C (or SIGTERM) stops the command.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import importlib.machinery
+import importlib.util
 import os
-import sys
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
 
+from pallas_tune.cli import pathdirs
+from pallas_tune.cli.pathdirs import import_path
 from pallas_tune.cli.shapes import CLIUsageError
 
-__all__ = ["ENTRY_POINT_GROUP", "KernelRegistry", "add_import_option", "import_path", "load_kernel"]
+__all__ = ["ENTRY_POINT_GROUP", "KernelImportError", "KernelRegistry", "add_import_option",
+           "import_path", "load_kernel", "raised"]
 
 ENTRY_POINT_GROUP: Final = "pallas_tune.kernels"
 _SHIPPED: Final = "pallas_tune.kernels"
 
 
-@contextlib.contextmanager
-def import_path(paths: Sequence[str] = ()) -> Iterator[None]:
-    """sys.path for importing kernels: the ``--path`` directories first, and without the current
-    directory that ``python -m`` and ``-c`` put first (restored afterwards)."""
-    saved = list(sys.path)
-    here = os.path.realpath(os.getcwd())
-    if sys.path and (sys.path[0] == "" or os.path.realpath(sys.path[0]) == here):
-        del sys.path[0]
-    sys.path[:0] = [os.path.abspath(p) for p in paths]
-    try:
-        yield
-    finally:
-        sys.path[:] = saved
+class KernelImportError(CLIUsageError):
+    """Importing a kernel's module raised what no import should (``SystemExit``, or another
+    exception outside ``Exception``): the kernel cannot be loaded."""
+
+
+def raised(e: BaseException) -> str:
+    """``SystemExit: 0``: what a module raised when imported, for a message."""
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def load_kernel(ref: str, paths: Sequence[str] = ()) -> Any:
@@ -69,6 +70,11 @@ def load_kernel(ref: str, paths: Sequence[str] = ()) -> Any:
             hint = ("" if paths else " (the current directory is not searched: pass --path . "
                                      "to import kernels from files here)")
             raise CLIUsageError(f"cannot load kernel {ref!r}: {e}{hint}") from None
+        except (Exception, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001 - SystemExit at import: not our exit.
+            raise KernelImportError(f"cannot load kernel {ref!r}: importing its module raised "
+                                    f"{raised(e)}") from None
     if not isinstance(obj, TunableKernel):
         raise CLIUsageError(f"{ref} is not a @pallas_tune.tunable kernel (got {type(obj).__name__})")
     return obj
@@ -120,9 +126,11 @@ class KernelRegistry:
             try:
                 with import_path(self._paths):
                     found = importlib.import_module(module)
-            except Exception as e:  # noqa: BLE001 - whatever the user's module raises.
-                raise CLIUsageError(f"--import {module}: cannot import it "
-                                    f"({type(e).__name__}: {e})") from None
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - whatever the user's module raises.
+                raise CLIUsageError(f"--import {module}: cannot import it ({raised(e)})"
+                                    ) from None
             self._named = {**_tunables(found), **self._named}  # The first --import wins.
 
     def allow(self, kernel: Any) -> None:
@@ -151,8 +159,10 @@ class KernelRegistry:
             if module in _shipped_modules():
                 try:
                     kernel = _tunables(importlib.import_module(module)).get(name)
-                except Exception as e:  # noqa: BLE001 - e.g. an adapter whose JAX lacks an op.
-                    return None, f"importing {module} failed ({type(e).__name__}: {e})"
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as e:  # noqa: BLE001 - e.g. an adapter whose JAX lacks an op.
+                    return None, f"importing {module} failed ({raised(e)})"
                 if kernel is not None:
                     return kernel, None
         elif self._under_path(parts[0]):
@@ -182,9 +192,11 @@ class KernelRegistry:
                 continue
             try:
                 obj = ep.load()
-            except Exception as e:  # noqa: BLE001 - an installed package's broken module.
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - an installed package's broken module.
                 return None, (f"the entry point {ep.name} = {ep.value} of kernel {name!r} "
-                              f"failed to load ({type(e).__name__}: {e})")
+                              f"failed to load ({raised(e)})")
             if isinstance(obj, TunableKernel) and obj.name == name:
                 return obj, None
             kernel = _tunables(obj).get(name) if isinstance(obj, types.ModuleType) else None
@@ -195,17 +207,17 @@ class KernelRegistry:
         return None
 
     def _under_path(self, top: str) -> bool:
-        """Whether the top-level module ``top`` is one of a ``--path`` directory's (found
-        without importing anything; an imported module of that name must be that one)."""
+        """Whether importing the top-level module ``top`` imports it from a ``--path``
+        directory (found without importing anything: an imported module of that name, or one
+        the standard library or an installed package provides, is not a --path module)."""
         if not self._paths or not top.isidentifier():
             return False
-        spec = importlib.machinery.PathFinder.find_spec(top, self._paths)
-        if spec is None:
-            return False
-        loaded = sys.modules.get(top)
-        where = getattr(loaded, "__file__", None) if loaded is not None else spec.origin
-        return where is not None and any(
-            os.path.abspath(where).startswith(p + os.sep) for p in self._paths)
+        with import_path(self._paths):
+            try:
+                spec = importlib.util.find_spec(top)
+            except (ImportError, ValueError):  # E.g. an imported module without a spec.
+                return False
+        return pathdirs.under(pathdirs.location(spec), self._paths)
 
     def _from_path(self, name: str) -> tuple[Any, str | None]:
         module, _, attr = name.rpartition(".")
@@ -217,6 +229,8 @@ class KernelRegistry:
                     return kernel, None
                 return None, (f"{module}:{attr} is the kernel {kernel.name!r}, not {name!r}: "
                               f"pass --import MODULE, the module that defines {name!r}")
+            except KernelImportError as e:
+                return None, f"importing the module of kernel {name!r} failed ({e})"
             except CLIUsageError as e:
                 last = str(e)
             except Exception as e:  # noqa: BLE001 - the user's module raising at import.
@@ -233,7 +247,9 @@ class KernelRegistry:
             for module in _shipped_modules():
                 try:
                     found = importlib.import_module(module)
-                except Exception:  # noqa: BLE001 - e.g. an adapter whose JAX lacks an op.
+                except KeyboardInterrupt:
+                    raise
+                except BaseException:  # noqa: BLE001 - e.g. an adapter whose JAX lacks an op.
                     continue
                 self._all_shipped.update(_tunables(found))
         return self._all_shipped
