@@ -201,3 +201,49 @@ def test_a_kernel_module_exiting_at_import_is_a_problem(tmp_path, cache_dir, cap
     assert rc == 2 and "SystemExit" in err, out + err
     rc, out, err = _main(capsys, "show", "--path", d)
     assert rc == 0 and "SystemExit" not in err  # Nothing in the user cache names it.
+
+
+# ---- 3. a FIFO with no writer does not block forever -----------------------------------------
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes")
+@pytest.mark.parametrize("flag", ["--shapes", "--from-record", "--space"])
+def test_a_fifo_with_no_writer_is_refused_after_a_bounded_wait(tmp_path, cache_dir, flag):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    args = {"--shapes": ["sweep", "toy_kernels:scale", "--shapes", f"@{fifo}"],
+            "--from-record": ["sweep", "--from-record", str(fifo)],
+            "--space": ["sweep", "--space", str(fifo)]}[flag]
+    t0 = time.monotonic()
+    r = _cli([*args, "--no-storage"], cache_dir, timeout=90)  # Hung: TimeoutExpired, a failure.
+    assert time.monotonic() - t0 < 60
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert str(fifo) in r.stderr and "FIFO with no writer" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_a_pipe_with_a_writer_is_read(tmp_path):
+    """Process substitution (``<(cmd)``: /dev/fd/N) and a named FIFO whose writer comes, late
+    or slow, are read whole."""
+    r, w = os.pipe()
+    os.write(w, b"x=8:float32\n")
+    os.close(w)
+    try:
+        assert _bounded.read_path(f"/dev/fd/{r}", 1 << 20, what="shapes file") == b"x=8:float32\n"
+    finally:
+        os.close(r)
+    if not hasattr(os, "mkfifo"):
+        return
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+
+    def write(delay_open, delay_write):
+        time.sleep(delay_open)
+        with open(fifo, "wb") as f:
+            time.sleep(delay_write)
+            f.write(b"late\n")
+
+    for delays in ((0.5, 0.0), (0.0, 0.5)):  # A writer that opens late, one that writes late.
+        t = threading.Thread(target=write, args=delays, daemon=True)
+        t.start()
+        assert _bounded.read_path(str(fifo), 1 << 20, what="shapes file") == b"late\n"
+        t.join(10)

@@ -164,7 +164,7 @@ def read_text(path: str, what: str, *, errors: str = "strict") -> str:
 
     try:
         raw = _bounded.read_path(path, _settings.max_file_bytes(), what=what)
-    except InputTooLargeError as e:
+    except (InputTooLargeError, _bounded.NoWriterError) as e:
         raise CLIUsageError(str(e)) from None
     except OSError as e:
         raise CLIUsageError(f"{what} {path}: cannot read it ({e.strerror or e})") from None
