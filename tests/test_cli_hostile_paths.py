@@ -247,3 +247,56 @@ def test_a_pipe_with_a_writer_is_read(tmp_path):
         t.start()
         assert _bounded.read_path(str(fifo), 1 << 20, what="shapes file") == b"late\n"
         t.join(10)
+
+
+# ---- 4. check DIR looks at the cache layout only, and not forever -----------------------------
+
+_GOOD = {"x=64x256:float32,factor=2.0": {"config": {"br": 8, "bc": 128, "buffering": 1},
+                                         "median_ms": 1.0}}
+
+
+def test_check_looks_at_the_cache_layout_only(tmp_path, cache_dir, capsys):
+    root = tmp_path / "root"
+    _winners(root / "cpu" / "toy_kernels.scale.json", "toy_kernels.scale", _GOOD)
+    # Deeper than a cache root's chip directory: not a cache file, not looked at.
+    _winners(root / "cpu" / "a" / "b" / "toy_kernels.scale.json", "toy_kernels.scale",
+             {"k": {"config": 1}})
+    deep = root / "x"
+    for i in range(60):
+        deep = deep / f"d{i}"
+    _winners(deep / "cpu" / "toy_kernels.scale.json", "toy_kernels.scale", {"k": {"config": 1}})
+    os.symlink(root, root / "loop")  # A directory link back to the root.
+    os.symlink(root / "cpu", root / "cpu" / "loop")
+    t0 = time.monotonic()
+    rc, out, err = _main(capsys, "check", root, "--import", "toy_kernels")
+    assert time.monotonic() - t0 < 60
+    assert rc == 0 and "1 file(s), 1 entries" in out and ": OK" in out, out + err
+    rc, out, err = _main(capsys, "check", root / "x", "--no-kernels")
+    assert rc == 1 and "no cache files" in err and "<chip>" in err, out + err
+
+
+def test_check_stops_after_a_bounded_number_of_entries(tmp_path, cache_dir, capsys):
+    from pallas_tune.cli.check import MAX_ENTRIES
+
+    root = tmp_path / "root"
+    _winners(root / "cpu" / "toy_kernels.scale.json", "toy_kernels.scale", _GOOD)
+    big = root / "notes"
+    big.mkdir()
+    for i in range(MAX_ENTRIES + 1):
+        (big / f"n{i}").touch()
+    rc, out, err = _main(capsys, "check", root, "--no-kernels")
+    assert rc == 2 and f"{MAX_ENTRIES:,}" in err and str(root) in err, out + err
+    assert "problem" not in out  # Stopped before checking anything, saying why.
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a whole file system")
+def test_check_of_the_root_directory_ends_soon(tmp_path, cache_dir):
+    t0 = time.monotonic()
+    r = _cli(["check", "/", "--no-kernels"], cache_dir, cwd=TESTS_DIR, timeout=120)
+    assert time.monotonic() - t0 < 90
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr[-2000:]
+    # Only / and its directories are looked in (/*.json, /<chip>/*.json), nothing deeper.
+    checked = re.findall(r"^(?:problem|note): (/[^:]*):", r.stdout, re.MULTILINE)
+    assert all(p.count("/") <= 2 for p in checked), [p for p in checked if p.count("/") > 2][:5]
+    assert "file(s)" in r.stdout or "no cache files under /" in r.stderr or (
+        "entries" in r.stderr), r.stdout[-2000:] + r.stderr[-2000:]

@@ -46,27 +46,65 @@ def add_parsers(sub: Any) -> None:
     m.set_defaults(func=cmd_merge)
 
 
-def _winners_files(paths: list[str]) -> Iterator[tuple[str, str]]:
-    """(path, chip directory name) of every winners or side file under ``paths``: whatever
-    lies under such a name (a directory, a link to nothing) is checked, as a call meets it."""
-    from pallas_tune.cache import names
+MAX_ENTRIES = 10_000  # Directory entries looked at under one path given to check or merge.
+_LAYOUT = "DIR/*.json and DIR/<chip>/*.json"
 
+
+def _winners_files(paths: list[str]) -> list[tuple[str, str]]:
+    """(path, chip directory name) of every winners or side file under ``paths``: whatever lies
+    under such a name (a directory, a link to nothing) is checked, as a call meets it. A
+    directory given is a cache root or a chip directory: only ``DIR/*.json`` and
+    ``DIR/<chip>/*.json`` are looked at, never deeper, no directory link is followed, and more
+    than :data:`MAX_ENTRIES` entries under one path is a CLIUsageError (``check /`` does not
+    walk the disk). Listed whole before any file is read."""
+    out = []
     for p in paths:
         if os.path.isfile(p) or os.path.islink(p):
-            yield p, os.path.basename(os.path.dirname(os.path.abspath(p)))
+            out.append((p, os.path.basename(os.path.dirname(os.path.abspath(p)))))
             continue
         if not os.path.isdir(p):
             raise CLIUsageError(f"{p}: not a regular file nor a directory" if os.path.exists(p)
                                 else f"{p}: no such file or directory")
-        for dirpath, dirnames, filenames in os.walk(p):
-            # A directory (or a link to one) named like a winners file is what a call meets
-            # under that name: checked as a file (and so refused), not walked into.
-            named = [d for d in dirnames if _is_winners(names.classify(d))]
-            dirnames[:] = sorted(d for d in dirnames
-                                 if not d.startswith((".", "_")) and d not in named)
-            for name in sorted([*filenames, *named]):
-                if _is_winners(names.classify(name)):
-                    yield os.path.join(dirpath, name), os.path.basename(dirpath)
+        budget = [MAX_ENTRIES]
+        for entry in _entries(p, p, budget):
+            if _is_named(entry.name):
+                out.append((entry.path, os.path.basename(os.path.abspath(p))))
+            elif not entry.name.startswith((".", "_")) and _is_dir(entry):
+                out += [(e.path, entry.name) for e in _entries(entry.path, p, budget)
+                        if _is_named(e.name)]
+    return out
+
+
+def _entries(d: str, given: str, budget: list[int]) -> list[os.DirEntry[str]]:
+    """The entries of ``d`` (none if it cannot be listed), by name; ``budget`` counts them."""
+    found = []
+    try:
+        with os.scandir(d) as it:
+            for entry in it:
+                budget[0] -= 1
+                if budget[0] < 0:
+                    raise CLIUsageError(
+                        f"{given}: more than {MAX_ENTRIES:,} directory entries under it, the "
+                        f"most pallas-tune looks at (it looks at {_LAYOUT} only); is it a cache? "
+                        "Give a cache root, a chip directory or the files")
+                found.append(entry)
+    except OSError:
+        return []
+    return sorted(found, key=lambda e: e.name)
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _is_named(name: str) -> bool:
+    """Whether a name is a winners or side file's (a directory so named is checked as one)."""
+    from pallas_tune.cache import names
+
+    return _is_winners(names.classify(name))
 
 
 def _is_winners(role_kind: tuple[str, str] | None) -> bool:
@@ -216,7 +254,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     for line in summaries:
         print(line)
     if not n_files:
-        print(f"pallas-tune check: no cache files under {', '.join(paths)}", file=sys.stderr)
+        print(f"pallas-tune check: no cache files under {', '.join(paths)} (it looks at "
+              f"{_LAYOUT}: give a cache root, a chip directory or the files)", file=sys.stderr)
         return 1
     verdict = "OK" if not problems else f"{len(problems)} problem(s)"
     if args.no_kernels:
