@@ -32,6 +32,7 @@ _ZEN = "Beautiful is better than ugly"
 
 def _cli(args, cache_dir, *, cwd=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "pallas_tune", *args], capture_output=True,
+                          check=False,
                           text=True, timeout=timeout, cwd=cwd,
                           env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from pallas_tune.cli.registry import KernelRegistry, add_import_option

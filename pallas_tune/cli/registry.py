@@ -249,7 +249,7 @@ class KernelRegistry:
                     found = importlib.import_module(module)
                 except KeyboardInterrupt:
                     raise
-                except BaseException:  # noqa: BLE001 - e.g. an adapter whose JAX lacks an op.
+                except BaseException:  # noqa: BLE001, S112 - e.g. an adapter whose JAX lacks an op
                     continue
                 self._all_shipped.update(_tunables(found))
         return self._all_shipped
