@@ -13,6 +13,7 @@ __all__ = [
     "CacheFormatError",
     "InputTooLargeError",
     "CacheMissError",
+    "DiskFullError",
     "MeasurementError",
     "NoFeasibleConfigError",
     "PallasTuneError",
@@ -54,6 +55,40 @@ class CacheMissError(PallasTuneError, KeyError):
 
 class NoFeasibleConfigError(PallasTuneError, RuntimeError):
     """No candidate of the space is feasible or correct for the given arguments."""
+
+
+class DiskFullError(PallasTuneError, OSError):
+    """The disk (or quota) that pallas-tune writes to is full. The message names what was
+    being written and where the finished trials are; ``result``: the tuning result that could
+    not be written, where there is one (``kernel.cache.write`` it once space is freed)."""
+
+    def __init__(self, message: str, result: object = None):
+        super().__init__(message)
+        self.result = result
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e``, or an error it was raised from, says the disk or quota is full: OSError
+    ENOSPC or EDQUOT, or a database's own words for it (SQLite's "database or disk is full",
+    which Optuna's storage wraps in StorageInternalError)."""
+    import errno
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFullError):
+            return True
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            return True
+        text = str(e).lower()
+        if "database or disk is full" in text or "no space left on device" in text \
+                or "disk quota exceeded" in text:
+            return True
+        e = e.__cause__ or e.__context__ or getattr(e, "orig", None)  # type: ignore[assignment]
+    return False
 
 
 class MeasurementError(PallasTuneError, RuntimeError):

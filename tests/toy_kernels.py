@@ -227,6 +227,30 @@ class ToySession:
         channel.phase("run")
         os.abort()
 
+    def flood(self, megabytes, seconds, channel):
+        """What libtpu does when its static profiler trips: ``megabytes`` to a glog file in
+        ``$TPU_LOG_DIR`` (appended, as glog does) and to stderr, over ``seconds``; then the
+        abort."""
+        import os
+        import sys
+        import time
+
+        channel.phase("compile")
+        d = os.environ["TPU_LOG_DIR"]
+        os.makedirs(d, exist_ok=True)
+        fd = os.open(os.path.join(d, f"tpu_driver.host.log.ERROR.{os.getpid()}"),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        chunk = b"E LLO dump line " + b"x" * 1000 + b"\n"
+        steps = megabytes * 2**20 // len(chunk)
+        for i in range(steps):
+            os.write(fd, chunk)
+            if i % 64 == 0:
+                sys.stderr.buffer.write(chunk * 64)
+                time.sleep(seconds / (steps / 64))
+        sys.stderr.buffer.write(b"F Check failed: LLO_CHECK failure (the last line)\n")
+        sys.stderr.flush()
+        os.abort()
+
     def question(self, q, channel):
         return channel.ask(q)
 

@@ -20,35 +20,32 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
-from multiprocessing.connection import Connection, Pipe, wait
+from multiprocessing.connection import Pipe, wait
 from typing import Any, Final
+
+from pallas_tune.measure.child import Channel, importing_main_script, off_path_modules
+from pallas_tune.measure.logs import RunLogs, cut_output
 
 __all__ = ["Channel", "Pool", "Reply", "WorkerStartError", "importing_main_script"]
 
 # How long a new worker may take to import JAX, the kernel and build its session.
 STARTUP_S: Final = 600.0
 _TAIL_BYTES: Final = 3000
-_BOOTSTRAPPING = False  # True in a worker while it imports the parent's __main__ script.
+_OUTPUT_BYTES: Final = 8 * 2**20  # A worker's captured stdout and stderr, at most.
+_LOOK_S: Final = 1.0  # How often the parent bounds logs while workers run.
 
 
 class WorkerStartError(RuntimeError):
     """A worker could not start its session (the message says why: its traceback, or a
     script that starts tuning when imported)."""
-
-
-def importing_main_script() -> bool:
-    """True inside a worker that is importing the parent's script to find a kernel defined
-    there. Code that would start tuning at that moment must not (it would recurse)."""
-    return _BOOTSTRAPPING
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,31 +58,6 @@ class Reply:
     phase: str = ""
     seconds: float = 0.0
     message: str = ""
-
-
-class Channel:
-    """The session's line to the parent during a call: report phases, ask questions."""
-
-    def __init__(self, conn: Connection | None = None,
-                 answer: Callable[[Any], Any] | None = None):
-        self._conn = conn
-        self._answer = answer
-        self.phase_name = ""
-
-    def phase(self, name: str) -> None:
-        """Starts a new phase: the parent applies that phase's time limit from now on."""
-        self.phase_name = name
-        if self._conn is not None:
-            self._conn.send(("phase", name))
-
-    def ask(self, question: Any) -> Any:
-        """Asks the parent (e.g. whether a program was evaluated already) and waits."""
-        if self._conn is None:
-            return self._answer(question) if self._answer is not None else None
-        self._conn.send(("ask", question))
-        kind, answer = self._conn.recv()
-        assert kind == "answer", kind
-        return answer
 
 
 @dataclasses.dataclass(slots=True)
@@ -102,9 +74,13 @@ class _Worker:
     def __init__(self, spec: _Spec):
         self.spec = spec
         self.log = tempfile.TemporaryFile(prefix="pallas-tune-worker-")
+        # The child appends (the flag is the open file's, shared through the fd it inherits),
+        # so the parent can cut the file (logs.cut_output) while the child writes.
+        fcntl.fcntl(self.log.fileno(), fcntl.F_SETFL,
+                    fcntl.fcntl(self.log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
         parent, child = Pipe(duplex=True)
         env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-        code = "from pallas_tune.measure.pool import _child_main; _child_main()"
+        code = "from pallas_tune.measure.child import _child_main; _child_main()"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(child.fileno()), str(os.getpid())],
             pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, stdout=self.log,
@@ -116,7 +92,8 @@ class _Worker:
         self.started = time.perf_counter()
         self.phase_deadline = float("inf")
         path = [p or os.getcwd() for p in sys.path]  # The parent's, where the kernel may be.
-        self.conn.send((spec.factory, spec.args, spec.memory_limit, spec.main_path, path))
+        self.conn.send((spec.factory, spec.args, spec.memory_limit, spec.main_path, path,
+                        off_path_modules(path)))
 
     def wait_ready(self, replay: Sequence[tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
         if self.info is not None:
@@ -216,7 +193,8 @@ class Pool:
                  limits: Mapping[str, float | None] | None = None,
                  env: Mapping[str, str] | None = None, memory_limit: int | None = None,
                  main_path: str | None = None, startup_s: float = STARTUP_S):
-        self._spec = _Spec(factory=factory, args=args, env=dict(env or {}),
+        self.logs = RunLogs()  # libtpu's logs of these workers: a directory of their own.
+        self._spec = _Spec(factory=factory, args=args, env={**(env or {}), **self.logs.env},
                            memory_limit=memory_limit, main_path=main_path, startup_s=startup_s)
         self.size = max(1, size)
         self.limits = dict(limits or {})
@@ -261,7 +239,8 @@ class Pool:
             self._assign(queue)
             busy = [w for w in self._workers if w.job is not None]
             timeout = max(0.0, min(w.phase_deadline for w in busy) - time.perf_counter())
-            ready = wait([w.conn for w in busy], None if timeout == float("inf") else timeout)
+            ready = wait([w.conn for w in busy], min(timeout, _LOOK_S))
+            self._bound_logs()
             for w in busy:
                 if w.conn in ready:
                     self._receive(w, replies, answer)
@@ -327,6 +306,9 @@ class Pool:
             w.kill()
             tail = w.tail()
             message = f"{message}\n{tail}".strip() if tail else message
+            self._bound_logs(now=True)
+            if self.logs.note():
+                message = f"{message}\n{self.logs.note()}"
             self.restarts += 1
             w.log.close()
             # Start the replacement now: it boots while the parent goes on.
@@ -335,96 +317,21 @@ class Pool:
                                    seconds=time.perf_counter() - w.started)
         w.job = None
 
+    def _bound_logs(self, now: bool = False) -> None:
+        """Keeps libtpu's logs and each worker's captured output within their bounds."""
+        if self.logs.due(now):
+            self.logs.enforce()
+            for w in self._workers:
+                cut_output(w.log.fileno(), _OUTPUT_BYTES)
+
     def close(self) -> None:
         for w in self._workers:
             w.stop()
         self._workers = []
+        self.logs.enforce()
 
     def __enter__(self) -> Pool:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-# ---- the worker's side ---------------------------------------------------------------------
-
-def _die_with_parent(parent: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # The parent died before prctl took effect.
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="pallas-tune-parent-watch", daemon=True).start()
-
-
-def _import_main(path: str) -> None:
-    """Imports the parent's script as ``__mp_main__`` (its ``__main__`` guard stays shut)."""
-    global _BOOTSTRAPPING
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("__mp_main__", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import the script {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["__mp_main__"] = module
-    sys.modules["__main__"] = module
-    _BOOTSTRAPPING = True
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        _BOOTSTRAPPING = False
-
-
-def _child_main() -> None:
-    fd, parent = int(sys.argv[1]), int(sys.argv[2])
-    _die_with_parent(parent)
-    # Ctrl-C and a scheduler's SIGTERM reach the whole process group: the parent handles them
-    # (saves, exits) and its workers die with it, rather than die first as a failed candidate.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn = Connection(fd)
-    factory, args, memory_limit, main_path, path = conn.recv()
-    sys.path[:] = path + [p for p in sys.path if p not in path]
-    try:
-        if memory_limit:
-            import resource
-
-            resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-        if main_path:
-            _import_main(main_path)
-        from pallas_tune._refs import load
-
-        session = load(factory)(*args)
-        conn.send(("ready", session.info()))
-    except BaseException as e:  # noqa: BLE001 - report why, then exit.
-        text = str(e) if getattr(e, "unguarded_script", False) else traceback.format_exc(limit=8)
-        conn.send(("failed", text))
-        return
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        method, args = msg
-        channel = Channel(conn)
-        try:
-            result = getattr(session, method)(*args, channel=channel)
-        except BaseException:  # noqa: BLE001 - a bug in a session is reported, not fatal.
-            conn.send(("error", traceback.format_exc(limit=8)))
-            continue
-        conn.send(("done", result))

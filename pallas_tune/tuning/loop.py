@@ -8,10 +8,11 @@ re-ranking, the result, the cache), and :mod:`pallas_tune.measure` below them al
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pallas_tune.measure.evaluate import Evaluator
@@ -84,7 +85,7 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
     _refuse_recursion(kernel)
     plan = make_plan(kernel, args, kwargs, options)
     evaluator = open_evaluator(plan, options) if evaluator is None else _started(evaluator)
-    with evaluator, quiet_optuna():
+    with evaluator, quiet_optuna(), _full_disk(options):
         chip = settle_chip(plan, evaluator.device)
         if options.write:  # Before the first candidate: an unwritable cache costs no time.
             kernel.cache.check_writable(chip, kernel.name, kind=plan.kind)
@@ -114,7 +115,51 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
                      dims=dims)
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,
                                      device=evaluator.device, study=search.study, extra=extra)
-    return finish.write(kernel, result) if options.write else result
+    if not options.write:
+        return result
+    with _full_disk(options, result):
+        return finish.write(kernel, result)
+
+
+@contextlib.contextmanager
+def _full_disk(options: TuneOptions, result: TuningResult | None = None) -> Iterator[None]:
+    """A full disk (a winners file, a ledger, the study's SQLite file) as one clear error,
+    saying where the finished trials are; ``result``: the finished tune whose entry could not
+    be written (kept on the error)."""
+    from pallas_tune.errors import DiskFullError, is_disk_full
+
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        if options.storage:
+            kept = (f"every trial told before is kept in the study storage "
+                    f"{_redacted(options.storage)}, and the same tune resumes from it")
+        else:
+            kept = ("this tune had no study storage, so its trials are not kept (with "
+                    "storage=..., as pallas-tune sweep has by default, they are)")
+        done = "" if result is None else (
+            f"the tune finished (best {result.best}, {result.best_ms:.4g} ms) but its cache "
+            "entry was not written: the result is this error's .result; ")
+        raise DiskFullError(
+            f"the disk is full ({_first_line(e)}): {done}{kept}. Free space (or point "
+            "PALLAS_TUNE_CACHE_DIR, PALLAS_TUNE_TPU_LOGS or the storage elsewhere) and run it "
+            "again.", result=result) from e
+
+
+def _redacted(url: str) -> str:
+    """A storage URL without its password."""
+    import re
+
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
 
 
 def _search_loop(search: Search, log: TrialLog, evaluator: Evaluator, kernel: Any,

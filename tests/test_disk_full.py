@@ -1,0 +1,171 @@
+"""A full disk is one clear error (:class:`pallas_tune.errors.DiskFullError`) that loses no
+finished trial: told trials stay in the study storage and the same tune resumes from them."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import optuna
+import pytest
+import sqlalchemy
+
+import pallas_tune as pt
+from pallas_tune.errors import DiskFullError, is_disk_full
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cost(cfg):
+    return 1.0 + abs(cfg["a"] - 5) + abs(cfg["b"] - 2)
+
+
+@pt.tunable(a=list(range(8)), b=list(range(4)), name="disk_full_toy")
+def toy(x, *, a, b):
+    return x
+
+
+def _tune(storage, trials=12, seed=0, write=False):
+    from test_tuner import Landscape
+
+    from pallas_tune.tuning import TuneOptions, run
+
+    ev = Landscape(_cost)
+    options = TuneOptions(trials=trials, seed=seed, write=write, retime_top=0, warm_start=0,
+                          transfer=False, storage=storage, study_name="disk-full")
+    return ev, lambda: run(toy, (jnp.ones((64, 128)),), {}, options, evaluator=ev)
+
+
+def test_is_disk_full_reads_errno_and_the_databases_words():
+    assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    wrapped = sqlalchemy.exc.OperationalError(
+        "UPDATE trials", {}, sqlite3.OperationalError("database or disk is full"))
+    try:
+        try:
+            raise wrapped
+        except sqlalchemy.exc.OperationalError as e:
+            raise optuna.exceptions.StorageInternalError("An exception is raised") from e
+    except optuna.exceptions.StorageInternalError as outer:
+        assert is_disk_full(outer)
+    assert not is_disk_full(OSError(errno.EACCES, "Permission denied"))
+    assert not is_disk_full(ValueError("disk"))
+
+
+def test_a_storage_that_fills_up_mid_tune_is_one_error_and_the_tune_resumes(tmp_path,
+                                                                            monkeypatch,
+                                                                            cache_dir):
+    """Fault injection where the study writes: after 4 trials are told, SQLite says the disk
+    is full (as Optuna's storage raised it on the machine whose disk libtpu's logs filled).
+    The tune ends with DiskFullError naming the storage; the 4 told trials are in it, and
+    the same tune run again evaluates none of them again."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    real = optuna.storages.RDBStorage.set_trial_state_values
+    told = []
+
+    def full_after_four(self, trial_id, state, values=None):
+        if state == optuna.trial.TrialState.COMPLETE and len(told) >= 4:
+            raise optuna.exceptions.StorageInternalError(
+                "An exception is raised during the commit.") from sqlalchemy.exc.OperationalError(
+                "UPDATE trials", {}, sqlite3.OperationalError("database or disk is full"))
+        out = real(self, trial_id, state, values)
+        if state == optuna.trial.TrialState.COMPLETE:
+            told.append(trial_id)
+        return out
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", full_after_four)
+    ev, go = _tune(storage)
+    with pytest.raises(DiskFullError) as err:
+        go()
+    text = str(err.value)
+    assert text.startswith("the disk is full (StorageInternalError")
+    assert "kept in the study storage sqlite:///" in text and "resumes" in text
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values", real)
+    study = optuna.load_study(study_name="disk-full", storage=storage)
+    done = [t.params for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 4
+    ev2, go2 = _tune(storage)
+    result = go2()
+    again = [c for c in ev2.evaluated if any(
+        all(c[k] == p[k] for k in ("a", "b")) for p in done)]
+    assert again == [] and result.best_ms == min(_cost(c) for c in ev.evaluated + ev2.evaluated)
+
+
+def test_a_cache_write_on_a_full_disk_keeps_the_result_on_the_error(cache_dir, monkeypatch):
+    ev, go = _tune(None, write=True)
+    path = toy.cache.path("cpu", toy.name)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(type(toy.cache), "write", full)
+    with pytest.raises(DiskFullError) as err:
+        go()
+    assert err.value.result is not None and err.value.result.best == {"a": 5, "b": 2}
+    assert "its cache entry was not written" in str(err.value)
+    assert "no study storage, so its trials are not kept" in str(err.value)
+    assert not os.path.exists(path)
+
+
+_SCENARIO = textwrap.dedent('''
+    import json, os, subprocess, sys
+    sys.path[:0] = [{here!r}]
+    d = sys.argv[1]
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", d], check=True)
+    os.environ["PALLAS_TUNE_CACHE_DIR"] = os.path.join(d, "cache")
+    import test_disk_full as t
+    from pallas_tune.errors import DiskFullError
+    import optuna
+    storage = f"sqlite:///{{d}}/study.db"
+    t._tune(storage, trials=1)[1]()  # The study and its schema, while there is room.
+    ev, go = t._tune(storage, trials=64)
+    filler = os.path.join(d, "filler")
+    st = os.statvfs(d)
+    with open(filler, "wb") as f:  # Room for a few more pages of the database only.
+        f.write(b"f" * (st.f_bavail * st.f_frsize - 12 * 1024))
+    out = {{}}
+    try:
+        go()
+        out["error"] = None
+    except DiskFullError as e:
+        out["error"] = str(e)
+    except BaseException as e:
+        out["error"] = f"RAW {{type(e).__name__}}: {{e}}"
+    study = optuna.load_study(study_name="disk-full", storage=storage)
+    done = [t2.params for t2 in study.trials if t2.state.name == "COMPLETE"]
+    out["stored"] = len(done)
+    os.unlink(filler)
+    ev2, go2 = t._tune(storage, trials=64)
+    go2()
+    out["again"] = sum(1 for c in ev2.evaluated if c in done)
+    out["second"] = len(ev2.evaluated)
+    print(json.dumps(out))
+''')
+
+
+def test_a_real_small_filesystem_fills_up_and_the_tune_resumes(tmp_path):
+    """The same on a real 600 KiB tmpfs (a private mount namespace: nothing leaks), the
+    study's SQLite file on it: SQLite's own 'database or disk is full'."""
+    if not shutil.which("unshare") or not sys.platform.startswith("linux"):
+        pytest.skip("needs unshare (util-linux) on Linux for a private small filesystem")
+    probe = subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=64k",
+                            "tmpfs", str(tmp_path)], capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr.strip()}")
+    d = tmp_path / "fs"
+    d.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(["unshare", "-rm", sys.executable, "-c",
+                           _SCENARIO.format(here=HERE), str(d)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["error"] and out["error"].startswith("the disk is full"), out
+    assert "kept in the study storage" in out["error"]
+    assert out["stored"] >= 1 and out["again"] == 0, out
