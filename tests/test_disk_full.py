@@ -169,3 +169,42 @@ def test_a_real_small_filesystem_fills_up_and_the_tune_resumes(tmp_path):
     assert out["error"] and out["error"].startswith("the disk is full"), out
     assert "kept in the study storage" in out["error"]
     assert out["stored"] >= 1 and out["again"] == 0, out
+
+
+def test_a_sweep_stops_at_a_full_disk_with_one_error(cache_dir, monkeypatch, capsys):
+    """A full disk ends the sweep (every shape after would fail alike) with one line naming
+    it, not one FAILED per shape; the CLI's exit status is 1."""
+    import toy_kernels
+
+    from pallas_tune.cli import main
+
+    tried = []
+
+    def full(*args, **kwargs):
+        tried.append(args[0].shape)
+        raise DiskFullError("the disk is full (OSError: [Errno 28] No space left on device)")
+
+    monkeypatch.setattr(type(toy_kernels.scale), "tune", lambda self, *a, **k: full(*a, **k))
+    code = main(["sweep", "toy_kernels:scale", "--shapes", "x=64x256:float32",
+                 "--shapes", "x=128x256:float32", "--trials", "2", "--no-storage",
+                 "--path", HERE])
+    err = capsys.readouterr().err
+    assert code == 1 and len(tried) == 1
+    assert "error: the disk is full" in err and "FAILED" not in err
+
+
+def test_sweep_program_passes_a_specs_plain_values_as_static(cache_dir, tmp_path, capsys):
+    """`--program` with `n=2` in the spec: n is the program's static argument (a loop count
+    and a shape), as jax.jit's static_argnums makes it; before, it was traced and the
+    sweep died with a traceback."""
+    from pallas_tune.cli import main
+
+    (tmp_path / "staticstep.py").write_text(
+        "import jax.numpy as jnp\nimport toy_kernels as tk\n\n\ndef step(x, n):\n"
+        "    for _ in range(n):\n        x = tk.scale(x)\n    return jnp.tile(x, (n, 1))\n")
+    code = main(["sweep", "--program", "staticstep:step", "--path", str(tmp_path),
+                 "--shapes", "x=64x256:float32,n=2", "--trials", "2", "--repeats", "1",
+                 "--no-storage"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    assert "1 calls: 1 tuned" in captured.out or "1 call: 1 tuned" in captured.out, captured.out

@@ -201,13 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The commands that may load libtpu in this process.
+_COMPILING = frozenset({"sweep", "feasibility", "recheck-xla"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns its exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    from pallas_tune.errors import PallasTuneError, SearchSpaceError, TuneOptionError
+    from pallas_tune.errors import (PallasTuneError, SearchSpaceError, TuneOptionError,
+                                    is_disk_full)
 
     terminated: list[int] = []
     try:
+        if args.command in _COMPILING:
+            from pallas_tune.measure.logs import RunLogs
+
+            # This process's own libtpu (deviceless compiles) logs in a run directory of its
+            # own, set before libtpu loads; its workers' get theirs, kept within their bound.
+            os.environ.update(RunLogs().env)
         with _import_path(), _sigterm_as_interrupt(terminated):
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -222,6 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except (PallasTuneError, OSError) as e:
         _error(args.command, e)
+        return 1
+    except Exception as e:  # A database's "disk is full" (SQLAlchemy, Optuna): one line too.
+        if not is_disk_full(e):
+            raise
+        _error(args.command, f"the disk is full ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0][:300]}); free space and run it "
+                             "again (what finished is kept)")
         return 1
 
 

@@ -70,6 +70,13 @@ def _load(ref: str, paths: Sequence[str]) -> Any:
     return fn
 
 
+def _static_positions(call_args: Sequence[Any]) -> tuple[int, ...]:
+    """The positions of the arguments that are not arrays (keywords pass as plain values)."""
+    return tuple(i for i, a in enumerate(call_args)
+                 if not hasattr(a, "shape") and not (isinstance(a, tuple) and a and all(
+                     hasattr(x, "shape") for x in a)))
+
+
 def _ms(v: float) -> str:
     return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else "-"
 
@@ -77,15 +84,18 @@ def _ms(v: float) -> str:
 def cmd_program(args: argparse.Namespace, specs: Sequence[str], options: Any) -> int:
     """Autotunes the program once per shape spec; prints each call. Exit 1 if one failed."""
     import pallas_tune as pt
-    from pallas_tune.errors import PallasTuneError
+    from pallas_tune.errors import DiskFullError, PallasTuneError
 
     fn = _load(args.program, args.path or ())
     calls = [(spec, *program_args(fn, spec)) for spec in specs]  # All checked first.
     failures = 0
     for spec, call_args, call_kwargs in calls:
         print(f"pallas-tune sweep --program {args.program}: {spec}", flush=True)
-        try:
-            result = pt.autotune(fn, *call_args, options=options, **call_kwargs)
+        try:  # A spec's plain values (n=2, causal=true) are FN's static arguments, as in jit.
+            result = pt.autotune(fn, *call_args, options=options, **call_kwargs,
+                                 static_argnums=_static_positions(call_args))
+        except DiskFullError:
+            raise
         except (PallasTuneError, ValueError) as e:
             failures += 1
             print(f"pallas-tune sweep: {spec}: FAILED: {e}", file=sys.stderr, flush=True)

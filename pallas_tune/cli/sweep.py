@@ -250,7 +250,7 @@ def _backward_label(kernel: Any) -> str:
 def _sweep_shape(args: argparse.Namespace, kernel: Any, chip: str, label: str,
                  call_args: list[Any], call_kwargs: dict[str, Any]) -> int:
     """Tunes one shape of one kernel unless cached; the number of failures (0 or 1)."""
-    from pallas_tune.errors import PallasTuneError
+    from pallas_tune.errors import DiskFullError, PallasTuneError
 
     options = tune_options(args, chip)
     kind = "estimate" if options.timer == "tpu-estimate" else "measured"
@@ -278,6 +278,8 @@ def _sweep_shape(args: argparse.Namespace, kernel: Any, chip: str, label: str,
             progress.close()
         _interrupted(args, key)
         raise SystemExit(130) from None
+    except DiskFullError:
+        raise  # Every shape after would fail the same way: stop, with the one error.
     except (PallasTuneError, ValueError) as e:
         print(f"pallas-tune sweep: {key}: FAILED: {e}", file=sys.stderr, flush=True)
         return 1
