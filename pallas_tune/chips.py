@@ -300,7 +300,10 @@ class ChipSpec:
 # VMEM (MiB), TensorCores, and the clock used to turn compiler cycle estimates into time. Clocks:
 # v4/v5e/v5p = peak bf16 FLOP/s per TensorCore / (4 MXUs x 128^2 MACs x 2); v6e = 1.75 GHz, from
 # the compiler estimate's own MXU asymptote (notes/libtpu-static-cost.md; the same formula with
-# JAX's 2 MXUs of 256^2 gives 3.5 GHz, so the estimate models 4 MXU-equivalents). 7x: unknown.
+# JAX's 2 MXUs of 256^2 gives 3.5 GHz, so the estimate models 4 MXU-equivalents). 7x: the same
+# derivation: its estimate's MXU asymptote is the same (230k MAC/cycle for an 8192^3 bf16 Pallas
+# matmul with 1024 tiles, 231k on v6e; libtpu 0.0.50.1), so 4 x 256^2 MACs at the bf16 peak of
+# one 7x device (1.155e15 FLOP/s) gives 2.2 GHz. Like v6e's, a calibration, not a measured clock.
 _TPU: Final[dict[str, dict[str, Any]]] = {
     "tpu_v4": dict(version="v4", topology="v4:1x1x1", scoped=16, usable=16.0, cores=2,
                    megacore=True, vregs=32, clock_hz=1.05e9,
@@ -320,7 +323,7 @@ _TPU: Final[dict[str, dict[str, Any]]] = {
                                   bf16=9.20e14, int8=1.84e15, fp8=9.20e14, bw=1.64e12,
                                   hbm=34.4e9)),
     "tpu_7x": dict(version="7x", topology="tpu7x:1x1x1", scoped=32, usable=63.9375, cores=2,
-                   megacore=False,
+                   megacore=False, clock_hz=2.2e9,
                    fallback=dict(generation=7, vmem=64, smem=1024, mxu=256, n_mxu=2,
                                  bf16=1.155e15, int8=0, fp8=2.30e15, bw=3.7e12, hbm=103.0e9)),
 }

@@ -208,3 +208,4 @@ def test_sweep_program_passes_a_specs_plain_values_as_static(cache_dir, tmp_path
     captured = capsys.readouterr()
     assert code == 0, captured.err[-2000:]
     assert "1 calls: 1 tuned" in captured.out or "1 call: 1 tuned" in captured.out, captured.out
+

@@ -348,3 +348,16 @@ def test_check_finds_shipped_adapters_by_their_own_names(capsys):
     rc, out, err = _main(capsys, "check", shipped)
     assert rc == 0, out + err
     assert "file format only" not in out, out
+
+
+def test_a_sweeps_line_says_when_calls_run_xla(cache_dir, capsys):
+    """The final line of a shape named the Pallas winner and its speed-up while the entry
+    recorded implementation xla (only `show` said so): it now says XLA runs."""
+    from pallas_tune.cli import main
+
+    code = main(["sweep", "toy_kernels:scale_or_xla", "--path", os.path.dirname(os.path.abspath(__file__)), "--shapes",
+                 "x=1024x128:float32", "--trials", "2", "--repeats", "3", "--xla",
+                 "--no-storage"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "is faster: calls run XLA (the kernel's reference), not this config" in out, out

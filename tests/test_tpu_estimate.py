@@ -124,6 +124,29 @@ def test_matmul_2048_estimates_rank_tiles_and_buffering():
     assert r128.scale > 1 and r512.scale == 1  # 4096 steps were estimated on a stand-in.
 
 
+def test_every_tpu_chip_listed_has_a_clock_for_its_estimates():
+    """7x had none: its estimates could not be turned into time (ZeroDivisionError in the
+    floor check after the whole compile, and a refusal up front when tuning)."""
+    from pallas_tune import chips
+
+    for name in chips._TPU_KINDS:
+        assert chips.chip_spec(name).clock_hz > 0, name
+
+
+@pytest.mark.libtpu
+def test_a_7x_estimate_is_converted_at_its_clock():
+    cfg = dict(bm=512, bn=512, bk=512, buffering=2, semantics=SEM)
+    with Estimator(1) as est:
+        (r,) = est.map(matmul, (X, X), {}, [cfg], "7x")
+    assert r.ok, r.message
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.measure.estimate import cycles_to_ms
+
+    ms = cycles_to_ms(r.cycles, chip_spec("7x").clock_hz)
+    peak_ms = 2 * 2048 ** 3 / chip_spec("7x").bf16_flops * 1e3
+    assert peak_ms < ms < 4 * peak_ms  # Above the bf16 peak's time, within a few times it.
+
+
 @pytest.mark.libtpu
 def test_an_estimate_of_a_scalar_prefetch_kernel_says_what_it_cannot_follow(cache_dir):
     """The grouped matmul reads its group table by scalar prefetch, which libtpu's profile

@@ -289,6 +289,9 @@ def _sweep_shape(args: argparse.Namespace, kernel: Any, chip: str, label: str,
     label = " (compiler estimate)" if kind == "estimate" else ""
     if math.isfinite(result.speedup):  # Both from the final re-ranking: like with like.
         label += f", default {result.default_ms:.4g} ms ({result.speedup:.2f}x)"
+    if result.implementation == "xla":  # What calls will run, not only what Pallas can do.
+        label += (f"; XLA {result.xla_ms:.4g} ms is faster: calls run XLA (the kernel's "
+                  "reference), not this config")
     _say(args, f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
                f"({describe_tally(result.tally)}; {time.perf_counter() - t0:.1f}s) -> "
                f"{result.cache_path or 'not written (--no-write)'}")

@@ -34,8 +34,9 @@ from pallas_tune.measure import candidate as cand
 from pallas_tune.measure import shared
 from pallas_tune.measure.evaluate import PoolEvaluator
 from pallas_tune.measure.loops import (NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE, Census,
-                                      below_floor, blind_fetch_message, dynamic_loop_message,
-                                      floor_message, kernel_census)
+                                      abort_message, below_floor, blind_fetch_message,
+                                      dynamic_loop_message, floor_message, kernel_census,
+                                      profiler_abort)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
@@ -47,6 +48,7 @@ __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator"
 FLAG: Final = "--xla_jf_dump_static_llo_profile_to"
 _SESSION: Final = "pallas_tune.measure.estimate:EstimateSession"
 _ENV: Final = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+ABORTS_TO_STOP: Final = 3  # Profiler aborts, none estimated yet, before a tune stops.
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -300,6 +302,7 @@ class EstimateEvaluator(PoolEvaluator):
         self._dump = "" if self._pool_kept else dumps[0]
         super().__init__(pool, reference=False)
         self.fallback = fallback
+        self._name, self._aborts, self._estimated = parts.name, 0, 0
 
     def start(self) -> dict[str, Any]:
         device = super().start()
@@ -315,7 +318,29 @@ class EstimateEvaluator(PoolEvaluator):
             from pallas_tune.errors import MeasurementError
 
             raise MeasurementError(missing.error.removeprefix("compiler: "))
-        return records
+        return [self._after_abort(r) for r in records]
+
+    def _after_abort(self, r: TrialRecord) -> TrialRecord:
+        """A candidate whose worker libtpu's static profiler aborted: with the roofline
+        fallback, the model's figure (labelled); else a failure, and after ``ABORTS_TO_STOP``
+        such with no estimate yet, the tune stops (each abort costs a compile and a worker)."""
+        why = profiler_abort(r.error or "") if r.detail == "worker_crashed" else ""
+        if not why:
+            self._estimated += r.outcome.timed
+            return r
+        if self.fallback == "roofline":
+            (s,) = self.roofline([r.config], self.device["chip"])
+            return r if s is None else dataclasses.replace(
+                r, outcome=Outcome.OK, error="", measurement=Measurement(
+                    times_ms=(s * 1e3,), compile_ms=0.0, timer="roofline"),
+                detail=f"roofline model (libtpu's static profile aborted: {why})")
+        self._aborts += 1
+        if self._aborts >= ABORTS_TO_STOP and not self._estimated:
+            from pallas_tune.errors import NoFeasibleConfigError
+
+            raise NoFeasibleConfigError(abort_message(self._name, why, self._aborts) + (
+                f"\n{self.pool.logs.note()}" if self.pool.logs.note() else ""))
+        return r
 
     def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int) -> None:
         del configs, rounds  # Unused: estimates have no run-to-run noise to re-rank.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -202,7 +203,7 @@ def below_floor(floors: Sequence[float], result: Any, chip: str) -> str:
     from pallas_tune.chips import chip_spec
 
     spec = chip_spec(chip)
-    per_cycle = (spec.bf16_flops or 0) / spec.clock_hz
+    per_cycle = (spec.bf16_flops or 0) / spec.clock_hz if spec.clock_hz else 0.0
     if result.kernel_cycles and len(result.kernel_cycles) == len(floors):
         pairs = list(zip(result.kernel_cycles, floors, strict=True))
     elif len(floors) == 1:
@@ -237,3 +238,26 @@ PREFETCH_NOTE = ("libtpu's static profile takes scalar-prefetch values as 0 (mea
                  "it does not), so work and block indices that depend on them are not "
                  "modelled: configs whose cost depends on them are not ranked by it")
 
+
+
+_ABORT_RE = re.compile(r"LLO_CHECK failure \([^)]*\)\s*(?:type_check_result\.ok\(\)\s*)?"
+                       r"(?P<what>[^\n]*?)(?:, for operand|\)?\s*$)", re.MULTILINE)
+
+
+def profiler_abort(error: str) -> str:
+    """What made libtpu's static profiler abort, from a crashed worker's output ("" if that
+    is not what it shows): the flag that asks for the profile makes libtpu 0.0.50 abort on
+    programs that compile without it (a bf16 vector times a packed bf16 constant: ``LLO_CHECK
+    failure ... Expected vector-bf16packed, got vector-int32``)."""
+    m = _ABORT_RE.search(error or "")
+    if m:
+        return f"LLO_CHECK failure: {m.group('what').strip()[:200]}"
+    return ""
+
+
+def abort_message(ref: str, why: str, count: int) -> str:
+    return (f"no static estimate for {ref}: libtpu's static profiler aborted on each of the "
+            f"first {count} candidates ({why}; the same program compiles without the "
+            "profiling flag). Rank by pallas-tune's roofline model instead, labelled as such "
+            "(--estimate-fallback roofline, estimate_fallback='roofline'), or time it on the "
+            "chip (--timer wallclock).")
