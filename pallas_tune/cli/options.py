@@ -12,7 +12,8 @@ __all__ = ["add_tune_options", "tune_options"]
 # How `pallas-tune sweep` reads each TuneOptions field (its help is the field's documentation).
 _OPTION_TYPES: dict[str, Any] = {
     **dict.fromkeys(("trials", "seed", "warm_start", "patience", "max_attempts", "warmup",
-                     "repeats", "retime_top", "workers", "compile_workers"), int),
+                     "repeats", "retime_top", "workers", "compile_workers", "confirm_top"),
+                    int),
     **dict.fromkeys(("min_time_s", "max_time_s", "slow_factor", "vreg_limit",
                      "worker_memory_gb"), float),
     **dict.fromkeys(("sampler", "storage", "study_name", "timer", "chip", "feasibility",

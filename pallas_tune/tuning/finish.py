@@ -220,6 +220,7 @@ def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str,
     common = {"kind": plan.kind, "chip": chip, "timer": options.timer,
               "evaluator": extra.get("evaluator"), "seed": options.seed,
               **({"prior": extra["prior"]} if extra.get("prior") else {}),
+              **({"confirmed": extra["confirmed"]} if extra.get("confirmed") else {}),
               "versions": versions(),
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     if plan.estimating:

@@ -91,7 +91,10 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
             kernel.cache.check_writable(chip, kernel.name, kind=plan.kind)
         space, dims = call_space(kernel, args, kwargs)
         extra = _prepare(evaluator, space, options)
-        warm = _warm(evaluator, kernel, space, args, kwargs, chip, plan.key, options)
+        if options.confirm_top:  # The estimate's best K, measured: nothing else.
+            warm, options = _confirm(kernel, space, chip, plan, options, extra)
+        else:
+            warm = _warm(evaluator, kernel, space, args, kwargs, chip, plan.key, options)
         name = options.study_name or study_name(kernel, chip, plan.key, space)
         prior = _prior(kernel, space, chip, plan, options, extra)
         search = Search.open(space, name=name, storage=options.storage,
@@ -273,6 +276,28 @@ def _warm(evaluator: Any, kernel: Any, space: Any, args: Sequence[Any],
         return [next(space.ordered_candidates())]
     return warm_start_configs(kernel, args, kwargs, chip, key, limit=options.warm_start,
                               rank=evaluator.roofline, space=space)
+
+
+def _confirm(kernel: Any, space: Any, chip: str, plan: Any, options: TuneOptions,
+             extra: dict[str, Any]) -> tuple[list[dict[str, Any]], TuneOptions]:
+    """``confirm_top``: the estimate's best configs for this chip and key as the only
+    candidates (the options' budget cut to them), recorded in ``extra["confirmed"]``."""
+    from pallas_tune.errors import TuneOptionError
+    from pallas_tune.tuning.transfer import estimate_top
+
+    if plan.estimating:
+        raise TuneOptionError("confirm_top measures the estimate's best configs: give a "
+                              "measuring timer (wallclock, profiler), not tpu-estimate.")
+    configs, estimates, source = estimate_top(kernel, chip, plan.key, options.confirm_top,
+                                              space, space.default)
+    if not configs:
+        raise TuneOptionError(
+            f"confirm_top={options.confirm_top}: no compiler estimates of {kernel.name} are "
+            f"recorded for {chip} at {plan.key}; run the same tune with --timer tpu-estimate "
+            f"--chip {chip} first (or drop --confirm-top).")
+    extra["confirmed"] = {"from": source, "configs": configs, "estimate_ms": estimates}
+    return configs, dataclasses.replace(options, trials=len(configs), warm_start=len(configs),
+                                        transfer=False)
 
 
 def _prior(kernel: Any, space: Any, chip: str, plan: Any, options: TuneOptions,

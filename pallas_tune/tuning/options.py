@@ -41,9 +41,13 @@ class TuneOptions:
         the nearest tuned shapes, and for TPU chips the roofline model's picks. 0: only the
         default.
       transfer: learn from the trials this kernel measured at other shapes and chips (the
-        trial ledgers beside the caches; estimates from estimates, measurements from
-        measurements): they give the GP sampler its prior mean (True). The result's
-        provenance names them (``prior``).
+        trial ledgers beside the caches): they give the GP sampler its prior mean (True).
+        Estimates inform estimates; a measured run also learns from the compiler's estimates
+        for the same chip (its own key's first). The result's provenance names them
+        (``prior``).
+      confirm_top: measure only the compiler estimate's best this many configs for this
+        chip and key (from its ``tpu-estimate`` ledger), and keep the fastest measured (0:
+        off). The provenance lists them with their estimates (``confirmed``).
       patience: stop once this many measured trials in a row improved the best by under 1%.
       max_attempts: most candidates to ask the sampler for (default ``max(10 * trials, 100)``).
       storage, study_name: an Optuna storage (URL such as ``sqlite:///tune.db`` or
@@ -126,6 +130,7 @@ class TuneOptions:
     sampler: str = "gp"
     warm_start: int = 6
     transfer: bool = True
+    confirm_top: int = 0
     patience: int | None = None
     max_attempts: int | None = None
     storage: Any = None
@@ -284,7 +289,7 @@ _COUNTS: Final[dict[str, tuple[int, int | Callable[[], int]]]] = {
     "trials": (1, 100_000), "warm_start": (0, 1000), "warmup": (0, 1000),
     "repeats": (1, 100_000), "retime_top": (0, 1000), "workers": (1, _max_workers),
     "seed": (0, 2**32 - 1), "patience": (1, 1_000_000), "max_attempts": (1, 10_000_000),
-    "compile_workers": (1, _max_workers),
+    "compile_workers": (1, _max_workers), "confirm_top": (0, 10_000),
 }
 _OPTIONAL: Final = ("seed", "patience", "max_attempts", "compile_workers")
 

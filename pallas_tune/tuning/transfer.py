@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PRIOR_TASKS", "prior_for"]
+__all__ = ["PRIOR_TASKS", "estimate_top", "prior_for"]
 
 # At most this many other (chip, key) runs inform one search, nearest keys first.
 PRIOR_TASKS = 8
@@ -47,13 +47,18 @@ def prior_for(kernel: Any, chip: str, key: str, names: Sequence[str], *, kind: s
 
     here = normalize_chip(chip)
     runs, truncated = _runs(kernel, here, key, kind)
-    ranked = sorted(runs, key=lambda ck: (ck[0] != here, _distance(key, ck[1]), ck))
+    if kind == "measured":  # Across fidelities: the compiler's estimates for this chip.
+        more, cut = _runs(kernel, here, key, "estimate", chips=(here,), own=True)
+        runs.update(more)
+        truncated += cut
+    ranked = sorted(runs, key=lambda r: (r[0] != here, _distance(key, r[1]), r[2] != kind, r))
     tasks, labels = [], []
-    for other_chip, k in ranked:
-        task = [({**(defaults or {}), **config}, ms) for config, ms in runs[(other_chip, k)]]
+    for other_chip, k, run_kind in ranked:
+        task = [({**(defaults or {}), **config}, ms)
+                for config, ms in runs[(other_chip, k, run_kind)]]
         if len(task) >= 3:
             tasks.append(task)
-            labels.append(f"{other_chip}:{k}")
+            labels.append(f"{other_chip}:{k}" + (" (estimate)" if run_kind != kind else ""))
         if len(tasks) >= PRIOR_TASKS:
             break
     prior = Prior(names, tasks, labels)
@@ -65,16 +70,41 @@ def prior_for(kernel: Any, chip: str, key: str, names: Sequence[str], *, kind: s
     return prior, record
 
 
-def _runs(kernel: Any, here: str, key: str, kind: str
-          ) -> tuple[dict[tuple[str, str], list[tuple[dict[str, Any], float]]], list[str]]:
-    """Per other (chip, key), the ok trials of its latest run as (config, ms); and the ledgers
-    read only in part."""
+def estimate_top(kernel: Any, chip: str, key: str, k: int, space: Any,
+                 defaults: Mapping[str, Any] | None = None
+                 ) -> tuple[list[dict[str, Any]], list[float], str]:
+    """The compiler estimate's ``k`` fastest configs of ``space`` for (chip, key), from the
+    latest estimate run there (its ledger), with their estimates, and that run's label;
+    empty where no estimate run is recorded."""
+    from pallas_tune.chips import normalize_chip
+
+    here = normalize_chip(chip)
+    runs, _ = _runs(kernel, here, key, "estimate", chips=(here,), own=True)
+    trials = runs.get((here, key, "estimate"), [])
+    out: list[tuple[float, dict[str, Any]]] = []
+    for config, ms in sorted(trials, key=lambda t: t[1]):
+        full = {**(defaults or {}), **config}
+        if set(full) == set(space.names) and full in space and all(full != c for _, c in out):
+            out.append((ms, full))
+        if len(out) >= k:
+            break
+    return [c for _, c in out], [ms for ms, _ in out], f"{here}:{key} (estimate)"
+
+
+def _runs(kernel: Any, here: str, key: str, kind: str, *, chips: Sequence[str] | None = None,
+          own: bool = False) -> tuple[dict[tuple[str, str, str], list[tuple[dict[str, Any],
+                                                                              float]]],
+                                      list[str]]:
+    """Per (chip, key, kind), the ok trials of its latest run as (config, ms), not the run of
+    (``here``, ``key``) itself unless ``own``; and the ledgers read only in part. ``chips``:
+    only these chips' ledgers."""
     from pallas_tune.cache import ledger
 
-    runs: dict[tuple[str, str], list[tuple[dict[str, Any], float]]] = {}
+    runs: dict[tuple[str, str, str], list[tuple[dict[str, Any], float]]] = {}
     truncated = []
+    skip_own = not own
     for root in reversed(kernel.cache.roots()):  # The user's runs replace the shipped ones.
-        for other_chip in _chips(root):
+        for other_chip in chips if chips is not None else _chips(root):
             path = kernel.cache.ledger_path(other_chip, kernel.name, kind=kind, root=root)
             try:
                 records, bad, cut = ledger.read_newest(path, LEDGER_BYTES)
@@ -84,7 +114,7 @@ def _runs(kernel: Any, here: str, key: str, kind: str
             for record in records:  # Later runs of a (chip, key) replace earlier ones.
                 k = record.get("key")
                 problem = _key_problem(k)
-                if problem or (other_chip, k) == (here, key):
+                if problem or (skip_own and (other_chip, k) == (here, key)):
                     if problem:
                         skipped.add(problem)
                     continue
@@ -92,7 +122,7 @@ def _runs(kernel: Any, here: str, key: str, kind: str
                 if why:
                     skipped.add(why)
                 if trials or not why:  # A run none of whose trials is usable replaces none.
-                    runs[(other_chip, k)] = trials
+                    runs[(other_chip, k, kind)] = trials
             if cut:
                 truncated.append(path)
             _warn(path, skipped, cut)
