@@ -7,6 +7,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Deviceless TPU compiles load libtpu in this process; under pytest-xdist two test processes may
 # load it at once (the library sets this too, before its own loads).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# libtpu's logs of the tests' workers and commands: under a temporary directory, not the user's
+# log directory (pallas_tune.measure.logs; bounded either way).
+if "PALLAS_TUNE_TPU_LOGS" not in os.environ:
+    import tempfile
+
+    os.environ["PALLAS_TUNE_TPU_LOGS"] = os.path.join(tempfile.gettempdir(),
+                                                      f"pallas-tune-test-logs-{os.getuid()}")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings

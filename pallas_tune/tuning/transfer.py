@@ -27,6 +27,7 @@ LEDGER_BYTES = 16 * 2**20
 TASK_TRIALS = 2000
 ROOT_CHIPS = 64
 KEY_CHARS = 4096
+RUNS_KEPT = 4  # Runs of one (chip, key) kept to fall back on when the newest is unusable.
 _VALUE_ITEMS = 64  # A config value may be a short list (a tuple parameter), not a document.
 
 _WARNED: set[str] = set()  # Ledgers warned about in this process (once each).
@@ -46,27 +47,28 @@ def prior_for(kernel: Any, chip: str, key: str, names: Sequence[str], *, kind: s
     from pallas_tune.search.prior import Prior
 
     here = normalize_chip(chip)
-    runs, truncated = _runs(kernel, here, key, kind)
+    runs = _Runs()
+    runs.read(kernel, here, key, kind)
     if kind == "measured":  # Across fidelities: the compiler's estimates for this chip.
-        more, cut = _runs(kernel, here, key, "estimate", chips=(here,), own=True)
-        runs.update(more)
-        truncated += cut
-    ranked = sorted(runs, key=lambda r: (r[0] != here, _distance(key, r[1]), r[2] != kind, r))
+        runs.read(kernel, here, key, "estimate", chips=(here,), own=True)
+    ranked = sorted(runs.raw, key=lambda r: (r[0] != here, _distance(key, r[1]), r[2] != kind,
+                                             r))
     tasks, labels = [], []
-    for other_chip, k, run_kind in ranked:
+    for other_chip, k, run_kind in ranked:  # Only the runs used are checked, newest first.
         task = [({**(defaults or {}), **config}, ms)
-                for config, ms in runs[(other_chip, k, run_kind)]]
+                for config, ms in runs.latest((other_chip, k, run_kind))]
         if len(task) >= 3:
             tasks.append(task)
             labels.append(f"{other_chip}:{k}" + (" (estimate)" if run_kind != kind else ""))
         if len(tasks) >= PRIOR_TASKS:
             break
+    runs.warn()
     prior = Prior(names, tasks, labels)
     if not prior:
         return None, {}
     record: dict[str, Any] = {"tasks": prior.names, "trials": prior.trials}
-    if truncated:
-        record["truncated"] = truncated
+    if runs.truncated:
+        record["truncated"] = runs.truncated
     return prior, record
 
 
@@ -79,8 +81,10 @@ def estimate_top(kernel: Any, chip: str, key: str, k: int, space: Any,
     from pallas_tune.chips import normalize_chip
 
     here = normalize_chip(chip)
-    runs, _ = _runs(kernel, here, key, "estimate", chips=(here,), own=True)
-    trials = runs.get((here, key, "estimate"), [])
+    runs = _Runs()
+    runs.read(kernel, here, key, "estimate", chips=(here,), own=True, only=key)
+    trials = runs.latest((here, key, "estimate"))
+    runs.warn()
     out: list[tuple[float, dict[str, Any]]] = []
     for config, ms in sorted(trials, key=lambda t: t[1]):
         full = {**(defaults or {}), **config}
@@ -91,42 +95,62 @@ def estimate_top(kernel: Any, chip: str, key: str, k: int, space: Any,
     return [c for _, c in out], [ms for ms, _ in out], f"{here}:{key} (estimate)"
 
 
-def _runs(kernel: Any, here: str, key: str, kind: str, *, chips: Sequence[str] | None = None,
-          own: bool = False) -> tuple[dict[tuple[str, str, str], list[tuple[dict[str, Any],
-                                                                              float]]],
-                                      list[str]]:
-    """Per (chip, key, kind), the ok trials of its latest run as (config, ms), not the run of
-    (``here``, ``key``) itself unless ``own``; and the ledgers read only in part. ``chips``:
-    only these chips' ledgers."""
-    from pallas_tune.cache import ledger
+class _Runs:
+    """The runs read from a kernel's ledgers, per (chip, key, kind): their raw trial lists
+    (the newest ``RUNS_KEPT``, newest last), checked only when used (:meth:`latest`); what was
+    skipped, per ledger; the ledgers read only in part."""
 
-    runs: dict[tuple[str, str, str], list[tuple[dict[str, Any], float]]] = {}
-    truncated = []
-    skip_own = not own
-    for root in reversed(kernel.cache.roots()):  # The user's runs replace the shipped ones.
-        for other_chip in chips if chips is not None else _chips(root):
-            path = kernel.cache.ledger_path(other_chip, kernel.name, kind=kind, root=root)
-            try:
-                records, bad, cut = ledger.read_newest(path, LEDGER_BYTES)
-            except OSError:
-                continue
-            skipped = _Skipped(bad, "a line that is not a JSON record" if bad else "")
-            for record in records:  # Later runs of a (chip, key) replace earlier ones.
-                k = record.get("key")
-                problem = _key_problem(k)
-                if problem or (skip_own and (other_chip, k) == (here, key)):
+    def __init__(self) -> None:
+        self.raw: dict[tuple[str, str, str], list[tuple[str, Any]]] = {}
+        self.skipped: dict[str, _Skipped] = {}
+        self.truncated: list[str] = []
+        self._cut: set[str] = set()
+
+    def read(self, kernel: Any, here: str, key: str, kind: str, *,
+             chips: Sequence[str] | None = None, own: bool = False,
+             only: str | None = None) -> None:
+        """Adds the runs of ``kind`` (not (``here``, ``key``)'s own unless ``own``; only
+        ``only``'s if given) from every root, the user's last (they replace the shipped)."""
+        from pallas_tune.cache import ledger
+
+        for root in reversed(kernel.cache.roots()):
+            for other_chip in chips if chips is not None else _chips(root):
+                path = kernel.cache.ledger_path(other_chip, kernel.name, kind=kind, root=root)
+                try:
+                    records, bad, cut = ledger.read_newest(path, LEDGER_BYTES, key=only)
+                except OSError:
+                    continue
+                skipped = self.skipped.setdefault(path, _Skipped())
+                if bad:
+                    skipped.add("a line that is not a JSON record", bad)
+                for record in records:
+                    k = record.get("key")
+                    problem = _key_problem(k)
                     if problem:
                         skipped.add(problem)
-                    continue
-                trials, why = _trials(record.get("trials"))
-                if why:
-                    skipped.add(why)
-                if trials or not why:  # A run none of whose trials is usable replaces none.
-                    runs[(other_chip, k, kind)] = trials
-            if cut:
-                truncated.append(path)
-            _warn(path, skipped, cut)
-    return runs, truncated
+                    elif own or (other_chip, k) != (here, key):
+                        runs = self.raw.setdefault((other_chip, k, kind), [])
+                        runs.append((path, record.get("trials")))
+                        del runs[:-RUNS_KEPT]
+                if cut:
+                    self.truncated.append(path)
+                    self._cut.add(path)
+
+    def latest(self, run: tuple[str, str, str]) -> list[tuple[dict[str, Any], float]]:
+        """The ok trials of the newest run of ``run`` with a usable trial (or none failing)."""
+        for path, raw in reversed(self.raw.get(run, [])):
+            trials, why = _trials(raw)
+            if why:
+                self.skipped[path].add(why)
+            if trials or not why:  # A run none of whose trials is usable replaces none.
+                return trials
+        return []
+
+    def warn(self) -> None:
+        for path, skipped in self.skipped.items():
+            _warn(path, skipped, path in self._cut)
+        for path in self._cut - set(self.skipped):
+            _warn(path, _Skipped(), True)
 
 
 def _trials(trials: Any) -> tuple[list[tuple[dict[str, Any], float]], str]:
@@ -205,11 +229,11 @@ def _distance(a: str, b: str) -> float:
 class _Skipped:
     """How many records of a ledger were skipped, and the first reason."""
 
-    def __init__(self, count: int = 0, first: str = ""):
-        self.count, self.first = count, first
+    def __init__(self) -> None:
+        self.count, self.first = 0, ""
 
-    def add(self, why: str) -> None:
-        self.count += 1
+    def add(self, why: str, count: int = 1) -> None:
+        self.count += count
         self.first = self.first or why
 
 
