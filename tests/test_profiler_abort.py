@@ -58,3 +58,60 @@ def test_with_the_roofline_fallback_an_aborting_kernel_is_ranked_by_the_model(ca
     assert all("libtpu's static profile aborted: LLO_CHECK failure" in r.detail
                for r in modelled)
     assert result.best_record in modelled
+
+
+def _failed(detail, error):
+    from pallas_tune.measure.records import Outcome, TrialRecord
+
+    return TrialRecord(number=1, config={"b": 8}, outcome=Outcome.COMPILE_ERROR, error=error,
+                       detail=detail, phase="compile")
+
+
+def test_a_config_out_of_vmem_only_under_the_profiling_flag_is_not_refused():
+    """The profiling flag's own allocation can overflow VMEM where the program compiles
+    without it (tpu-inference's real v6e winner at 4096x128x8192: 165 MiB used with the flag,
+    67.8 MiB without). Such a config is never recorded infeasible: not estimable, or with the
+    roofline fallback the model's figure, labelled; one that fails without the flag too stays
+    what it was."""
+    from pallas_tune.measure.unprofiled import settle
+
+    oom = _failed("vmem_physical_oom", "Used 165.12M of 127.94M vmem")
+    fits = lambda c: (True, "compiles without the profiling flag in 67.8 MiB of scoped VMEM")  # noqa: E731
+    r, why = settle(oom, fallback=None, model=lambda c: 1e-3, fits=fits)
+    assert why == "" and r.detail == loops.NOT_ESTIMABLE and not r.outcome.timed
+    assert "out of VMEM only with libtpu's profiling flag" in r.error and "67.8 MiB" in r.error
+    r, _ = settle(oom, fallback="roofline", model=lambda c: 1e-3, fits=fits)
+    assert r.outcome.timed and r.measurement.timer == "roofline"
+    assert r.measurement.times_ms == (1.0,) and r.detail.startswith("roofline model (out of VMEM")
+    r, _ = settle(oom, fallback="roofline", model=lambda c: 1e-3, fits=lambda c: (False, "no"))
+    assert r is oom
+    crashed = _failed("worker_crashed", "the worker died from signal SIGABRT\n" + ABORT)
+    r, why = settle(crashed, fallback=None, model=lambda c: 1e-3, fits=fits)
+    assert r is crashed and why.startswith("LLO_CHECK failure")
+
+
+@pytest.mark.libtpu
+def test_the_unprofiled_check_compiles_in_a_worker_without_the_flag():
+    import jax
+
+    from pallas_tune.kernels.matmul import matmul
+    from pallas_tune.measure import candidate as cand
+    from pallas_tune.measure.unprofiled import UnprofiledCheck
+
+    x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    refs = cand.KernelParts.of(matmul).refs()
+    check = UnprofiledCheck("pallas_tune.measure.estimate:EstimateSession",
+                            (None, None, None, False, None, False), env=estimate._ENV,
+                            main_path=None, memory_limit=None, limits={"compile": 300})
+    try:
+        ok, said = check.fits(refs, cand.to_wire([x, x]), cand.to_wire({}),
+                              dict(bm=512, bn=512, bk=512, buffering=2, vmem_limit_bytes=0,
+                                   semantics=("parallel", "parallel", "arbitrary")), "v6e")
+        assert ok is True and said.startswith("compiles without the profiling flag"), said
+        ok, said = check.fits(refs, cand.to_wire([x, x]), cand.to_wire({}),
+                              dict(bm=1024, bn=1024, bk=1024, buffering=2,
+                                   vmem_limit_bytes=4 * 2**20,
+                                   semantics=("parallel", "parallel", "arbitrary")), "v6e")
+        assert ok is False, said
+    finally:
+        check.close()

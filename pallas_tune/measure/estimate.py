@@ -35,11 +35,11 @@ from pallas_tune.measure import shared
 from pallas_tune.measure.evaluate import PoolEvaluator
 from pallas_tune.measure.loops import (NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE, Census,
                                       abort_message, below_floor, blind_fetch_message,
-                                      dynamic_loop_message, floor_message, kernel_census,
-                                      profiler_abort)
+                                      dynamic_loop_message, floor_message, kernel_census)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
+from pallas_tune.measure.unprofiled import UnprofiledCheck, settle
 
 __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator",
            "estimate_flag_missing_message", "shrink_parallel",
@@ -120,10 +120,10 @@ class EstimateSession:
 
     def __init__(self, parts: cand.PartRefs | None = None, setup: cand.Setup | None = None,
                  dump_root: str | None = None, use_standin: bool = True,
-                 fallback: str | None = None):
-        dump = tempfile.mkdtemp(prefix=f"llo-{os.getpid()}-", dir=dump_root)
+                 fallback: str | None = None, profile: bool = True):
         flags = os.environ.get("LIBTPU_INIT_ARGS", "")
-        if FLAG not in flags:  # Before libtpu loads: nothing imported jax yet.
+        if profile and FLAG not in flags:  # Before libtpu loads: nothing imported jax yet.
+            dump = tempfile.mkdtemp(prefix=f"llo-{os.getpid()}-", dir=dump_root)
             os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {FLAG}={dump}".strip()
         self.retarget(parts, setup, use_standin, fallback)
 
@@ -303,6 +303,11 @@ class EstimateEvaluator(PoolEvaluator):
         super().__init__(pool, reference=False)
         self.fallback = fallback
         self._name, self._aborts, self._estimated = parts.name, 0, 0
+        self._target = (refs, wire)
+        self._unprofiled = UnprofiledCheck(
+            _SESSION, (None, None, None, False, None, False), env=_ENV,
+            main_path=refs.main_path, memory_limit=_memory_limit(1, memory_limit_bytes),
+            limits=limits)
 
     def start(self) -> dict[str, Any]:
         device = super().start()
@@ -321,19 +326,17 @@ class EstimateEvaluator(PoolEvaluator):
         return [self._after_abort(r) for r in records]
 
     def _after_abort(self, r: TrialRecord) -> TrialRecord:
-        """A candidate whose worker libtpu's static profiler aborted: with the roofline
-        fallback, the model's figure (labelled); else a failure, and after ``ABORTS_TO_STOP``
-        such with no estimate yet, the tune stops (each abort costs a compile and a worker)."""
-        why = profiler_abort(r.error or "") if r.detail == "worker_crashed" else ""
-        if not why:
-            self._estimated += r.outcome.timed
+        """A trial libtpu gave no figure for (an abort, or VMEM only under the profiling
+        flag): see unprofiled.settle. After ``ABORTS_TO_STOP`` aborts with no estimate yet,
+        the tune stops (each abort costs a compile and a worker)."""
+        refs, wire = self._target
+        r, why = settle(r, fallback=self.fallback,
+                        model=lambda c: self.roofline([c], self.device["chip"])[0],
+                        fits=lambda c: self._unprofiled.fits(refs, wire.args, wire.kwargs, c,
+                                                             self.device["chip"]))
+        if not why or r.outcome.timed:
+            self._estimated += r.outcome.timed and not why
             return r
-        if self.fallback == "roofline":
-            (s,) = self.roofline([r.config], self.device["chip"])
-            return r if s is None else dataclasses.replace(
-                r, outcome=Outcome.OK, error="", measurement=Measurement(
-                    times_ms=(s * 1e3,), compile_ms=0.0, timer="roofline"),
-                detail=f"roofline model (libtpu's static profile aborted: {why})")
         self._aborts += 1
         if self._aborts >= ABORTS_TO_STOP and not self._estimated:
             from pallas_tune.errors import NoFeasibleConfigError
@@ -392,6 +395,7 @@ class EstimateEvaluator(PoolEvaluator):
         return use, check
 
     def close(self) -> None:
+        self._unprofiled.close()
         if self._pool_kept:  # The pool outlives this run (see shared_pools).
             return
         super().close()
