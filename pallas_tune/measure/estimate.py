@@ -37,6 +37,7 @@ from pallas_tune.measure.loops import (NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE
                                       abort_message, below_floor, blind_fetch_message,
                                       dynamic_loop_message, floor_message, kernel_census)
 from pallas_tune.measure.pool import Pool
+from pallas_tune.measure.pool import worker_memory_limit as _memory_limit
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
 from pallas_tune.measure.unprofiled import UnprofiledCheck, settle
@@ -247,23 +248,6 @@ def _detail(r: EstimateResult) -> str:
         if r.prefetch_kernels else []) + (
         [f"up to {r.unseen_write_bytes / 2**20:.1f} MiB of output writes follow a table and "
          "are not counted (overlapped with compute on a TPU)"] if r.unseen_write_bytes else []))
-
-
-def _memory_limit(workers: int, limit: int | None, total: int | None = None) -> int | None:
-    """Each worker's RLIMIT_AS: ``limit`` unless it is -1 (the default), then the host's memory
-    less a reserve for the parent and the system (an eighth, at least 2 GiB), split between the
-    workers. The cap counts address space, not resident memory: a libtpu compile reserves about
-    2 GB more than it touches (measured: 12.3 GB mapped at 10.6 GB resident, Mamba-2 SSD at
-    1x8192), so a cap of half a 24 GiB host failed compiles that fit in it."""
-    if limit != -1:
-        return limit
-    if total is None:
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return None
-    reserve = max(2 << 30, total // 8)
-    return max(4 << 30, (total - reserve) // max(1, workers))
 
 
 def _estimate_pool(args: tuple[Any, ...], *, workers: int, main_path: str | None,
