@@ -43,21 +43,24 @@ def test_a_kernel_the_profiler_aborts_on_stops_after_three_candidates(cache_dir,
 
 @pytest.mark.libtpu
 @pytest.mark.slow
-def test_with_the_roofline_fallback_an_aborting_kernel_is_ranked_by_the_model(cache_dir,
-                                                                             monkeypatch,
-                                                                             tmp_path):
+@pytest.mark.parametrize("fallback", ["roofline", "model"])
+def test_with_a_fallback_an_aborting_kernel_is_ranked_by_the_model(cache_dir, monkeypatch,
+                                                                   tmp_path, fallback):
     import toy_kernels
 
     monkeypatch.setenv("PALLAS_TUNE_TPU_LOGS", "off")
     x = jnp.ones((256, 256), jnp.bfloat16)
     result = toy_kernels.scale.tune(x, factor=1.4427, timer="tpu-estimate", chip="v6e",
-                                    trials=4, write=False, transfer=False, workers=1,
-                                    warm_start=0, estimate_fallback="roofline")
+                                    trials=3, write=False, transfer=False, workers=1,
+                                    warm_start=0, estimate_fallback=fallback)
     modelled = [r for r in result.records if r.outcome.timed]
     assert modelled and all(r.measurement.timer == "roofline" for r in modelled)
-    assert all("libtpu's static profile aborted: LLO_CHECK failure" in r.detail
-               for r in modelled)
+    name = "fitted" if fallback == "model" else "roofline"
+    assert all(r.detail.startswith(f"{name} model (libtpu's static profile aborted: "
+                                   "LLO_CHECK failure") for r in modelled)
     assert result.best_record in modelled
+    assert result.provenance["timer"] == "tpu-estimate+roofline"
+    assert "by a MODEL" in result.provenance["timing_note"]
 
 
 def _failed(detail, error):

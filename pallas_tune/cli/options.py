@@ -23,7 +23,7 @@ _OPTION_TYPES: dict[str, Any] = {
 }
 _OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("auto", "wallclock", "profiler", "tpu-estimate"),
                    "feasibility": ("auto", "off", "model", "compile"),
-                   "estimate_fallback": ("roofline",)}
+                   "estimate_fallback": ("roofline", "model")}
 _CLI_ONLY = ("callbacks",)  # Functions: from the API only.
 # Fields documented together in TuneOptions get a help text each here.
 _CLI_HELP = {

@@ -269,8 +269,9 @@ def screen(parts: KernelParts, calls: Sequence[Any], args: Sequence[Any],
 
 
 def roofline_time(parts: KernelParts, args: Sequence[Any], kwargs: Mapping[str, Any],
-                  config: Mapping[str, Any], chip: str) -> float | None:
-    """The roofline model's time (s) for a candidate that passes the block rules and that the
+                  config: Mapping[str, Any], chip: str, fitted: bool = False) -> float | None:
+    """The roofline model's time (s) (``fitted``: feasibility.fitted's) for a candidate that
+    passes the block rules and that the
     VMEM model does not refuse (at the scoped limit the config sets), else None (so it also
     tells valid from invalid configs: a warm start never proposes a tile that cannot fit)."""
     from pallas_tune.chips import chip_spec
@@ -290,6 +291,10 @@ def roofline_time(parts: KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
         return 0.0
     if spec.platform == "tpu" and model.model_verdict(calls, spec).status == "infeasible":
         return None
+    if fitted:  # feasibility.fitted: the model fitted to libtpu's v6e estimates.
+        from pallas_tune.feasibility.fitted import fitted_calls
+
+        return fitted_calls(calls, spec)
     return roofline_calls(calls, spec).time_s
 
 

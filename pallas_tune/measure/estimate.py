@@ -166,13 +166,13 @@ class EstimateSession:
 
         return chips.target(self.chip, abstract_mesh=True)
 
-    def roofline(self, config: Mapping[str, Any], chip: str, channel: Any = None
-                 ) -> float | None:
+    def roofline(self, config: Mapping[str, Any], chip: str, fitted: bool = False,
+                 channel: Any = None) -> float | None:
         """The roofline model's time of ``config``: the tuner ranks warm starts with it (the
         neighbours' winners, then the space), as it does with a measuring session's."""
         del channel  # Unused.
         assert self.parts is not None
-        return cand.roofline_time(self.parts, self.args, self.kwargs, config, chip)
+        return cand.roofline_time(self.parts, self.args, self.kwargs, config, chip, fitted)
 
     def evaluate(self, number: int, config: Mapping[str, Any], best_ms: float, channel: Any
                  ) -> tuple[TrialRecord, None]:
@@ -200,11 +200,13 @@ class EstimateSession:
                                measurement=Measurement(times_ms=(ms,), compile_ms=r.compile_s * 1e3,
                                                        timer="tpu-estimate"),
                                detail=_detail(r), **common)
-        if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE) and self.fallback == "roofline":
-            rl = roofline_calls(p.calls, chip_spec(self.chip))
-            return TrialRecord(outcome=Outcome.OK, detail="roofline model (libtpu returned no "
-                               "estimate)", measurement=Measurement(
-                                   times_ms=(rl.time_ms,), compile_ms=r.compile_s * 1e3,
+        if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE) and self.fallback in ("roofline", "model"):
+            from pallas_tune.feasibility.fitted import fitted_calls
+            fitted, spec = self.fallback == "model", chip_spec(self.chip)
+            s = fitted_calls(p.calls, spec) if fitted else roofline_calls(p.calls, spec).time_s
+            return TrialRecord(outcome=Outcome.OK, detail=f"{'fitted' if fitted else 'roofline'}"
+                               " model (libtpu returned no estimate)", measurement=Measurement(
+                                   times_ms=(s * 1e3,), compile_ms=r.compile_s * 1e3,
                                    timer="roofline"), **common)
         outcome = (Outcome.COMPILE_ERROR if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE)
                    else cand._failure_outcome(r.kind))
@@ -303,7 +305,7 @@ class EstimateEvaluator(PoolEvaluator):
     def _evaluate(self, candidates: Any) -> list[TrialRecord]:
         records = super()._evaluate(candidates)
         missing = next((r for r in records if r.detail == NO_ESTIMATE), None)
-        if missing is not None and self.fallback != "roofline":
+        if missing is not None and self.fallback not in ("roofline", "model"):
             from pallas_tune.errors import MeasurementError
 
             raise MeasurementError(missing.error.removeprefix("compiler: "))
@@ -314,8 +316,7 @@ class EstimateEvaluator(PoolEvaluator):
         flag): see unprofiled.settle. After ``ABORTS_TO_STOP`` aborts with no estimate yet,
         the tune stops (each abort costs a compile and a worker)."""
         refs, wire = self._target
-        r, why = settle(r, fallback=self.fallback,
-                        model=lambda c: self.roofline([c], self.device["chip"])[0],
+        r, why = settle(r, fallback=self.fallback, model=self._model,
                         fits=lambda c: self._unprofiled.fits(refs, wire.args, wire.kwargs, c,
                                                              self.device["chip"]))
         if not why or r.outcome.timed:
@@ -328,6 +329,12 @@ class EstimateEvaluator(PoolEvaluator):
             raise NoFeasibleConfigError(abort_message(self._name, why, self._aborts) + (
                 f"\n{self.pool.logs.note()}" if self.pool.logs.note() else ""))
         return r
+
+    def _model(self, config: Mapping[str, Any]) -> float | None:
+        """The fallback's figure (s): the roofline model or (``"model"``) the fitted one."""
+        reply = self.pool.call("roofline", dict(config), self.device["chip"],
+                               self.fallback == "model", phase="trace")
+        return reply.value if reply.kind == "done" else None
 
     def rerank(self, configs: Sequence[Mapping[str, Any]], rounds: int) -> None:
         del configs, rounds  # Unused: estimates have no run-to-run noise to re-rank.

@@ -82,14 +82,16 @@ def settle(r: Any, *, fallback: str | None, model: Any, fits: Any) -> tuple[Any,
         label = f"out of VMEM only with libtpu's profiling flag: it {said}"
     else:
         return r, ""
-    seconds = model(r.config) if fallback == "roofline" else None
+    seconds = model(r.config) if fallback in ("roofline", "model") else None
     if seconds is not None:
+        name = "fitted model" if fallback == "model" else "roofline model"
         return dataclasses.replace(
-            r, outcome=Outcome.OK, error="", detail=f"roofline model ({label})",
+            r, outcome=Outcome.OK, error="", detail=f"{name} ({label})",
             measurement=Measurement(times_ms=(seconds * 1e3,), compile_ms=0.0,
                                     timer="roofline")), why
     if why:
         return r, why
     return dataclasses.replace(
         r, outcome=Outcome.COMPILE_ERROR, detail=NOT_ESTIMABLE,
-        error=f"not estimable: {label}; --estimate-fallback roofline ranks it by the model"), ""
+        error=f"not estimable: {label}; --estimate-fallback model (or roofline) ranks it by "
+              "a model"), ""

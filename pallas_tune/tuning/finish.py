@@ -166,7 +166,8 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
         default_ms = next((row["median_ms"] for row in ranking if row.get("default")),
                           math.nan)
     xla_ms, implementation, xla_note = xla_decision(xla_row, best_ms)
-    roofline_used = any("roofline" in r.detail for r in log.records if r.outcome.timed)
+    roofline_used = any(r.measurement is not None and r.measurement.timer == "roofline"
+                        for r in log.records if r.outcome.timed)  # A model's figure.
     prov = provenance(plan, chip, options, device, {**extra, "roofline_used": roofline_used})
     if space is not kernel.space:  # Clamped: one point per distinct effective config.
         prov["space"] = {"declared": kernel.space.size, "distinct_for_call": space.size}
@@ -238,7 +239,8 @@ def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str,
                                     "compile (the full problem did not fit in a worker)")
         if extra.get("roofline_used"):
             prov["timer"] = "tpu-estimate+roofline"
-            prov["timing_note"] += "; some candidates by the roofline MODEL (no estimate)"
+            prov["timing_note"] += ("; some candidates by a MODEL (roofline or fitted: no "
+                                    "estimate; each such trial's detail says which)")
         return prov
     interpret = bool(device.get("interpret"))
     from pallas_tune.measure.timing import resolve_timer

@@ -109,8 +109,12 @@ class TuneOptions:
         register files (spill risk); by default only recorded.
       standin: for ``tpu-estimate``, estimate on the kernel's declared stand-in problem, once
         one candidate has shown it within 5% of the full problem (True).
-      estimate_fallback: ``"roofline"``: use the roofline model where libtpu returns no
-        estimate (default None: that is an error naming the libtpu version).
+      estimate_fallback: where libtpu gives a config no estimate (its profiler aborts, its
+        profile cannot follow the program, or only the profiling flag makes it run out of
+        VMEM), rank it by a model, labelled as such: ``"model"`` (pallas-tune's model fitted
+        to libtpu's v6e estimates, feasibility.fitted) or ``"roofline"`` (the plain roofline
+        model). Default None: no figure, and a tune whose first candidates all get none stops
+        and says why.
 
     Training
       grad: also tune the kernel's backward (``@tunable(backward=...)``) for the backward's
@@ -164,7 +168,7 @@ class TuneOptions:
         _choice(self, "sampler", SAMPLERS)
         _choice(self, "timer", TIMERS)
         _choice(self, "feasibility", FEASIBILITY)
-        _choice(self, "estimate_fallback", (None, "roofline"))
+        _choice(self, "estimate_fallback", (None, "roofline", "model"))
         _number(self, "min_time_s", 0.0)
         _number(self, "max_time_s", 0.0, strict=True)
         if self.max_time_s < self.min_time_s:
