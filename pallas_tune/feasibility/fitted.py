@@ -52,6 +52,7 @@ import numpy as np
 
 from pallas_tune.chips import ChipSpec
 from pallas_tune.feasibility import inspect as _inspect
+from pallas_tune.feasibility.roofline import fetches
 
 __all__ = ["V6E", "CallFeatures", "Constants", "call_features", "fitted_calls", "time_of"]
 
@@ -109,15 +110,8 @@ def call_features(call: _inspect.PallasCallInfo) -> CallFeatures:
     for blk in call.blocks:
         if blk.memory_space in _UNCOUNTED_SPACES:
             continue
-        axes = blk.grid_axes
-        if axes is None:
-            fetches = steps
-        elif not axes:
-            fetches = 1
-        else:
-            fetches = math.prod(grid[: max(axes) + 1])
         step_bytes += blk.block_bytes
-        refetched = blk.block_bytes * max(fetches - 1, 0)
+        refetched = blk.block_bytes * max(fetches(blk, grid, steps) - 1, 0)
         if blk.buffer_count == 1 and not blk.trivial_window:
             serial += refetched
         else:

@@ -17,7 +17,7 @@ from typing import Any, Final
 from pallas_tune.feasibility import inspect as _inspect
 from pallas_tune.chips import ChipSpec, chip_spec
 
-__all__ = ["RooflineEstimate", "roofline", "roofline_calls"]
+__all__ = ["RooflineEstimate", "fetches", "roofline", "roofline_calls"]
 
 # Fixed cost of one grid step (pipeline bookkeeping, DMA issue), ~0.27 µs on v6e by the compiler
 # estimate of 128^3 matmul tiles (notes/libtpu-static-cost.md).
@@ -36,6 +36,18 @@ class RooflineEstimate:
         return self.time_s * 1e3
 
 
+def fetches(blk: Any, grid: Sequence[int], steps: int) -> int:
+    """How often a window is fetched over the grid: at every step where its index may follow
+    anything (unknown axes), once where it follows none, else whenever an axis at or outside
+    the innermost one its index depends on advances."""
+    axes = blk.grid_axes
+    if axes is None:
+        return steps
+    if not axes:
+        return 1
+    return math.prod(grid[: max(axes) + 1])
+
+
 def roofline_calls(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec) -> RooflineEstimate:
     flops = nbytes = 0.0
     steps_total = 0
@@ -51,14 +63,7 @@ def roofline_calls(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec) -> 
         for blk in call.blocks:
             if blk.memory_space in ("any", "hbm", "semaphore"):
                 continue
-            axes = blk.grid_axes
-            if axes is None:
-                fetches = steps
-            elif not axes:
-                fetches = 1
-            else:
-                fetches = math.prod(grid[: max(axes) + 1])
-            b += blk.block_bytes * fetches
+            b += blk.block_bytes * fetches(blk, grid, steps)
         flops += f
         nbytes += b
         steps_total += steps
