@@ -309,9 +309,9 @@ class EstimateEvaluator(PoolEvaluator):
             from pallas_tune.errors import MeasurementError
 
             raise MeasurementError(missing.error.removeprefix("compiler: "))
-        return [self._after_abort(r) for r in records]
+        return [self._settle(r) for r in records]
 
-    def _after_abort(self, r: TrialRecord) -> TrialRecord:
+    def _settle(self, r: TrialRecord) -> TrialRecord:
         """A trial libtpu gave no figure for (an abort, or VMEM only under the profiling
         flag): see unprofiled.settle. After ``ABORTS_TO_STOP`` aborts with no estimate yet,
         the tune stops (each abort costs a compile and a worker)."""

@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from pallas_tune.feasibility.compile import VMEM_PHYSICAL, VMEM_SCOPED
 from pallas_tune.measure.pool import Pool
 
-__all__ = ["UnprofiledCheck", "VMEM_KINDS"]
+__all__ = ["VMEM_KINDS", "UnprofiledCheck", "settle"]
 
-VMEM_KINDS: Final = ("vmem_scoped_oom", "vmem_physical_oom")
+VMEM_KINDS: Final = (VMEM_SCOPED, VMEM_PHYSICAL)  # The compile's out-of-VMEM failure kinds.
 
 
 class UnprofiledCheck:
