@@ -70,6 +70,8 @@ CHIP = "v6e"
 MIN_TILE = 128  # Lane width: the smallest out and in block.
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "estimate_fidelity.md")
+DUMP = os.path.join(HERE, "results", "data", "estimate_fidelity.json")
+FIT_DUMP = os.path.join(HERE, "results", "data", "estimate_fidelity_fit.json")
 
 Key = tuple[int, int, int]  # (n_batch, n_out, n_in) of a v6e int8 x int8 entry.
 Blocks = tuple[int, int, int]  # (batch_block, out_block, in_block).
@@ -491,6 +493,22 @@ def roofline_figures(key: Key, blocks: Sequence[Blocks]) -> dict[Blocks, float]:
     return out
 
 
+def corrected_figures(key: Key, proxy_ms: Mapping[Blocks, float]) -> dict[Blocks, float]:
+    """The proxy's figures (ms) plus pallas-tune's correction (``measure.correction``: what
+    libtpu's v6e estimate leaves out on the chip), its terms read off the UNMODIFIED kernel's
+    traced pallas_call (the proxy's differs in one row op, not in its blocks or grid)."""
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.feasibility import inspect as _inspect
+    from pallas_tune.measure.correction import corrected_ms
+
+    spec, args = chip_spec(CHIP), operands(key)
+    out = {}
+    for b, ms in proxy_ms.items():
+        calls = _inspect.find_pallas_calls(unmodified_qmm, args, config(b))
+        out[b] = corrected_ms(ms, calls, spec)[0]
+    return out
+
+
 def pick_vs_winner(verdicts: Sequence[tuple[Blocks, KeyVerdict]]
                    ) -> dict[str, tuple[int, int, int]]:
     """Per block dimension, on how many keys the figure's pick is smaller, equal, larger than
@@ -503,6 +521,9 @@ def pick_vs_winner(verdicts: Sequence[tuple[Blocks, KeyVerdict]]
     return out
 
 
+CORRECTED_TITLE = ("corrected: the proxy's estimate plus pallas-tune's correction "
+                   "(measure.correction; fitted on other keys)")
+REPORTED_KEYS, REPORTED_MAX_COST = 10, 400.0  # The defaults: the sample results report.
 STANDIN_TOLERANCE = 0.05  # As pallas-tune's tunes (standin_verdict): beyond it, full compiles.
 
 
@@ -523,6 +544,18 @@ class KeyRun:
     wall_s: float
     proxy_top: list[tuple[Blocks, float]]  # The proxy's best few in the pow2 space, est ms.
     winner_largest: tuple[bool, bool, bool]  # The winner's value is its dimension's largest.
+    proxy_ms: dict[Blocks, float] = dataclasses.field(default_factory=dict)  # Divisors space.
+    corrected: KeyVerdict | None = None  # The proxy plus measure.correction, pow2 space.
+    corrected_div: KeyVerdict | None = None
+
+    def with_correction(self, narrow: Sequence[Blocks]) -> KeyRun:
+        """This run with its corrected verdicts (from ``proxy_ms``; ``narrow``: the powers-of-two
+        space)."""
+        fig = corrected_figures(self.key, self.proxy_ms)
+        return dataclasses.replace(
+            self, corrected=verdict({b: v for b, v in fig.items() if b in set(narrow)},
+                                    self.winner),
+            corrected_div=verdict(fig, self.winner))
 
 
 def run_key(est: Any, key: Key, table: Mapping[Key, Blocks], clock_hz: float) -> KeyRun:
@@ -582,7 +615,8 @@ def run_key(est: Any, key: Key, table: Mapping[Key, Blocks], clock_hz: float) ->
                   winner_without_flag=without_flag, standin_check=check,
                   wall_s=time.perf_counter() - t0,
                   proxy_top=sorted(only(proxy).items(), key=lambda kv: kv[1])[:3],
-                  winner_largest=largest)  # type: ignore[arg-type]
+                  winner_largest=largest, proxy_ms=proxy  # type: ignore[arg-type]
+                  ).with_correction(narrow)
 
 
 def unmodified_abort(est: Any, key: Key) -> str:
@@ -620,8 +654,10 @@ def summary_lines(label: str, s: Summary) -> list[str]:
     ]
 
 
-def report(runs: Sequence[KeyRun], *, command: str, versions: Mapping[str, str],
-           sample_note: str, abort_note: str, total_s: float) -> str:
+def report(runs: Sequence[KeyRun], *, meta: Mapping[str, Any],
+           fit: tuple[Sequence[KeyRun], Mapping[str, Any]] | None = None) -> str:
+    versions, command, total_s = meta["versions"], meta["command"], meta["total_s"]
+    abort_note, sample_note = meta["abort_note"], meta["sample_note"]
     lines = [
         ("# Estimate fidelity: libtpu's static estimate and pallas-tune's roofline model "
         "against real-hardware winners (TPU v6e)"), "",
@@ -634,7 +670,7 @@ def report(runs: Sequence[KeyRun], *, command: str, versions: Mapping[str, str],
         f"{versions['tpu-inference']}, Apache-2.0); only the sampled keys and their winners "
         "are reproduced here."), "",
         f"- command: `{command}`",
-        f"- date: {datetime.date.today().isoformat()}; wall time {total_s / 60:.1f} min",
+        f"- date: {meta['date']}; wall time {total_s / 60:.1f} min",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         (f"- host: {platform.node() or 'unknown'} ({platform.machine()}, {os.cpu_count()} CPUs, "
         "shared with another job's tests), 2 compile workers"), "",
@@ -653,6 +689,13 @@ def report(runs: Sequence[KeyRun], *, command: str, versions: Mapping[str, str],
         "grid's one parallel axis, at least 128 steps, scaled), checked per key as a "
         "pallas-tune tune does: one config against its full compile, and every scaled config "
         "compiled in full where that is off by more than 5% (column `stand-in check`)."),
+        ("- **corrected** (pallas-tune's corrected estimate): the proxy's estimate plus what "
+        "`pallas_tune.measure.correction` adds for v6e, the figure a `--timer tpu-estimate` "
+        "tune ranks by: the exposed DMA (each window's first fetch and last write-back, and "
+        "single-buffered refetches) that libtpu's profile moves at 1.44x the chip's bandwidth, "
+        "`1 - 1/1.44` of it at the spec bandwidth (derived, not fitted), and 0.15 us per grid "
+        "step (fitted on the keys of the section `Fitting sample`, none of which is "
+        "reported above it)."),
         ("- **roofline** (pallas-tune's model): `candidate.roofline_time` of the UNMODIFIED "
         "kernel: what `--estimate-fallback roofline` ranks by when libtpu aborts. It counts the "
         "dot of every `lax.cond` branch the kernel traces (1 per step where the grid has one "
@@ -679,7 +722,8 @@ def report(runs: Sequence[KeyRun], *, command: str, versions: Mapping[str, str],
     for label, attr in (("proxy: libtpu static estimate (compiler estimate of the proxy)",
                          "proxy"),
                         ("roofline: pallas-tune's roofline model (unmodified kernel)",
-                         "roofline")):
+                         "roofline"),
+                        (CORRECTED_TITLE, "corrected")):
         lines += [f"## {label}", "",
                   ("| key (n_batch, n_out, n_in) | real winner | space | rank | pick | ratio | "
                   "pick=win | win<def |"),
@@ -706,20 +750,21 @@ def report(runs: Sequence[KeyRun], *, command: str, versions: Mapping[str, str],
               ("Batch blocks as above (powers of two: n_batch is one); out and in blocks every "
                "multiple of 128 that divides the dimension, the whole dimension included; the "
                "miss default added. Same figures, same run."), "",
-              ("| key | space | proxy rank | proxy pick | proxy ratio | roofline rank | "
-               "roofline pick | roofline ratio |"), "|---|---|---|---|---|---|---|---|"]
+              ("| key | space | proxy rank | proxy pick | proxy ratio | corrected rank | "
+               "corrected pick | corrected ratio | roofline rank | roofline pick | "
+               "roofline ratio |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        p, q = r.proxy_div, r.roofline_div
-        lines.append(
-            f"| {blocks_text(r.key)} | {r.configs_div} | "
-            f"{p.winner_rank or '-'}/{p.ranked} | {blocks_text(p.pick)} | {ratio_text(p.ratio)} | "
-            f"{q.winner_rank or '-'}/{q.ranked} | {blocks_text(q.pick)} | {ratio_text(q.ratio)} |")
+        lines.append(f"| {blocks_text(r.key)} | {r.configs_div} | " + " | ".join(
+            f"{v.winner_rank or '-'}/{v.ranked} | {blocks_text(v.pick)} | {ratio_text(v.ratio)}"
+            for v in (r.proxy_div, r.corrected_div, r.roofline_div)) + " |")
     lines += ["", "## Summary", "", "Powers-of-two space (the tables above):", ""]
     for label, attr in (("proxy (libtpu compiler estimate)", "proxy"),
+                        ("corrected (the proxy + measure.correction)", "corrected"),
                         ("roofline (pallas-tune's model)", "roofline")):
         lines += summary_lines(label, summarize([getattr(r, attr) for r in runs]))
     lines += ["", "Wider space (every multiple of 128 dividing each dimension):", ""]
     for label, attr in (("proxy (libtpu compiler estimate)", "proxy_div"),
+                        ("corrected (the proxy + measure.correction)", "corrected_div"),
                         ("roofline (pallas-tune's model)", "roofline_div")):
         lines += summary_lines(label, summarize([getattr(r, attr) for r in runs]))
     big = [sum(r.winner_largest[i] for r in runs) for i in range(3)]
@@ -728,50 +773,44 @@ def report(runs: Sequence[KeyRun], *, command: str, versions: Mapping[str, str],
                    f"{len(runs)}, in {big[2]}/{len(runs)} keys.")]
     lines += ["", ("Pick vs real winner, per block dimension (keys where the pick is smaller / "
               "equal / larger):"), ""]
-    for label, attr in (("proxy", "proxy"), ("roofline", "roofline"),
-                        ("proxy, wider space", "proxy_div"),
+    for label, attr in (("proxy", "proxy"), ("corrected", "corrected"),
+                        ("roofline", "roofline"), ("proxy, wider space", "proxy_div"),
+                        ("corrected, wider space", "corrected_div"),
                         ("roofline, wider space", "roofline_div")):
         pv = pick_vs_winner([(r.winner, getattr(r, attr)) for r in runs])
         lines.append(f"- {label}: " + "; ".join(f"{d} {a}/{b}/{c}" for d, (a, b, c)
                                                 in pv.items()))
+    if fit is not None:
+        lines += fit_section(*fit)
     lines.append("")
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--keys", type=int, default=10)
-    p.add_argument("--seed", type=int, default=39)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-key-cost", type=float, default=400.0,
-                   help="draw keys only among those whose predicted proxy compiles cost at "
-                        "most this many CPU seconds (predicted_cost_s; default 400)")
-    p.add_argument("--timeout-s", type=float, default=300.0, help="per-config compile limit")
-    p.add_argument("--out", default=RESULTS)
-    p.add_argument("--dry-run", action="store_true", help="print the sample and exit")
-    a = p.parse_args(argv)
-    if TPU_INFERENCE_DIR is None:
-        print(f"{DIST} is not installed: pip install --no-deps {DIST}==0.32.0 (its vLLM "
-              "dependency is not needed). Nothing to compare against.", file=sys.stderr)
-        return 2
-    table = load_table(TPU_INFERENCE_DIR)
-    keys = sample_keys(table, a.keys, a.seed,
-                       lambda k: predicted_cost_s(k, table) <= a.max_key_cost)
-    predicted = sum(predicted_cost_s(k, table, divisors=True) for k in keys)
-    print(f"{len(keys)} keys (seed {a.seed}), predicted {predicted:.0f} CPU s of compiles:")
-    for k in keys:
-        print(f"  {k} winner {table[k]}, {len(space(k, table))} configs "
-              f"({len(space(k, table, divisors=True))} in the wider space), predicted "
-              f"{predicted_cost_s(k, table, divisors=True):.0f} s")
-    if a.dry_run:
-        return 0
-    from pallas_tune.feasibility import compile as _compile
+def fit_section(runs: Sequence[KeyRun], meta: Mapping[str, Any]) -> list[str]:
+    """The correction's fitting sample: its keys, and each figure's summary on them (the
+    figures there are fitted, so they say nothing about keys not seen)."""
+    lines = ["", "## Fitting sample (what the correction's per-step term was fitted on)", "",
+             (f"`{meta['command']}` ({meta['date']}): {meta['sample_note']} Its keys are "
+              "disjoint from the reported sample's. The per-step term (0.15 us) minimizes the "
+              "sum over these keys of log(fig(real winner) / fig(pick)) in the wider space "
+              "(`benchmarks/estimate_correction_fit.py`); the exposed-DMA term is not fitted. "
+              "Figures on these keys are in-sample."), "",
+             "| key | real winner | proxy rank | corrected rank | proxy ratio | "
+             "corrected ratio |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        p, c = r.proxy_div, r.corrected_div
+        lines.append(f"| {blocks_text(r.key)} | {blocks_text(r.winner)} | "
+                     f"{p.winner_rank or '-'}/{p.ranked} | {c.winner_rank or '-'}/{c.ranked} | "
+                     f"{ratio_text(p.ratio)} | {ratio_text(c.ratio)} |")
+    lines += ["", "Wider space:", ""]
+    for label, attr in (("proxy", "proxy_div"), ("corrected", "corrected_div")):
+        lines += summary_lines(label, summarize([getattr(r, attr) for r in runs]))
+    return lines
 
-    if not _compile.libtpu_available():
-        print("libtpu is not installed: pip install 'pallas-tune[tpu]'. Nothing to estimate.",
-              file=sys.stderr)
-        return 2
+
+def run_sample(keys: Sequence[Key], table: Mapping[Key, Blocks], *, workers: int,
+               timeout_s: float) -> tuple[list[KeyRun], dict[str, Any]]:
+    """Every key's run, and the report's metadata (versions, the abort note, wall time)."""
     from importlib import metadata
 
     import jax
@@ -786,44 +825,153 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock = chip_spec(CHIP).clock_hz
     runs: list[KeyRun] = []
     t0 = time.perf_counter()
-    with Estimator(min(2, a.workers), timeout_s=a.timeout_s) as est:
+    with Estimator(min(2, workers), timeout_s=timeout_s) as est:
         abort_note = unmodified_abort(est, keys[0])
         print("unmodified kernel:", abort_note, flush=True)
         for k in keys:
             r = run_key(est, k, table, clock)
             runs.append(r)
-            print(f"{k} winner {r.winner}: proxy rank {r.proxy.winner_rank}/{r.proxy.ranked} "
-                  f"pick {r.proxy.pick} ratio {ratio_text(r.proxy.ratio)}; roofline rank "
-                  f"{r.roofline.winner_rank}/{r.roofline.ranked} pick {r.roofline.pick} ratio "
-                  f"{ratio_text(r.roofline.ratio)}; {r.wall_s:.0f} s; failures "
-                  f"{r.proxy_failures}; winner {r.winner_proxy_kind[:80]} "
-                  f"{r.winner_without_flag}; stand-in {r.standin_check}; wider space: proxy rank "
-                  f"{r.proxy_div.winner_rank}/{r.proxy_div.ranked} pick {r.proxy_div.pick}, "
-                  f"roofline rank {r.roofline_div.winner_rank}/{r.roofline_div.ranked} pick "
-                  f"{r.roofline_div.pick}", flush=True)
-    total = time.perf_counter() - t0
+            print(f"{k} winner {r.winner}: " + "; ".join(
+                f"{name} rank {v.winner_rank}/{v.ranked} pick {v.pick} ratio "
+                f"{ratio_text(v.ratio)}" for name, v in (
+                    ("proxy", r.proxy), ("corrected", r.corrected), ("roofline", r.roofline),
+                    ("wider proxy", r.proxy_div), ("wider corrected", r.corrected_div)))
+                + f"; {r.wall_s:.0f} s; failures {r.proxy_failures}; winner "
+                  f"{r.winner_proxy_kind[:80]} {r.winner_without_flag}; stand-in "
+                  f"{r.standin_check}", flush=True)
+    return runs, {"versions": versions, "abort_note": abort_note,
+                  "total_s": time.perf_counter() - t0, "date": datetime.date.today().isoformat()}
+
+
+def sample_note(keys: Sequence[Key], table: Mapping[Key, Blocks], seed: int,
+                max_key_cost: float) -> str:
     n_batches = sorted({k[0] for k in keys})
-    affordable = {k for k in table if predicted_cost_s(k, table) <= a.max_key_cost}
+    affordable = {k for k in table if predicted_cost_s(k, table) <= max_key_cost}
     left_out = sorted({k[0] for k in table} - {k[0] for k in affordable})
-    sample_note = (
+    return (
         f"{len(keys)} of the table's {len(table)} v6e int8 x int8 keys, "
-        f"`sample_keys(seed={a.seed})`: n_batch values {n_batches}, each drawn once (a second "
+        f"`sample_keys(seed={seed})`: n_batch values {n_batches}, each drawn once (a second "
         "key for one drawn at random where keys outnumber n_batch values), shapes not "
         "repeated where the n_batch has another, drawn only among the "
         f"{len(affordable)} keys whose predicted compile cost over the powers-of-two space is "
-        f"at most {a.max_key_cost:g} CPU s (`--max-key-cost`, `predicted_cost_s`: the "
+        f"at most {max_key_cost:g} CPU s (`--max-key-cost`, `predicted_cost_s`: the "
         "40-minute budget on 2 shared cores). That leaves out n_batch "
         f"{left_out or 'none'} entirely and, at large n_batch, every shape but the smallest "
         "(n_out x n_in): the sample is biased towards small problems at large batch.")
-    command = "PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimate_fidelity.py" + (
-        " " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
-    text = report(runs, command=command.strip(), versions=versions, sample_note=sample_note,
-                  abort_note=abort_note, total_s=total)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--keys", type=int, default=REPORTED_KEYS)
+    p.add_argument("--seed", type=int, default=39)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--max-key-cost", type=float, default=REPORTED_MAX_COST,
+                   help="draw keys only among those whose predicted proxy compiles cost at "
+                        "most this many CPU seconds (predicted_cost_s; default 400)")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per-config compile limit")
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--dump", metavar="JSON", default=DUMP,
+                   help="where to write every key's run and every config's proxy figure "
+                        f"(default {os.path.relpath(DUMP, HERE)}; '' for nowhere)")
+    p.add_argument("--from-dump", metavar="JSON",
+                   help="re-render the report from a --dump, with the correction as it is "
+                        "now, compiling nothing")
+    p.add_argument("--fit-dump", metavar="JSON", default=FIT_DUMP,
+                   help="the correction's fitting sample (a --dump of a run with "
+                        "--exclude-seed 39), summarized beside the reported sample")
+    p.add_argument("--exclude-seed", type=int, metavar="SEED",
+                   help="draw keys disjoint from the sample this seed draws with the default "
+                        "--keys and --max-key-cost (a fitting sample beside the reported one)")
+    p.add_argument("--dry-run", action="store_true", help="print the sample and exit")
+    a = p.parse_args(argv)
+    if TPU_INFERENCE_DIR is None:
+        print(f"{DIST} is not installed: pip install --no-deps {DIST}==0.32.0 (its vLLM "
+              "dependency is not needed). Nothing to compare against.", file=sys.stderr)
+        return 2
+    table = load_table(TPU_INFERENCE_DIR)
+    if a.from_dump:
+        runs, meta = load_dump(a.from_dump, table)
+    else:
+        held = (set(sample_keys(table, REPORTED_KEYS, a.exclude_seed,
+                                lambda k: predicted_cost_s(k, table) <= REPORTED_MAX_COST))
+                if a.exclude_seed is not None else set())
+        keys = sample_keys(table, a.keys, a.seed, lambda k: k not in held
+                           and predicted_cost_s(k, table) <= a.max_key_cost)
+        predicted = sum(predicted_cost_s(k, table, divisors=True) for k in keys)
+        print(f"{len(keys)} keys (seed {a.seed}), predicted {predicted:.0f} CPU s of compiles:")
+        for k in keys:
+            print(f"  {k} winner {table[k]}, {len(space(k, table))} configs "
+                  f"({len(space(k, table, divisors=True))} in the wider space), predicted "
+                  f"{predicted_cost_s(k, table, divisors=True):.0f} s")
+        if a.dry_run:
+            return 0
+        from pallas_tune.feasibility import compile as _compile
+
+        if not _compile.libtpu_available():
+            print("libtpu is not installed: pip install 'pallas-tune[tpu]'. Nothing to "
+                  "estimate.", file=sys.stderr)
+            return 2
+        runs, meta = run_sample(keys, table, workers=a.workers, timeout_s=a.timeout_s)
+        command = "PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimate_fidelity.py" + (
+            " " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+        meta.update(command=command.strip(),
+                    sample_note=sample_note(keys, table, a.seed, a.max_key_cost))
+        if a.dump:
+            dump(a.dump, runs, meta)
+    fit = (load_dump(a.fit_dump, table) if a.fit_dump and os.path.exists(a.fit_dump)
+           and os.path.abspath(a.fit_dump) != os.path.abspath(a.from_dump or a.dump or "")
+           else None)
+    text = report(runs, meta=meta, fit=fit)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w", encoding="utf-8") as f:
         f.write(text)
     print(text)
     return 0
+
+
+def dump(path: str, runs: Sequence[KeyRun], meta: Mapping[str, Any]) -> None:
+    """Every key's run (its verdicts, and every config's proxy figure in ms) and the report's
+    metadata, as JSON: ``--from-dump`` re-renders the report from it, and the correction's
+    fitting sample is read from one."""
+    import json
+
+    def plain(r: KeyRun) -> dict[str, Any]:
+        d = dataclasses.asdict(r)
+        d["proxy_ms"] = [[list(b), v] for b, v in sorted(r.proxy_ms.items())]
+        d.pop("corrected"), d.pop("corrected_div")  # Recomputed on load.
+        return d
+
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"meta": dict(meta), "chip": CHIP, "runs": [plain(r) for r in runs]}, f,
+                  indent=None, separators=(",", ":"))
+
+
+def load_dump(path: str, table: Mapping[Key, Blocks]) -> tuple[list[KeyRun], dict[str, Any]]:
+    """The runs and metadata :func:`dump` wrote, the corrected verdicts recomputed with the
+    correction as it is now."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+
+    def blocks(v: Any) -> Blocks | None:
+        return None if v is None else tuple(v)  # type: ignore[return-value]
+
+    def kv(d: Mapping[str, Any]) -> KeyVerdict:
+        return KeyVerdict(**{**d, "pick": blocks(d["pick"])})
+
+    runs = []
+    for d in data["runs"]:
+        key = blocks(d["key"])
+        run = KeyRun(**{**d, "key": key, "winner": blocks(d["winner"]),
+                        **{a: kv(d[a]) for a in ("proxy", "roofline", "proxy_div",
+                                                 "roofline_div")},
+                        "proxy_top": [(blocks(b), ms) for b, ms in d["proxy_top"]],
+                        "winner_largest": tuple(d["winner_largest"]),
+                        "proxy_ms": {blocks(b): v for b, v in d["proxy_ms"]}})
+        runs.append(run.with_correction(space(key, table)))  # type: ignore[arg-type]
+    return runs, data["meta"]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ _OPTION_TYPES: dict[str, Any] = {
                      "worker_memory_gb"), float),
     **dict.fromkeys(("sampler", "storage", "study_name", "timer", "chip", "feasibility",
                      "estimate_fallback"), str),
-    **dict.fromkeys(("isolate", "standin", "write", "xla", "grad", "transfer"), bool),
+    **dict.fromkeys(("isolate", "standin", "write", "xla", "grad", "transfer",
+                     "estimate_correction"), bool),
     "timeout_s": "limits",
 }
 _OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("auto", "wallclock", "profiler", "tpu-estimate"),

@@ -32,10 +32,12 @@ from typing import Any, Final
 
 from pallas_tune.measure import candidate as cand
 from pallas_tune.measure import shared
+from pallas_tune.measure.correction import corrected_ms
 from pallas_tune.measure.evaluate import PoolEvaluator
-from pallas_tune.measure.loops import (NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE, Census,
+from pallas_tune.measure.loops import (FLAG, NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE, Census,
                                       abort_message, below_floor, blind_fetch_message,
-                                      dynamic_loop_message, floor_message, kernel_census)
+                                      dynamic_loop_message, estimate_flag_missing_message,
+                                      floor_message, kernel_census)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.pool import worker_memory_limit as _memory_limit
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
@@ -46,7 +48,6 @@ __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator"
            "estimate_flag_missing_message", "shrink_parallel",
            "standin_verdict"]
 
-FLAG: Final = "--xla_jf_dump_static_llo_profile_to"
 _SESSION: Final = "pallas_tune.measure.estimate:EstimateSession"
 _ENV: Final = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 ABORTS_TO_STOP: Final = 3  # Profiler aborts, none estimated yet, before a tune stops.
@@ -195,11 +196,13 @@ class EstimateSession:
         common = dict(number=p.number, config=p.config, fingerprint=p.fingerprint, phase=phase,
                       seconds=time.perf_counter() - p.started)
         if r.ok:
-            ms = cycles_to_ms(r.cycles or 0, chip_spec(self.chip).clock_hz)
+            ms, said = cycles_to_ms(r.cycles or 0, chip_spec(self.chip).clock_hz), ""
+            if self.setup is None or self.setup.estimate_correction:
+                ms, said = corrected_ms(ms, p.calls, chip_spec(self.chip))
             return TrialRecord(outcome=Outcome.OK, cycles=r.cycles, vmem_bytes=r.scoped_vmem_bytes,
                                measurement=Measurement(times_ms=(ms,), compile_ms=r.compile_s * 1e3,
                                                        timer="tpu-estimate"),
-                               detail=_detail(r), **common)
+                               detail="; ".join(filter(None, (_detail(r), said))), **common)
         if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE) and self.fallback in ("roofline", "model"):
             from pallas_tune.feasibility.fitted import fitted_calls
             fitted, spec = self.fallback == "model", chip_spec(self.chip)
@@ -432,18 +435,6 @@ class Estimator:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def estimate_flag_missing_message() -> str:
-    from importlib import metadata
-
-    try:
-        version = metadata.version("libtpu")
-    except metadata.PackageNotFoundError:
-        version = "not installed"
-    return (f"libtpu {version} compiled the kernel but reported no \"estimated_cycles\" with "
-            f"{FLAG}; the flag is internal to libtpu and may have changed. Pin libtpu 0.0.42-0.0.50 "
-            "(tested), or allow the roofline fallback (tune(..., estimate_fallback='roofline')).")
 
 
 def cycles_to_ms(cycles: int, clock_hz: float) -> float:

@@ -12,13 +12,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-__all__ = ["FLOOR_SHARE", "NOT_ESTIMABLE", "NO_ESTIMATE", "PREFETCH_NOTE", "Census",
+__all__ = ["FLAG", "FLOOR_SHARE", "NOT_ESTIMABLE", "NO_ESTIMATE", "PREFETCH_NOTE", "Census",
            "below_floor", "blind_fetch_message", "dynamic_loop_message", "floor_message",
            "kernel_census"]
 
 # The kinds of an estimate refused (a trial's ``detail``): NO_ESTIMATE, no config of the kernel
 # can be estimated (the tune stops); NOT_ESTIMABLE, this config cannot (a failed trial, the
 # search goes on).
+FLAG: Final = "--xla_jf_dump_static_llo_profile_to"  # libtpu's static-profile flag.
 NO_ESTIMATE: Final = "no_estimate"
 NOT_ESTIMABLE: Final = "no_estimate_config"
 
@@ -261,3 +262,15 @@ def abort_message(ref: str, why: str, count: int) -> str:
             "profiling flag). Rank by pallas-tune's roofline model instead, labelled as such "
             "(--estimate-fallback roofline, estimate_fallback='roofline'), or time it on the "
             "chip (--timer wallclock).")
+
+
+def estimate_flag_missing_message() -> str:
+    from importlib import metadata
+
+    try:
+        version = metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        version = "not installed"
+    return (f"libtpu {version} compiled the kernel but reported no \"estimated_cycles\" with "
+            f"{FLAG}; the flag is internal to libtpu and may have changed. Pin libtpu 0.0.42-0.0.50 "
+            "(tested), or allow the roofline fallback (tune(..., estimate_fallback='roofline')).")

@@ -226,6 +226,7 @@ def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str,
               "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     if plan.estimating:
         from pallas_tune.chips import chip_spec
+        from pallas_tune.measure.correction import correction_for, describe
 
         spec = chip_spec(chip)
         prov = {**common, "device_kind": spec.device_kind, "platform": "tpu", "interpret": False,
@@ -233,7 +234,12 @@ def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str,
                                 f"compile), converted at {spec.clock_hz / 1e9:g} GHz: an "
                                 "estimate, not a measurement"),
                 "clock_hz": spec.clock_hz, "standin": extra.get("standin"),
-                "standin_check": extra.get("standin_check", {})}
+                "standin_check": extra.get("standin_check", {}),
+                "estimate_correction": describe(spec.name) if options.estimate_correction
+                else "off (estimate_correction=False): libtpu's figure as it is"}
+        if options.estimate_correction and correction_for(spec.name) is not None:
+            prov["timing_note"] += (", plus what it leaves out on the chip (exposed DMA, "
+                                    "per-step overhead: estimate_correction)")
         if prov["standin_check"].get("unverified"):
             prov["timing_note"] += ("; on a stand-in problem NOT checked against a full "
                                     "compile (the full problem did not fit in a worker)")

@@ -38,6 +38,7 @@ def make_plan(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
     chip = _estimate_chip(options.chip) if estimating else _normalized(options.chip)
     setup = Setup(args=tuple(args), kwargs=dict(kwargs), seed=options.seed or 0, chip=chip,
                   feasibility=options.feasibility, vreg_limit=options.vreg_limit,
+                  estimate_correction=options.estimate_correction,
                   timing=TimingPolicy(timer=options.timer, warmup=options.warmup,
                                       repeats=options.repeats, min_time_s=options.min_time_s,
                                       max_time_s=options.max_time_s,
