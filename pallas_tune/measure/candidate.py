@@ -115,7 +115,7 @@ class Setup:
     vreg_limit: float | None = None
     timing: Any = None  # measure.timing.TimingPolicy (a measuring session needs one).
     reference: Any = None
-    estimate_correction: bool = True  # measure.correction on tpu-estimate figures.
+    estimate_correction: bool = False  # measure.correction on tpu-estimate figures.
 
 
 def resolve_stage(feasibility: str, chip: str, *, estimating: bool) -> str:

@@ -197,7 +197,7 @@ class EstimateSession:
                       seconds=time.perf_counter() - p.started)
         if r.ok:
             ms, said = cycles_to_ms(r.cycles or 0, chip_spec(self.chip).clock_hz), ""
-            if self.setup is None or self.setup.estimate_correction:
+            if self.setup is not None and self.setup.estimate_correction:
                 ms, said = corrected_ms(ms, p.calls, chip_spec(self.chip))
             return TrialRecord(outcome=Outcome.OK, cycles=r.cycles, vmem_bytes=r.scoped_vmem_bytes,
                                measurement=Measurement(times_ms=(ms,), compile_ms=r.compile_s * 1e3,

@@ -236,7 +236,7 @@ def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str,
                 "clock_hz": spec.clock_hz, "standin": extra.get("standin"),
                 "standin_check": extra.get("standin_check", {}),
                 "estimate_correction": describe(spec.name) if options.estimate_correction
-                else "off (estimate_correction=False): libtpu's figure as it is"}
+                else "off: libtpu's figure as it is"}
         if options.estimate_correction and correction_for(spec.name) is not None:
             prov["timing_note"] += (", plus what it leaves out on the chip (exposed DMA, "
                                     "per-step overhead: estimate_correction)")
