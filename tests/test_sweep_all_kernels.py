@@ -17,6 +17,8 @@ CASES = [
      "x=100x384:bfloat16,w_q=384x300:int8,w_scale=300:float32,quantize_x=true"),
     ("pallas_tune.kernels.quantized_matmul:quantized_matmul",
      "x=16x256:bfloat16,w_q=256x512:float8_e4m3fn,w_scale=512:float32"),
+    ("pallas_tune.kernels.quantized_grouped_matmul:quantized_grouped_matmul",
+     "lhs=300x256:bfloat16,rhs_q=4x256x384:int8,rhs_scale=4x384:float32,group_sizes=4:int32"),
     ("pallas_tune.kernels.grouped_matmul:grouped_matmul",
      "lhs=512x256:float32,rhs=4x256x256:float32,group_sizes=4:int32"),
     ("pallas_tune.kernels.upstream:flash_attention",
