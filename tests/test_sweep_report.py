@@ -67,8 +67,8 @@ def test_report_renders_in_chromium(cache_dir, tmp_path):
               "--repeats", "1", "--no-storage", "-q"], cache_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "report"
-    r = _cli(["report", "--kernel", "scale", "--out", str(out)], cache_dir)
-    assert r.returncode == 2 and "toy_kernels.scale" in r.stderr  # An exact name, not a part.
+    r = _cli(["report", "--kernel", "scal", "--out", str(out)], cache_dir)
+    assert r.returncode == 2 and "toy_kernels.scale" in r.stderr  # A name or its last part.
     r = _cli(["report", "--kernel", "toy_kernels.scale", "--out", str(out)], cache_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     pngs = sorted(p.name for p in out.glob("*.png"))
@@ -116,3 +116,15 @@ def test_report_renders_in_chromium(cache_dir, tmp_path):
 def test_report_without_entries_is_a_clear_error(cache_dir, tmp_path):
     r = _cli(["report", "--kernel", "nothing_here", "--out", str(tmp_path / "r")], cache_dir)
     assert r.returncode == 2 and "run pallas-tune sweep first" in r.stderr, r.stderr
+
+
+def test_report_takes_a_kernel_s_short_name(cache_dir, tmp_path):
+    """`report --kernel matmul`, as `show --kernel matmul` takes it: the one kernel whose name
+    ends in it (several such: the error lists them)."""
+    r = _cli(["sweep", "pallas_tune.kernels.matmul:matmul", "--shapes",
+              "x=128x128:float32,y=128x128:float32", "--trials", "2"], cache_dir)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _cli(["report", "--kernel", "matmul", "--out", str(tmp_path / "r")], cache_dir)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "kernel: pallas_tune.kernels.matmul.matmul" in r.stdout
+    assert (tmp_path / "r").exists()

@@ -322,6 +322,12 @@ def _entries(args: argparse.Namespace) -> list[tuple[Any, Any]]:
     reports = [r for r in inventory(default_cache(), kernel=args.kernel, chip=chip)
                if r.error is None]
     exact = [r for r in reports if r.kernel == args.kernel]
+    if not exact:  # A short name ("matmul") names the one kernel whose last part it is.
+        short = {r.kernel for r in reports if r.kernel and r.kernel.split(".")[-1] == args.kernel}
+        if len(short) == 1:
+            args.kernel = short.pop()
+            print(f"kernel: {args.kernel}")
+            exact = [r for r in reports if r.kernel == args.kernel]
     if not exact:
         near = sorted({r.kernel for r in reports if r.kernel})
         hint = f" Kernels whose names contain it: {', '.join(near)}." if near else ""
