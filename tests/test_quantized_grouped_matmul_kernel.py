@@ -108,3 +108,18 @@ def test_compiles_for_v6e_at_a_ragged_shape(w_dtype):
     r = compile_deviceless(quantized_grouped_matmul.fn, args, dict(tm=128, tk=512, tn=512),
                            chip="v6e")
     assert r.ok, r.message
+
+
+def test_the_scale_row_is_a_small_block_noted_not_refused():
+    """The expert scale's (1, tn) block follows the group table like the weights do, but moves
+    1/128 of a weight tile's bytes per step: the estimate notes it, and does not refuse the
+    config (the weights, refetched along k, are counted by the profile)."""
+    from pallas_tune.measure.loops import kernel_census
+
+    args = [jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8, 4096, 4096), jnp.int8),
+            jax.ShapeDtypeStruct((8, 4096), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.int32)]
+    census = kernel_census(quantized_grouped_matmul.fn, args, dict(tm=128, tk=512, tn=512),
+                           chip="v6e")
+    assert census.prefetch_kernels == 1 and census.blind_inputs == ()
+    assert census.unseen_write_bytes > 0

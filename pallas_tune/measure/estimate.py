@@ -251,8 +251,9 @@ def _detail(r: EstimateResult) -> str:
         [f"sum of {r.kernels_alone} kernels compiled alone"] if r.kernels_alone else []) + (
         [f"{r.prefetch_kernels} kernel(s) with scalar prefetch: {PREFETCH_NOTE}"]
         if r.prefetch_kernels else []) + (
-        [f"up to {r.unseen_write_bytes / 2**20:.1f} MiB of output writes follow a table and "
-         "are not counted (overlapped with compute on a TPU)"] if r.unseen_write_bytes else []))
+        [f"up to {r.unseen_write_bytes / 2**20:.1f} MiB of output writes and small input "
+         "blocks follow a table and are not counted (overlapped with compute on a TPU)"]
+        if r.unseen_write_bytes else []))
 
 
 def _estimate_pool(args: tuple[Any, ...], *, workers: int, main_path: str | None,

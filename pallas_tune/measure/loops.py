@@ -126,9 +126,11 @@ def _floor_flops(jaxpr: Any) -> float:
 
 
 def _table_fetches(gm: Any, kernel: Any) -> list[tuple[str, bool, int]]:
-    """(description, is output, bytes the profile leaves out) per block of a scalar-prefetch
-    kernel whose fetch count, under tables of zeros (what libtpu's profile assumes), is lower
-    than under tables whose entries all differ (what moving data does). A block is refetched
+    """(description, is output or small, bytes the profile leaves out) per block of a
+    scalar-prefetch kernel whose fetch count, under tables of zeros (what libtpu's profile
+    assumes), is lower than under tables whose entries all differ (what moving data does). An
+    input block :data:`SMALL_BLOCK` times smaller than the kernel's largest counts as an output:
+    noted, not refused. A block is refetched
     when an axis at or outside the innermost grid axis (of extent > 1) its index depends on
     advances, as in :mod:`pallas_tune.feasibility.roofline`; the dependence is probed by unit
     steps from the origin, exact for the affine maps of table lookups. Index maps that cannot
@@ -147,6 +149,12 @@ def _table_fetches(gm: Any, kernel: Any) -> list[tuple[str, bool, int]]:
     except Exception:  # noqa: BLE001 - unknown: no finding.
         return []
     rank, found = len(grid), []
+
+    def block_bytes(bm: Any) -> int:
+        return (math.prod(_block_dim(d)[0] or 1 for d in bm.block_shape)
+                * np.dtype(bm.array_aval.dtype).itemsize)
+
+    largest = max((block_bytes(bm) for bm in gm.block_mappings[:gm.num_inputs]), default=0)
     for i, bm in enumerate(gm.block_mappings):
         closed = bm.index_map_jaxpr
         if len(closed.jaxpr.invars) <= rank:
@@ -175,12 +183,17 @@ def _table_fetches(gm: Any, kernel: Any) -> list[tuple[str, bool, int]]:
             continue
         size = math.prod(_block_dim(d)[0] or 1 for d in bm.block_shape)
         nbytes = size * np.dtype(bm.array_aval.dtype).itemsize * (data - seen)
-        is_output = i >= gm.num_inputs
+        # A small block (a scale row beside its weight tile) moves a small share of each step's
+        # bytes: its missed fetches are noted with the outputs' writes, not refused.
+        is_output = i >= gm.num_inputs or block_bytes(bm) * SMALL_BLOCK <= largest
         found.append((f"{kernel or 'pallas_call'}: {'output' if is_output else 'input'} "
                       f"{bm.origin} ({size * np.dtype(bm.array_aval.dtype).itemsize / 2**20:.2f}"
                       f" MiB blocks) counted {seen} time(s), up to {data} by the data",
                       is_output, nbytes))
     return found
+
+
+SMALL_BLOCK: Final = 16  # An input block this many times smaller than the largest is small.
 
 
 def blind_fetch_message(ref: str, blind: Sequence[str]) -> str:
