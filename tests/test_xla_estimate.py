@@ -15,16 +15,61 @@ from pallas_tune.tuning.finish import xla_decision
 X = jax.ShapeDtypeStruct((256, 512), jnp.float32)
 
 
-def test_a_partial_xla_estimate_never_makes_xla_win():
-    row = {"implementation": "xla", "median_ms": 0.5, "partial": 0}
-    assert xla_decision(row, 1.0) == (0.5, "xla", "")
-    assert xla_decision(row, 0.4) == (0.5, "pallas", "")
-    ms, impl, note = xla_decision({**row, "partial": 3}, 1.0)  # A lower bound below Pallas.
+def test_xla_runs_only_past_the_margin_on_one_footing():
+    from pallas_tune.tuning.footing import MARGIN, PALLAS_BIAS, XLA_MODEL_BIAS
+
+    row = {"implementation": "xla", "timer": "tpu-estimate", "median_ms": 0.5, "partial": 0}
+    ms, impl, note = xla_decision(row, 1.0)  # Same kind (libtpu both), 2x ahead: XLA runs.
+    assert (ms, impl) == (0.5, "xla") and "libtpu's estimate of both" in note
+    assert xla_decision(row, 0.4) == (0.5, "pallas", "")  # Pallas is faster.
+    ms, impl, note = xla_decision(row, 0.5 * MARGIN * 0.99)  # Ahead, but within the margin.
+    assert impl == "pallas" and "margin" in note
+    # Below the time the call's own data takes to move: not credible, never decides.
+    ms, impl, note = xla_decision({**row, "floor_ms": 0.6}, 1.0)
+    assert impl == "pallas" and "not credible" in note
+    # Measured on a device: as timed, no footing and no margin.
+    timed = {"implementation": "xla", "median_ms": 0.9, "spread_ms": 0.01}
+    assert xla_decision(timed, 1.0) == (0.9, "xla", "")
+    assert xla_decision({**timed, "median_ms": 1.1}, 1.0) == (1.1, "pallas", "")
+
+
+def test_a_partial_xla_estimate_never_decides():
+    row = {"implementation": "xla", "timer": "tpu-estimate", "median_ms": 0.5, "partial": 3}
+    ms, impl, note = xla_decision(row, 1.0)  # A lower bound below Pallas, no cost model.
     assert (ms, impl) == (0.5, "pallas") and "lower bound" in note and "3 of its ops" in note
-    assert xla_decision({**row, "partial": 3}, 0.4) == (0.5, "pallas", "")  # Pallas wins anyway.
+    assert xla_decision(row, 0.4) == (0.5, "pallas", "")  # The lower bound is slower already.
     ms, impl, note = xla_decision({"implementation": "xla", "error": "compile failed"}, 1.0)
     assert impl == "pallas" and math.isnan(ms) and note == "compile failed"
     assert xla_decision(None, 1.0)[1] == "pallas"
+
+
+def test_a_partial_sum_gives_way_to_xla_s_cost_model_on_the_footing():
+    from pallas_tune.tuning.footing import MARGIN, PALLAS_BIAS, XLA_MODEL_BIAS
+
+    footed = PALLAS_BIAS / XLA_MODEL_BIAS
+    row = {"implementation": "xla", "timer": "tpu-estimate", "median_ms": 0.1, "partial": 2,
+           "model_ms": 1.0}
+    # The partial sum (0.1) is far below Pallas (0.6); the cost model on the footing is not.
+    ms, impl, note = xla_decision(row, footed * MARGIN * 0.99)
+    assert impl == "pallas" and ms == pytest.approx(footed) and "cost model" in note
+    ms, impl, note = xla_decision(row, footed * MARGIN * 1.01)
+    assert impl == "xla" and ms == pytest.approx(footed) and "cost model" in note
+
+
+def test_the_footing_is_the_one_measured():
+    """The constants are benchmarks/results/xla_footing.md's: its rule with these constants is
+    the one that agreed with the chip on every key (checked there), so changing them without a
+    new measurement fails here."""
+    import json
+    import pathlib
+
+    from pallas_tune.tuning import footing
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "results" / "xla_footing.json"
+    data = json.loads(path.read_text())
+    assert data["footing"] == {"pallas_bias": footing.PALLAS_BIAS,
+                               "xla_model_bias": footing.XLA_MODEL_BIAS,
+                               "margin": footing.MARGIN}
 
 
 @pytest.mark.libtpu
@@ -152,3 +197,27 @@ def test_autotune_starts_the_compile_workers_once_for_all_its_calls(fresh, monke
     fresh.scale.tune(X, trials=1, timer="tpu-estimate", chip="v6e", workers=1, write=False)
     assert len(started) == 2 and len(closed) == 2
     fresh.poor_scale._memo.clear()
+
+
+def test_the_data_floor_counts_arguments_and_outputs_at_libtpu_s_bandwidth():
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.feasibility.fitted import V6E
+    from pallas_tune.kernels.quantized_matmul import quantized_matmul
+    from pallas_tune.tuning.footing import data_floor_ms
+
+    args = [jax.ShapeDtypeStruct((16, 4096), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4096, 28672), jnp.int8),
+            jax.ShapeDtypeStruct((28672,), jnp.float32)]
+    spec = chip_spec("v6e")
+    data = 16 * 4096 * 2 + 4096 * 28672 + 28672 * 4 + 16 * 28672 * 2  # Output bf16 too.
+    want = data / (spec.hbm_bw_bytes_per_s * V6E.bw_eff) * 1e3  # Decode: memory-bound.
+    assert data_floor_ms(quantized_matmul, args, {}, "v6e") == pytest.approx(want)
+    assert data_floor_ms(quantized_matmul, args, {}, "cpu") == 0.0  # No bandwidth known.
+    # Prefill: compute-bound. The reference widens the weights: a bf16 dot, at the bf16 peak;
+    # with activations quantized the dot is int8 x int8, at the int8 peak.
+    args[0] = jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16)
+    flops = 2.0 * 2048 * 4096 * 28672
+    assert data_floor_ms(quantized_matmul, args, {}, "v6e") == pytest.approx(
+        flops / spec.bf16_flops * 1e3)
+    assert data_floor_ms(quantized_matmul, args, {"quantize_x": True}, "v6e") == pytest.approx(
+        flops / spec.int8_ops * 1e3)

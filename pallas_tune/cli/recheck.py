@@ -42,8 +42,8 @@ def add_parser(sub: Any) -> None:
 
 def cmd_recheck_xla(args: argparse.Namespace) -> int:
     from pallas_tune import chips
-    from pallas_tune.measure.estimate import Estimator, cycles_to_ms
-    from pallas_tune.tuning.finish import xla_decision
+    from pallas_tune.measure.estimate import Estimator
+    from pallas_tune.tuning.footing import data_floor_ms, xla_decision, xla_row
 
     kernel = load_kernel(args.kernel, args.path or ())
     if kernel.reference is None:
@@ -71,10 +71,8 @@ def cmd_recheck_xla(args: argparse.Namespace) -> int:
             call_args, call_kwargs = build_call(kernel, key)
             r = est.map(kernel.reference, call_args, call_kwargs, [{}], spec.name,
                         standin=False)[0]
-            row = ({"implementation": "xla", "timer": "tpu-estimate",
-                    "median_ms": cycles_to_ms(r.cycles, spec.clock_hz),
-                    "partial": r.ops_without_estimate} if r.ok and r.cycles is not None
-                   else {"error": (r.message or r.kind)[:300]})
+            row = xla_row(r, spec.clock_hz)
+            row["floor_ms"] = data_floor_ms(kernel, call_args, call_kwargs, spec.name)
             xla_ms, impl, note = xla_decision(row, float(entry["median_ms"]))
             print(f"  {key}: tuned {float(entry['median_ms']):.4g} ms, XLA "
                   f"{xla_ms:.4g} ms (ESTIMATES) -> runs {impl}" + (f"; {note}" if note else ""))

@@ -95,8 +95,10 @@ def _ref(kernel: str, part: str, obj: Any) -> str | None:
     if found is not obj and getattr(found, "fn", None) is not obj:
         raise ValueError(
             f"{kernel}: its {part} {ref} cannot be imported by a worker process (a lambda, a "
-            "local function or a renamed object). Define it at the top level of a module, or "
-            "tune with isolate=False.")
+            "local function or a renamed object). Define it at the top level of a module (a "
+            "kernel you did not write: wrap it there, as examples/tune_third_party.py does). A "
+            "measured tune may instead run in this process (isolate=False); a tpu-estimate "
+            "tune cannot: libtpu must load with its profiling flag, in a worker.")
     return ref
 
 

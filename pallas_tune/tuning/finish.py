@@ -17,6 +17,8 @@ from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.loops import PREFETCH_NOTE
 from pallas_tune.measure.records import Outcome, spread
 from pallas_tune.tuning.log import TrialLog
+from pallas_tune.tuning import footing
+from pallas_tune.tuning.footing import xla_decision
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import Plan
 from pallas_tune.tuning.result import TuningResult
@@ -61,41 +63,20 @@ def xla_wanted(kernel: Any, options: TuneOptions, plan: Plan, device: Mapping[st
 
 def xla_estimate(evaluator: Any, chip: str) -> dict[str, Any]:
     """The reference's (XLA's) estimate, whole program, no stand-in, as the row that
-    :func:`build_result` reads: ``median_ms`` (the summed static estimates of every op,
-    converted at the chip's clock), ``partial`` (ops libtpu gave no estimate: the figure is then
-    a LOWER BOUND on XLA's time), or ``error`` when the compile gave no figure."""
+    :func:`build_result` reads (:func:`pallas_tune.tuning.footing.xla_row`: libtpu's sum, how
+    many ops it has no estimate for, XLA's cost model), or ``error`` when the compile gave no
+    figure."""
     from pallas_tune.chips import chip_spec
-    from pallas_tune.measure.estimate import cycles_to_ms
 
-    row: dict[str, Any] = {"implementation": "xla", "timer": "tpu-estimate"}
     try:
         r = evaluator.estimate_reference()
     except Exception as e:  # noqa: BLE001 - no XLA figure is a result, not a failed tuning.
-        return {**row, "error": f"{type(e).__name__}: {e}"[:500]}
-    if r is None or not r.ok or r.cycles is None:
-        return {**row, "error": (r.message[:500] or r.kind) if r is not None else "no reference"}
-    ms = cycles_to_ms(r.cycles, chip_spec(chip).clock_hz)
-    return {**row, "median_ms": ms, "spread_ms": 0.0, "times_ms": [ms], "cycles": r.cycles,
-            "partial": r.ops_without_estimate, "compile_s": round(r.compile_s, 3)}
-
-
-def xla_decision(xla_row: Mapping[str, Any] | None, best_ms: float) -> tuple[float, str, str]:
-    """(xla_ms, implementation, note) from the reference's row. XLA runs only where its figure
-    is lower than the best config's. A partial XLA estimate (some ops without an estimate,
-    counted as 0) is a lower bound: it may show that Pallas wins (the bound is already slower),
-    never that XLA does; such a call keeps Pallas and the note says so."""
-    if xla_row is None or "median_ms" not in xla_row:
-        return math.nan, "pallas", (xla_row or {}).get("error", "")
-    xla_ms = float(xla_row["median_ms"])
-    if not xla_ms < best_ms:
-        return xla_ms, "pallas", ""
-    if xla_row.get("partial"):
-        return xla_ms, "pallas", (
-            f"XLA's estimate ({xla_ms:.4g} ms) is below the best config's ({best_ms:.4g} ms) but "
-            f"partial: {xla_row['partial']} of its ops have no estimate, so it is a lower bound "
-            "and cannot show that XLA wins; Pallas is kept. Time both on a TPU (--xla, "
-            "--timer wallclock) to decide.")
-    return xla_ms, "xla", ""
+        return {"implementation": "xla", "timer": "tpu-estimate",
+                "error": f"{type(e).__name__}: {e}"[:500]}
+    row = footing.xla_row(r, chip_spec(chip).clock_hz)
+    if r is not None and r.ok:
+        row["compile_s"] = round(r.compile_s, 3)
+    return row
 
 
 def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions,
@@ -193,7 +174,7 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
         prov["xla"] = {**xla_row, "note": "static estimate of the TPU compiler for the "
                        "reference's whole program (no stand-in), not a measurement"
                        + (f"; {xla_note}" if xla_note else "")}
-        if xla_note and "median_ms" in xla_row:
+        if xla_note and "median_ms" in xla_row and implementation == "pallas":
             from pallas_tune import errors
 
             errors.warn(f"{kernel.name} {plan.key}: {xla_note}")

@@ -18,7 +18,7 @@ from typing import Any
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.pool import importing_main_script
 from pallas_tune.measure.records import Outcome, TrialRecord
-from pallas_tune.tuning import finish, grad
+from pallas_tune.tuning import finish, footing, grad
 from pallas_tune.tuning.log import TrialLog, config_key
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import make_plan, open_evaluator, settle_chip
@@ -114,6 +114,7 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
                                 xla=xla and not plan.estimating)
         if xla and plan.estimating and log.best() is not None:  # Estimated once: no noise.
             extra["xla_estimate"] = finish.xla_estimate(evaluator, chip)
+            extra["xla_estimate"]["floor_ms"] = footing.data_floor_ms(kernel, args, kwargs, chip)
         extra.update(strategy=search.strategy, evaluator=evaluator.kind, space=space,
                      dims=dims)
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,
