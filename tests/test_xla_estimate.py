@@ -159,6 +159,11 @@ def test_recheck_xla_adds_xla_to_entries_tuned_without_it(cache_dir, fresh, caps
     kernel._memo.clear()
     assert main(["recheck-xla", ref, "--chip", "v6e", "--path", TESTS_DIR]) == 0
     assert "no estimate entry without an XLA figure" in capsys.readouterr().out
+    # --again: decided once more under the current footing, the same way here (XLA far ahead).
+    assert main(["recheck-xla", ref, "--chip", "v6e", "--path", TESTS_DIR, "--again"]) == 0
+    assert "runs xla" in capsys.readouterr().out
+    (again,) = [e for k, e, _ in kernel.cache.entries("tpu_v6e", kernel.name) if k == key]
+    assert again["implementation"] == "xla" and "floor_ms" in again["provenance"]["xla"]
     assert os.path.isdir(cache_dir)
 
 

@@ -1,4 +1,5 @@
-"""``pallas-tune recheck-xla``: XLA beside the estimate entries tuned before it was a candidate.
+"""``pallas-tune recheck-xla``: XLA beside the estimate entries tuned before it was a candidate
+(``--again``: every estimate entry, decided again under the current footing).
 
 An entry tuned on compiler estimates before XLA was a candidate (issue 28) has no ``xla_ms``:
 its call runs the Pallas config even where the kernel's reference (XLA) is faster, and nothing
@@ -10,7 +11,7 @@ this command, on which date. The Pallas winner's own figure is not re-estimated:
 come from the same static profile of the same libtpu version (checked: an entry estimated on
 another libtpu is skipped, with a note).
 
-    pallas-tune recheck-xla pallas_tune.kernels.matmul:matmul --chip v6e [--dry-run]
+    pallas-tune recheck-xla pallas_tune.kernels.matmul:matmul --chip v6e [--dry-run] [--again]
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--chip", default="v6e", help="the TPU whose estimate entries to recheck")
     r.add_argument("--key", action="append", help="only these cache keys (repeatable)")
     r.add_argument("--dry-run", action="store_true", help="print, write nothing")
+    r.add_argument("--again", action="store_true",
+                   help="also entries that have an XLA figure: estimate XLA again and decide "
+                        "under the current footing (pallas_tune.tuning.footing)")
     r.add_argument("--memory-gb", type=float, default=0,
                    help="address-space cap of the compile worker (0: none)")
     r.add_argument("--path", action="append", metavar="DIR",
@@ -53,7 +57,7 @@ def cmd_recheck_xla(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIUsageError(str(e)) from None
     todo = [(key, entry) for key, entry, _ in kernel.cache.entries(spec.name, kernel.name)
-            if "xla_ms" not in entry and _estimated(entry)
+            if (args.again or "xla_ms" not in entry) and _estimated(entry)
             and (not args.key or key in args.key)]
     if not todo:
         print(f"{kernel.name} on {spec.name}: no estimate entry without an XLA figure")
@@ -93,9 +97,12 @@ def _with_xla(entry: dict[str, Any], xla_ms: float, impl: str, note: str,
               row: dict[str, Any]) -> dict[str, Any]:
     from pallas_tune.tuning.result import xla_fields
 
-    out = {**entry, **xla_fields(xla_ms, float(entry["median_ms"]), row.get("partial", 0), impl)}
+    earlier = ("implementation", "xla_ms", "margin_over_xla", "xla_partial")  # --again.
+    out = {**{k: v for k, v in entry.items() if k not in earlier},
+           **xla_fields(xla_ms, float(entry["median_ms"]), row.get("partial", 0), impl)}
     prov = dict(out.get("provenance", {}))
     prov["xla"] = {"timer": "tpu-estimate", "partial": row.get("partial", 0),
+                   **{k: row[k] for k in ("model_ms", "floor_ms") if k in row},
                    "note": ("XLA's figure (the reference's whole program, a compiler ESTIMATE) "
                             "added after tuning by pallas-tune recheck-xla on "
                             f"{datetime.date.today().isoformat()}; the Pallas figure is the "

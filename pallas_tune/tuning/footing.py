@@ -147,14 +147,15 @@ def xla_decision(xla_row: Mapping[str, Any] | None, best_ms: float) -> tuple[flo
                 "--timer wallclock) to decide.")
         xla_ms = float(model) * PALLAS_BIAS / XLA_MODEL_BIAS
         how = (f"XLA's cost model ({float(model):.4g} ms) at the Pallas estimate's footing "
-               f"(x{PALLAS_BIAS / XLA_MODEL_BIAS:g}: {xla_ms:.4g} ms), as libtpu's sum is "
+               f"(x{PALLAS_BIAS / XLA_MODEL_BIAS:.3g}: {xla_ms:.4g} ms), as libtpu's sum is "
                f"partial ({partial} ops without an estimate)")
     floor = float(xla_row.get("floor_ms") or 0.0)
     if xla_ms < floor:
         return xla_ms, "pallas", (
-            f"Pallas is kept: XLA's figure ({how}) is below the time any implementation needs "
-            f"to move the call's data ({floor:.4g} ms at libtpu's HBM bandwidth), so it is not "
-            "credible. Time both on a TPU (--xla, --timer wallclock) to decide.")
+            f"Pallas is kept: XLA's figure ({how}) is below the least time any implementation "
+            f"of the call takes ({floor:.4g} ms: its data moved once at libtpu's HBM bandwidth, "
+            "its dots at the MXU's peak), so it is not credible. Time both on a TPU (--xla, "
+            "--timer wallclock) to decide.")
     if xla_ms * MARGIN < best_ms:
         return xla_ms, "xla", f"XLA runs: {how}, ahead by more than the {MARGIN:g}x margin"
     if xla_ms < best_ms:
