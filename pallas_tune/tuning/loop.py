@@ -258,13 +258,47 @@ def _started(evaluator: Evaluator) -> Evaluator:
     return evaluator
 
 
+PRUNE_LIMIT = 20_000  # Spaces up to this many points are pruned by the declared constraints.
+
+
 def call_space(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
                ) -> tuple[Any, dict[str, int]]:
     """The space searched for this call: one point per distinct effective config when the
-    kernel declares its clamps (see :mod:`pallas_tune.effective`), else its whole space."""
+    kernel declares its clamps (see :mod:`pallas_tune.effective`), else its whole space; then
+    without the choices no config valid for the call uses (:func:`_pruned`)."""
     if hasattr(kernel, "call_space"):
-        return kernel.call_space(*args, **kwargs)  # type: ignore[no-any-return]
-    return kernel.space, {}
+        space, dims = kernel.call_space(*args, **kwargs)
+    else:
+        space, dims = kernel.space, {}
+    return _pruned(kernel, space, args, kwargs), dims
+
+
+def _pruned(kernel: Any, space: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """``space`` less each parameter's choices that no config passing the kernel's declared
+    constraints for this call uses (a block size no tile of this shape divides), so that the
+    sampler never proposes them: one space declared for every shape serves each shape. The
+    default's values stay (it is the baseline); a space where no config passes, or one of more
+    than :data:`PRUNE_LIMIT` points, is left whole (its trials then say why)."""
+    from pallas_tune.space import Param, SearchSpace
+
+    check = getattr(kernel, "declared_problems", None)
+    if check is None or not getattr(space, "constraints", None) or space.size > PRUNE_LIMIT:
+        return space
+    used: dict[str, set[Any]] = {p.name: set() for p in space.params}
+    for config in space:
+        if not check(config, args, kwargs):
+            for name, value in config.items():
+                used[name].add(value)
+    if not any(used.values()):
+        return space
+    default = dict(space.default or {})
+    params = tuple(Param(name=p.name, choices=tuple(
+        c for c in p.choices if c in used[p.name] or (p.name in default and c == default[p.name])))
+        for p in space.params)
+    if all(a.choices == b.choices for a, b in zip(params, space.params, strict=True)):
+        return space
+    return SearchSpace(params=params, default=space.default, constraints=space.constraints,
+                       clamps=space.clamps)
 
 
 def _warm(evaluator: Any, kernel: Any, space: Any, args: Sequence[Any],
