@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_tune as pt
-from pallas_tune.tuning.finish import xla_decision
+from pallas_tune.tuning.footing import xla_decision
 
 X = jax.ShapeDtypeStruct((256, 512), jnp.float32)
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 __all__ = ["FLAG", "FLOOR_SHARE", "NOT_ESTIMABLE", "NO_ESTIMATE", "PREFETCH_NOTE", "Census",
-           "below_floor", "blind_fetch_message", "dynamic_loop_message", "floor_message",
-           "kernel_census"]
+           "below_floor", "blind_fetch_message", "dynamic_loop_message", "floor_flops",
+           "floor_message", "kernel_census"]
 
 # The kinds of an estimate refused (a trial's ``detail``): NO_ESTIMATE, no config of the kernel
 # can be estimated (the tune stops); NOT_ESTIMABLE, this config cannot (a failed trial, the
@@ -36,7 +36,7 @@ class Census:
     blind_inputs: tuple[str, ...] = ()
     unseen_write_bytes: int = 0
     # Per kernel, in program order: the dot FLOPs every grid step must do whatever the data
-    # (:func:`_floor_flops`) times the steps: no estimate can be far below their MXU time.
+    # (:func:`floor_flops`) times the steps: no estimate can be far below their MXU time.
     floor_flops: tuple[float, ...] = ()
 
 
@@ -72,7 +72,7 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
                 gm = eqn.params["grid_mapping"]
                 body = eqn.params["jaxpr"]
                 steps = math.prod(int(g) if isinstance(g, int) else 0 for g in gm.grid)
-                floors.append(steps * _floor_flops(getattr(body, "jaxpr", body)))
+                floors.append(steps * floor_flops(getattr(body, "jaxpr", body)))
                 if getattr(gm, "num_index_operands", 0) > 0:
                     prefetch += 1
                     for line, is_output, nbytes in _table_fetches(gm, eqn.params.get("name")):
@@ -100,27 +100,33 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
     return Census(loops, prefetch, tuple(blind), unseen[0], tuple(floors))
 
 
-def _floor_flops(jaxpr: Any) -> float:
+def floor_flops(jaxpr: Any, int8: bool | None = None) -> float:
     """Dot FLOPs one pass of ``jaxpr`` does whatever the data: a conditional counts its
     cheapest branch (pl.when's else is empty: 0), a scan its body times its length, a loop
-    whose trip count is not static nothing."""
+    whose trip count is not static nothing. ``int8``: only the dots whose operands are both
+    8-bit integers (True), or only the others (False)."""
+    import numpy as np
+
     from pallas_tune.feasibility.inspect import _subjaxprs
 
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval
-            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
-                lhs.shape[d] for d in contract)
+            dts = [np.dtype(v.aval.dtype) for v in eqn.invars]
+            if int8 is None or int8 == all(d.kind in "iu" and d.itemsize == 1 for d in dts):
+                (contract, _), _ = eqn.params["dimension_numbers"]
+                lhs = eqn.invars[0].aval
+                total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
+                    lhs.shape[d] for d in contract)
         elif name == "cond":
-            total += min(_floor_flops(getattr(b, "jaxpr", b)) for b in eqn.params["branches"])
+            total += min(floor_flops(getattr(b, "jaxpr", b), int8)
+                         for b in eqn.params["branches"])
         elif name == "scan":
             body = eqn.params["jaxpr"]
-            total += int(eqn.params["length"]) * _floor_flops(getattr(body, "jaxpr", body))
+            total += int(eqn.params["length"]) * floor_flops(getattr(body, "jaxpr", body), int8)
         elif name != "while":
-            total += sum(_floor_flops(getattr(sub, "jaxpr", sub))
+            total += sum(floor_flops(getattr(sub, "jaxpr", sub), int8)
                          for sub in _subjaxprs(eqn.params))
     return total
 
@@ -181,15 +187,13 @@ def _table_fetches(gm: Any, kernel: Any) -> list[tuple[str, bool, int]]:
             continue
         if data <= seen:
             continue
-        size = math.prod(_block_dim(d)[0] or 1 for d in bm.block_shape)
-        nbytes = size * np.dtype(bm.array_aval.dtype).itemsize * (data - seen)
+        size = block_bytes(bm)
         # A small block (a scale row beside its weight tile) moves a small share of each step's
         # bytes: its missed fetches are noted with the outputs' writes, not refused.
-        is_output = i >= gm.num_inputs or block_bytes(bm) * SMALL_BLOCK <= largest
-        found.append((f"{kernel or 'pallas_call'}: {'output' if is_output else 'input'} "
-                      f"{bm.origin} ({size * np.dtype(bm.array_aval.dtype).itemsize / 2**20:.2f}"
-                      f" MiB blocks) counted {seen} time(s), up to {data} by the data",
-                      is_output, nbytes))
+        is_output = i >= gm.num_inputs or size * SMALL_BLOCK <= largest
+        line = (f"{kernel or 'pallas_call'}: {'output' if is_output else 'input'} {bm.origin} "
+                f"({size / 2**20:.2f} MiB blocks) counted {seen} time(s), up to {data} by the data")
+        found.append((line, is_output, size * (data - seen)))
     return found
 
 

@@ -16,15 +16,14 @@ from pallas_tune.errors import MeasurementError, NoFeasibleConfigError
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.loops import PREFETCH_NOTE
 from pallas_tune.measure.records import Outcome, spread
-from pallas_tune.tuning.log import TrialLog
 from pallas_tune.tuning import footing
-from pallas_tune.tuning.footing import xla_decision
+from pallas_tune.tuning.log import TrialLog
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import Plan
 from pallas_tune.tuning.result import TuningResult
 
-__all__ = ["build_result", "default_config", "rerank", "versions", "write", "xla_decision",
-           "xla_estimate", "xla_wanted"]
+__all__ = ["build_result", "default_config", "rerank", "versions", "write", "xla_estimate",
+           "xla_wanted"]
 
 logger = logging.getLogger("pallas_tune.tuning")
 
@@ -146,7 +145,7 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
         # The default's figure from the same interleaved runs, never a search-phase one.
         default_ms = next((row["median_ms"] for row in ranking if row.get("default")),
                           math.nan)
-    xla_ms, implementation, xla_note = xla_decision(xla_row, best_ms)
+    xla_ms, implementation, xla_note = footing.xla_decision(xla_row, best_ms)
     roofline_used = any(r.measurement is not None and r.measurement.timer == "roofline"
                         for r in log.records if r.outcome.timed)  # A model's figure.
     prov = provenance(plan, chip, options, device, {**extra, "roofline_used": roofline_used})

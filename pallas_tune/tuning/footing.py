@@ -56,6 +56,7 @@ def data_floor_ms(kernel: Any, args: Any, kwargs: Any, chip: str) -> float:
 
     from pallas_tune.chips import chip_spec
     from pallas_tune.feasibility.fitted import V6E
+    from pallas_tune.measure.loops import floor_flops
 
     spec = chip_spec(chip)
     if not spec.hbm_bw_bytes_per_s or not spec.bf16_flops:
@@ -69,39 +70,13 @@ def data_floor_ms(kernel: Any, args: Any, kwargs: Any, chip: str) -> float:
     if reference is None:
         return 0.0
     try:
-        closed = jax.make_jaxpr(lambda *a: reference(*a, **kwargs), return_shape=True)(*args)
-        jaxpr, out = closed
+        jaxpr, out = jax.make_jaxpr(lambda *a: reference(*a, **kwargs), return_shape=True)(*args)
         data = nbytes(list(args)) + nbytes(out)
-        mxu = sum(_dot_flops(e) / ((spec.int8_ops or 2 * spec.bf16_flops) if int8
-                                   else spec.bf16_flops)
-                  for e, int8 in _dots(jaxpr.jaxpr))
+        mxu = (floor_flops(jaxpr.jaxpr, int8=False) / spec.bf16_flops
+               + floor_flops(jaxpr.jaxpr, int8=True) / (spec.int8_ops or 2 * spec.bf16_flops))
     except Exception:  # noqa: BLE001 - no floor is a weaker check, not a failed tuning.
         return 0.0
     return max(data / (spec.hbm_bw_bytes_per_s * V6E.bw_eff), mxu) * 1e3
-
-
-def _dots(jaxpr: Any) -> Any:
-    """(dot_general equation, both operands 8-bit integers) anywhere in ``jaxpr``."""
-    import numpy as np
-
-    from pallas_tune.feasibility.inspect import _subjaxprs
-
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            dts = [np.dtype(v.aval.dtype) for v in eqn.invars]
-            yield eqn, all(d.kind in "iu" and d.itemsize == 1 for d in dts)
-        for sub in _subjaxprs(eqn.params):
-            yield from _dots(sub)
-
-
-def _dot_flops(eqn: Any) -> float:
-    """2 x the multiply-adds of one dot_general: the output's elements times the contraction."""
-    import math
-
-    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval.shape
-    out = eqn.outvars[0].aval.shape
-    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
 
 
 def xla_row(result: Any, clock_hz: float) -> dict[str, Any]:
@@ -109,15 +84,17 @@ def xla_row(result: Any, clock_hz: float) -> dict[str, Any]:
     :func:`xla_decision` reads them: ``median_ms`` (libtpu's sum), ``partial`` (ops it gave no
     estimate), ``model_ms`` (XLA's cost model, where the compile carried one); ``error`` when
     the compile gave no figure."""
+    from pallas_tune.measure.estimate import cycles_to_ms
+
     row: dict[str, Any] = {"implementation": "xla", "timer": "tpu-estimate"}
     if result is None or not result.ok or result.cycles is None:
         return {**row, "error": (result.message[:500] or result.kind) if result is not None
                 else "no reference"}
-    row.update(median_ms=result.cycles / clock_hz * 1e3, spread_ms=0.0, cycles=result.cycles,
+    ms = cycles_to_ms(result.cycles, clock_hz)
+    row.update(median_ms=ms, spread_ms=0.0, times_ms=[ms], cycles=result.cycles,
                partial=result.ops_without_estimate)
-    row["times_ms"] = [row["median_ms"]]
     if result.model_cycles:
-        row["model_ms"] = result.model_cycles / clock_hz * 1e3
+        row["model_ms"] = cycles_to_ms(result.model_cycles, clock_hz)
     return row
 
 
