@@ -6,10 +6,10 @@ entry in the estimate caches (user cache, then the shipped ``caches/tpu_v6e``; c
 not tuned again), with XLA (the kernel's reference) estimated beside each tuned winner. Then
 the layer's time is estimated deviceless three ways: every kernel replaced by XLA (its
 reference), every kernel at its default config, and the tuned configs (XLA where XLA's estimate
-won). ``--method whole`` compiles the layer whole (``pallas_tune.step.estimates``: every op's
+won). ``--method whole`` compiles the layer whole (``pallas_tune.step.figures.estimates``: every op's
 static estimate summed); ``--method composed`` (the default: a whole 8B layer at 2048 tokens
 needs more memory than this host has) compiles its glue once and each call alone
-(``pallas_tune.step.composed``).
+(``pallas_tune.step.figures.composed``).
 
 Every figure is a COMPILER ESTIMATE (libtpu's static profile, deviceless), not a measurement.
 "partial" marks a lower bound: libtpu gave some ops no estimate, or a kernel has loops or
@@ -47,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_tune as pt  # noqa: E402
-from pallas_tune import step  # noqa: E402
+from pallas_tune.step import figures as step  # noqa: E402
 from pallas_tune.kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_tune.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from pallas_tune.kernels.mamba2_ssd import mamba2_ssd  # noqa: E402
@@ -231,7 +231,7 @@ def render(rows: list[dict], commands: list[str], missing: list[str]) -> str:
              "v6e compiles, summed over every op (Pallas kernels and XLA fusions) and converted "
              "at the v6e clock. Not a measurement; \"partial\" marks a lower bound (ops without "
              "an estimate). Composed figures (`--method composed`, "
-             "`pallas_tune.step.composed`): the layer's glue (every tunable call stubbed by an "
+             "`pallas_tune.step.figures.composed`): the layer's glue (every tunable call stubbed by an "
              "empty kernel) compiled whole, plus what each call adds when put back, one call per "
              "compile; on layers small enough to compile whole they match the whole-layer "
              "figure within 0.1% for Pallas settings and exceed it by up to 8% for all-XLA "

@@ -3,7 +3,7 @@
 ``xla_gradient(*args, g, forward="module:reference", **kwargs)`` is ``jax.vjp`` of the reference
 at the forward's arguments ``args`` for the cotangent ``g`` (positional and last: keywords are
 static in a compile). It is what a kernel declaring ``backward="xla"`` runs
-(``pallas_tune._vjp``), and the XLA column of benchmarks/training_shapes.py's backward rows. It
+(``pallas_tune.runtime.vjp``), and the XLA column of benchmarks/training_shapes.py's backward rows. It
 has a module of its own, not the script, so that worker processes import it by name.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 def xla_gradient(*args_and_g: Any, forward: str, **kwargs: Any) -> tuple[Any, ...]:
     """The cotangents of ``forward``'s array arguments (None for integer ones)."""
-    from pallas_tune import _vjp
+    from pallas_tune.runtime import vjp as _vjp
     from pallas_tune._refs import load
 
     *args, g = args_and_g

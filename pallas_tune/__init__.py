@@ -33,8 +33,8 @@ from pallas_tune.space import Constraint as Constraint
 from pallas_tune.space import Param as Param
 from pallas_tune.space import SearchSpace as SearchSpace
 from pallas_tune.space import load_space as load_space
-from pallas_tune.tunable import TunableKernel as TunableKernel
-from pallas_tune.tunable import tunable as tunable
+from pallas_tune.runtime.tunable import TunableKernel as TunableKernel
+from pallas_tune.runtime.tunable import tunable as tunable
 
 __version__ = "0.1.0"
 
@@ -46,8 +46,8 @@ _LAZY = {
     "chip_spec": "pallas_tune.chips",
     "ChipSpec": "pallas_tune.chips",
     "tune": "pallas_tune.tuning",
-    "autotune": "pallas_tune.program",
-    "AutotuneResult": "pallas_tune.program",
+    "autotune": "pallas_tune.step.program",
+    "AutotuneResult": "pallas_tune.step.program",
     "TuneOptions": "pallas_tune.tuning",
     "TuningResult": "pallas_tune.tuning",
 }

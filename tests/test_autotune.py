@@ -113,7 +113,7 @@ def test_a_call_that_cannot_be_tuned_loses_no_other_call(cache_dir, fresh, monke
 
 def test_autotune_finds_calls_under_grad_vmap_and_scan(cache_dir, fresh):
     """The calls are found wherever tracing meets them (here under vmap and scan)."""
-    from pallas_tune.program import find_calls
+    from pallas_tune.step.program import find_calls
 
     def program(xs):
         def body(carry, x):

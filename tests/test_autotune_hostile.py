@@ -171,8 +171,8 @@ def test_autotune_s_own_trace_does_not_swallow_a_receipts_warning(cache_dir, fre
                                                                  monkeypatch):
     """autotune's first trace hides cache misses (what it is about to tune); a receipts file
     that cannot be written is still warned about there (once), not silenced for good."""
-    from pallas_tune import _record
-    from pallas_tune.program import find_calls
+    from pallas_tune.runtime import record as _record
+    from pallas_tune.step.program import find_calls
 
     _record._dropped.clear()
     monkeypatch.setenv("PALLAS_TUNE_RECEIPTS", str(tmp_path))  # A directory.

@@ -192,22 +192,32 @@ def test_cpu_default_runs_interpreted_and_env_switch(cache_dir, fresh):
     np.testing.assert_allclose(fresh.scale(x, br=8, bc=128, buffering=2), 2 * x)
 
 
-def test_import_and_cached_call_do_not_import_optuna(cache_dir, fresh):
+def test_import_and_cached_call_do_not_import_optuna(cache_dir, fresh, tmp_path):
+    """The production path (``pallas_tune.runtime``: declaration, key, lookup, dispatch,
+    receipts) imports nothing of the tuner, the step, the CLI or their heavy dependencies, in
+    a fresh process that imports the package and traces a cached call under ``jax.jit`` with
+    receipts on."""
     x = fresh.ones()
     _seed_cache(fresh.scale, fresh.scale.cache_key(x), {"br": 32, "bc": 256, "buffering": 2})
+    receipts = tmp_path / "receipts.jsonl"
     code = (
-        "import sys, jax, numpy as np, pallas_tune, toy_kernels\n"
+        "import sys, jax, numpy as np, pallas_tune, pallas_tune.runtime, toy_kernels\n"
         "assert 'optuna' not in sys.modules\n"
         "x = toy_kernels.ones()\n"
         "c = toy_kernels.scale.config_for(x); assert c.source == 'cache', c\n"
         "np.testing.assert_allclose(jax.jit(toy_kernels.scale)(x), 2 * x)\n"
-        "bad = [m for m in ('optuna', 'pandas', 'pallas_tune.tuning', 'pallas_tune.measure', 'pallas_tune.search') if m in sys.modules]\n"
+        "heavy = ('optuna', 'pandas', 'rich', 'plotly', 'matplotlib', 'sqlalchemy', 'scipy',\n"
+        "         'pallas_tune.tuning', 'pallas_tune.measure', 'pallas_tune.search',\n"
+        "         'pallas_tune.step', 'pallas_tune.cli')\n"
+        "bad = [m for m in heavy if m in sys.modules]\n"
         "assert not bad, bad\n"
         "print('OK')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir), timeout=300)
+                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir,
+                                          PALLAS_TUNE_RECEIPTS=receipts), timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+    assert "cache" in receipts.read_text()  # The receipt was written: that path ran too.
 
 
 # ---- issue 12: nothing invalid is ever served, whatever its source ----------------------------

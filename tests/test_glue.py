@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_tune as pt
-from pallas_tune import glue, step
+from pallas_tune.step import figures as step
+from pallas_tune.step import glue
 from pallas_tune.kernels.flash_attention import flash_attention
 from pallas_tune.kernels.mamba2_ssd import mamba2_ssd
 from pallas_tune.kernels.matmul import matmul
 from pallas_tune.kernels.rms_norm import rms_norm
-from pallas_tune.tunable import resolution_hook
+from pallas_tune.runtime.tunable import resolution_hook
 from pallas_tune.tuning.finish import default_config
 
 S = jax.ShapeDtypeStruct
@@ -112,7 +113,7 @@ def test_the_glue_of_a_gradient_stubs_the_backward_kernels_too():
     assert len(jax.jit(g).trace(*MLP_ARGS).jaxpr.jaxpr.invars) == len(MLP_ARGS)
     jax.clear_caches()
     # A forward put back as XLA: its gradient is XLA's autodiff, its backward kernel is gone.
-    def xla(kernel, a, kw):  # As pallas_tune.step's "xla" setting.
+    def xla(kernel, a, kw):  # As pallas_tune.step.figures' "xla" setting.
         return pt.Config(default_config(kernel.space), implementation="xla")
 
     with resolution_hook(xla):

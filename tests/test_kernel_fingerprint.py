@@ -161,7 +161,7 @@ def test_current_and_unknown_entries_serve_silently(cache_dir, dk, recorded):
 
 
 def _UNSET():
-    return importlib.import_module("pallas_tune.tunable")._UNSET
+    return importlib.import_module("pallas_tune.runtime.tunable")._UNSET
 
 
 @pytest.mark.parametrize("bad", [12345, "xyz", OTHER.upper(), OTHER + "0", ["a"], {"a": 1}])

@@ -16,7 +16,7 @@ import pytest
 from conftest import subprocess_env
 
 import pallas_tune as pt
-from pallas_tune import _record
+from pallas_tune.runtime import record as _record
 from pallas_tune.config import Config
 from pallas_tune.errors import RecordWarning
 

@@ -53,7 +53,7 @@ def entry_problem(entry: Any) -> str | None:
     """Why ``entry`` cannot be served whatever the kernel (None: its structure is fine).
 
     The kernel-specific checks (parameter names, types, the declared space, validity for the
-    call's shapes) are the dispatcher's, in :mod:`pallas_tune.dispatch`.
+    call's shapes) are the dispatcher's, in :mod:`pallas_tune.runtime.dispatch`.
     """
     if not isinstance(entry, dict):
         return f"the entry is a {_type(entry)}, not an object"

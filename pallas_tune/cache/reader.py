@@ -14,7 +14,8 @@ one they list:
   its name and directory promise: what a call of the kernel it names would make of it.
 
 Which entries serve is then :func:`~pallas_tune.cache.entries.entry_problem` (any kernel) and
-:meth:`~pallas_tune.tunable.TunableKernel.entry_problems` (the kernel's names, types and space),
+:meth:`~pallas_tune.runtime.tunable.TunableKernel.entry_problems` (the kernel's names, types
+and space),
 for the runtime and the tools alike.
 """
 

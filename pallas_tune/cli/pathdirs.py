@@ -32,7 +32,7 @@ from typing import Any, Final
 __all__ = ["DirFinder", "import_path", "location", "preload", "refusal", "under", "warn_skipped"]
 
 # Imported before any --path directory can serve a module: what a kernel module imports.
-_PRELOAD: Final = ("numpy", "jax", "jax.numpy", "pallas_tune.tunable")
+_PRELOAD: Final = ("numpy", "jax", "jax.numpy", "pallas_tune.runtime.tunable")
 # Modules pallas-tune, JAX and Optuna import (some lazily, some only where installed), beyond
 # the requirements their distributions declare.
 _ALWAYS_REFUSED: Final = frozenset({

@@ -58,7 +58,7 @@ def raised(e: BaseException) -> str:
 
 def load_kernel(ref: str, paths: Sequence[str] = ()) -> Any:
     from pallas_tune import _refs
-    from pallas_tune.tunable import TunableKernel
+    from pallas_tune.runtime.tunable import TunableKernel
 
     for p in paths:
         if not os.path.isdir(p):
@@ -88,7 +88,7 @@ def add_import_option(parser: Any, what: str) -> None:
 
 def _tunables(module: Any) -> dict[str, Any]:
     """The tunables a module holds at its top level, by their registered names."""
-    from pallas_tune.tunable import TunableKernel
+    from pallas_tune.runtime.tunable import TunableKernel
 
     return {v.name: v for v in vars(module).values() if isinstance(v, TunableKernel)}
 
@@ -185,7 +185,7 @@ class KernelRegistry:
         return self._declared
 
     def _from_entry_point(self, name: str) -> tuple[Any, str | None] | None:
-        from pallas_tune.tunable import TunableKernel
+        from pallas_tune.runtime.tunable import TunableKernel
 
         for ep in self._entry_points():
             if ep.name != name:

@@ -1,6 +1,7 @@
 """Tuning for training (``grad=True``): the forward, then its backward kernel.
 
-The backward is a :class:`~pallas_tune.tunable.TunableKernel` of its own, so it is tuned like
+The backward is a :class:`~pallas_tune.runtime.tunable.TunableKernel` of its own, so it is
+tuned like
 any kernel, for the arguments the forward's ``backward_args(args, kwargs)`` builds (residuals
 and a cotangent, computed with the reference), against its own reference, into its own cache
 entries. The forward's winner never fixes the backward's tiles: the gradient resolves them from

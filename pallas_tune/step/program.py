@@ -30,10 +30,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import chips, step
+from pallas_tune import chips
+from pallas_tune.step import figures as step
 from pallas_tune.config import Config
 from pallas_tune.errors import NoFeasibleConfigError, PallasTuneError
-from pallas_tune.tunable import current_hook, resolution_hook
+from pallas_tune.runtime.tunable import current_hook, resolution_hook
 
 __all__ = ["AutotuneResult", "TunedCall", "autotune", "find_calls"]
 
@@ -161,7 +162,7 @@ class AutotuneResult:
     the tuned configs and with XLA for every kernel that has a reference, when asked for;
     ``step_timer`` says how it was obtained (wall clock, or a compiler ESTIMATE); under
     ``tpu-estimate``, ``step_detail`` holds per setting the cycles, the ops without an estimate
-    and whether the figure is ``partial`` (a lower bound); see :mod:`pallas_tune.step`."""
+    and whether the figure is ``partial`` (a lower bound); see :mod:`pallas_tune.step.figures`."""
 
     def __init__(self, calls: Sequence[TunedCall], *, step_ms: Mapping[str, float] | None = None,
                  step_timer: str = "", results: Mapping[tuple[str, str], Any] | None = None,
@@ -281,9 +282,10 @@ def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,
     keyword arguments are always given as they are. ``step_time``: also time the whole program
     (jitted) with the default configs, the tuned ones and XLA for every kernel with a reference;
     with ``timer="tpu-estimate"``, the whole step compiled deviceless for the chip and every
-    op's static estimate summed instead (:func:`pallas_tune.step.estimates`), or, with
+    op's static estimate summed instead (:func:`pallas_tune.step.figures.estimates`), or, with
     ``step_time="composed"``, the step's glue estimated whole and each call alone, for steps
-    too large to compile whole on the host (:func:`pallas_tune.step.composed`). Under that timer the
+    too large to compile whole on the host (:func:`pallas_tune.step.figures.composed`). Under
+    that timer the
     calls are looked up in, and tuned for, the target chip's cache (``chip=``).
 
     A call that cannot be tuned (no config of its kernel can run it, or its tuning fails) is

@@ -2,7 +2,8 @@
 
 Compiling a whole layer deviceless with its kernels in it can outgrow a host (libtpu's static
 profile simulates every grid step of every kernel in one process: a Llama-3.1-8B layer passed
-7.7 GB). :func:`pallas_tune.step.composed` compiles instead the **glue**, the step with every
+7.7 GB). :func:`pallas_tune.step.figures.composed` compiles instead the **glue**, the step with
+every
 tunable call replaced by a *stub* (:func:`glue_function`), once, and then each distinct call
 alone (:func:`alone`), counted as often as the step uses it (:func:`live_counts`).
 
@@ -26,9 +27,10 @@ import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import _vjp, chips
+from pallas_tune import chips
+from pallas_tune.runtime import vjp as _vjp
 from pallas_tune.config import Config
-from pallas_tune.tunable import current_hook, register_alternative, resolution_hook
+from pallas_tune.runtime.tunable import current_hook, register_alternative, resolution_hook
 
 __all__ = ["StubCall", "glue_function", "record"]
 
@@ -140,7 +142,7 @@ def _stubbed(real: tuple[str, str] | None = None, clear: bool = True) -> Iterato
     config, or its reference where that says XLA)."""
     import jax
 
-    outer = current_hook()  # A setting's configs (pallas_tune.step.settings), if any.
+    outer = current_hook()  # A setting's configs (pallas_tune.step.figures.settings), if any.
     stubs = _Stubs()
 
     def hook(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config:

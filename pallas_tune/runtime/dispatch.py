@@ -17,7 +17,8 @@ Resolution order for a call whose tuned keywords are not all given (the first co
    (:func:`pallas_tune.feasibility.roofline.roofline_calls`; a model, not a measurement).
 
 An entry tuned on other code of the kernel (its recorded ``kernel_fingerprint`` is not the
-kernel's :attr:`~pallas_tune.tunable.TunableKernel.fingerprint`) still serves when valid for the
+kernel's :attr:`~pallas_tune.runtime.tunable.TunableKernel.fingerprint`) still serves when
+valid for the
 call, with one warning per (kernel, key); entries that record none serve silently.
 
 Steps 2 to 5 warn once per (kernel, key), naming the config used, why the others were refused
@@ -30,15 +31,13 @@ import inspect
 import itertools
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from pallas_tune import _settings, keys
 from pallas_tune.cache import Hit
 from pallas_tune.errors import CacheMissError, InvalidConfig, NoFeasibleConfigError
+from pallas_tune.runtime.declare import Declared
 from pallas_tune.space import Config, _freeze
-
-if TYPE_CHECKING:
-    from pallas_tune.tunable import TunableKernel
 
 __all__ = ["check", "entry_problems", "resolve"]
 
@@ -50,7 +49,7 @@ def _frozen(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _freeze(v) for k, v in config.items()}
 
 
-def check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
+def check(kernel: Declared, config: Mapping[str, Any], args: Sequence[Any],
           kwargs: Mapping[str, Any]) -> tuple[list[str], list[Any] | None]:
     """Why ``config`` cannot run for these arguments (empty: it can), and the traced
     ``pallas_call``\\ s when it was traced. In order, stopping at the first that fails: the
@@ -71,7 +70,7 @@ def check(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
     return _inspect.block_rule_violations(calls), calls
 
 
-def declared_problems(kernel: TunableKernel, config: Mapping[str, Any], args: Sequence[Any],
+def declared_problems(kernel: Declared, config: Mapping[str, Any], args: Sequence[Any],
                       kwargs: Mapping[str, Any]) -> list[str]:
     """The part of :func:`check` that needs no trace: parameter names and value types, then the
     kernel's declared constraints for these arguments (empty: none refuses it)."""
@@ -91,14 +90,14 @@ def declared_problems(kernel: TunableKernel, config: Mapping[str, Any], args: Se
     return kernel.space.constraint_problems(env)
 
 
-def entry_problems(kernel: TunableKernel, entry: Mapping[str, Any]) -> list[str]:
+def entry_problems(kernel: Declared, entry: Mapping[str, Any]) -> list[str]:
     """Why a well-formed cache entry cannot be this kernel's (names, types, declared space);
     empty if it can. No tracing: :func:`check` then decides for a call's shapes."""
     outside = entry.get("outside_space") is True
     return kernel.space.config_problems(_frozen(entry["config"]), outside_ok=outside)
 
 
-def _vet(kernel: TunableKernel, hit: Hit, args: Sequence[Any], kwargs: Mapping[str, Any]
+def _vet(kernel: Declared, hit: Hit, args: Sequence[Any], kwargs: Mapping[str, Any]
          ) -> tuple[dict[str, Any] | None, str | None]:
     if hit.problem is not None:
         return None, hit.problem
@@ -113,7 +112,7 @@ def _vet(kernel: TunableKernel, hit: Hit, args: Sequence[Any], kwargs: Mapping[s
     return config, None
 
 
-def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+def resolve(kernel: Declared, chip: str, key: str, args: Sequence[Any],
             kwargs: Mapping[str, Any]) -> Config:
     """The config for a call whose key is ``key`` (see the module docstring for the order)."""
     cache = kernel.cache
@@ -165,7 +164,7 @@ def resolve(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
     return found
 
 
-def _check_fingerprint(kernel: TunableKernel, key: str, hit: Hit) -> None:
+def _check_fingerprint(kernel: Declared, key: str, hit: Hit) -> None:
     """Warns (once per kernel and key) when a served entry was tuned on other code of the
     kernel, or records a malformed fingerprint (then unknown). Never raises."""
     from pallas_tune import _kernel_hash
@@ -189,7 +188,7 @@ def _check_fingerprint(kernel: TunableKernel, key: str, hit: Hit) -> None:
         "every shape of a space file: pallas-tune sweep --space NAME)"), topic="stale")
 
 
-def _nearest(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+def _nearest(kernel: Declared, chip: str, key: str, args: Sequence[Any],
              kwargs: Mapping[str, Any], notes: list[str]) -> Config | None:
     if kernel.key_fn is not None:
         return None  # Custom keys have no notion of distance.
@@ -211,7 +210,7 @@ def _nearest(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
     return _same_shapes(kernel, chip, key, args, kwargs, notes, tried)
 
 
-def _same_shapes(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+def _same_shapes(kernel: Declared, chip: str, key: str, args: Sequence[Any],
                  kwargs: Mapping[str, Any], notes: list[str], tried: set[tuple[Any, ...]]
                  ) -> Config | None:
     """The entry of a key with the call's shapes but other static values (fewest differing
@@ -243,7 +242,7 @@ def _same_shapes(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any]
     return None
 
 
-def _default_or_model(kernel: TunableKernel, chip: str, key: str, args: Sequence[Any],
+def _default_or_model(kernel: Declared, chip: str, key: str, args: Sequence[Any],
                       kwargs: Mapping[str, Any], notes: list[str]) -> Config:
     default = kernel.space.default
     complete = default is not None and set(default) == set(kernel.space.names)
@@ -301,7 +300,7 @@ def _cost_spec(chip: str) -> Any:
     return spec
 
 
-def tune_hint(kernel: TunableKernel, key: str) -> str:
+def tune_hint(kernel: Declared, key: str) -> str:
     """The command that tunes ``key`` (or the call to make, for kernels no CLI can import)."""
     import sys
 

@@ -1,5 +1,5 @@
 """The whole step's time, under three settings: every tunable call at its default config, at
-the configs of an :class:`~pallas_tune.program.AutotuneResult`, and XLA (its reference)
+the configs of an :class:`~pallas_tune.step.program.AutotuneResult`, and XLA (its reference)
 wherever a kernel has one.
 
 Measured (:func:`wall_clock`): the jitted step run on this host, median of five runs.
@@ -32,7 +32,7 @@ from typing import Any
 
 from pallas_tune import chips
 from pallas_tune.config import Config
-from pallas_tune.tunable import resolution_hook
+from pallas_tune.runtime.tunable import resolution_hook
 
 __all__ = ["composed", "estimates", "settings", "wall_clock"]
 
@@ -164,7 +164,7 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
              memory_limit_bytes: int | None = -1
              ) -> tuple[dict[str, float], str, dict[str, Any]]:
     """The step's compiler estimate (ms) per setting, composed for steps too large to compile
-    whole on this host (:mod:`pallas_tune.glue`): the glue (every tunable call stubbed)
+    whole on this host (:mod:`pallas_tune.step.glue`): the glue (every tunable call stubbed)
     compiled once, plus each distinct call compiled alone under the setting (its inputs and
     results made and taken by stubs inside the program, so placed as intermediates), times the
     number of its occurrences the step uses. A call whose real form makes others disappear (a
@@ -175,7 +175,7 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
     the next, a buffer kept in VMEM from one to the next) is not modelled."""
     import warnings
 
-    from pallas_tune import glue
+    from pallas_tune.step import glue
     from pallas_tune.chips import chip_spec
     from pallas_tune.errors import PallasTuneWarning
     from pallas_tune.feasibility.inspect import array_function
@@ -258,7 +258,7 @@ def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[
     stubs and kernels that compile and profile as a program of their own: seen, libtpu 0.0.50,
     flash_attention_bwd at 512 tokens), a call without a VJP is estimated as its own program,
     its inputs parameters, and the figure says so (``standalone``, with the error)."""
-    from pallas_tune import glue
+    from pallas_tune.step import glue
 
     estimate, standalone = estimators
     config = traced(name, lambda: call.kernel.config_for(*call.args, **call.kwargs))

@@ -7,14 +7,34 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from pallas_tune.cache import TuningCache
 from pallas_tune.constraints import as_constraints
 from pallas_tune.errors import SearchSpaceError
 from pallas_tune.space import SearchSpace, load_space
 
-__all__ = ["declared_space", "default_name", "key_names", "library_cache"]
+__all__ = ["Declared", "declared_space", "default_name", "key_names", "library_cache"]
+
+
+class Declared(Protocol):
+    """What the dispatcher reads of a declared kernel (:class:`~pallas_tune.runtime.tunable.
+    TunableKernel` is one), so that :mod:`~pallas_tune.runtime.dispatch` needs nothing above it."""
+
+    name: str
+    fn: Callable[..., Any]
+    space: SearchSpace
+    cache: TuningCache
+    key_fn: Callable[..., Any] | None
+    reference: Callable[..., Any] | None
+    signature: inspect.Signature
+
+    @property
+    def fingerprint(self) -> str | None: ...
+
+    def _warn_once(self, key: str, message: str, *, topic: str = "miss") -> None: ...
+
+    def _tune_from_trace(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any: ...
 
 
 def key_names(fn: Callable[..., Any], names: Any, tuned: frozenset[str]) -> frozenset[str]:

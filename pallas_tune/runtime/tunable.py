@@ -1,7 +1,7 @@
 """``@tunable``: declare a kernel's tunable parameters; resolve them from the cache at trace time.
 
 Keywords the caller passes explicitly always win. The rest is resolved once per (chip, key) and
-process by :mod:`pallas_tune.dispatch`, whose docstring gives the order (exact cache entry,
+process by :mod:`pallas_tune.runtime.dispatch`, whose docstring gives the order (exact cache entry,
 strict/tune modes, nearest tuned shape, declared default, the cost model's best valid config):
 every config it serves, from whichever source, has passed :meth:`TunableKernel.violations` for
 the call's shapes. The result is memoized, so a repeated call costs one tuple build and one dict
@@ -19,8 +19,11 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import _record, _vjp, chips, dispatch, keys
-from pallas_tune._declare import declared_space, default_name, key_names, library_cache
+from pallas_tune import chips, keys
+from pallas_tune.runtime import dispatch
+from pallas_tune.runtime import record as _record
+from pallas_tune.runtime import vjp as _vjp
+from pallas_tune.runtime.declare import declared_space, default_name, key_names, library_cache
 from pallas_tune.cache import TuningCache, default_cache
 from pallas_tune.constraints import Constraint
 from pallas_tune.errors import SearchSpaceError, warn
@@ -296,10 +299,11 @@ class TunableKernel:
 
 
 # A function (kernel, args, kwargs) -> Config | None consulted before the cache while set:
-# pallas_tune.program records a program's calls with it, and applies a result's configs.
+# pallas_tune.step.program records a program's calls with it, and applies a result's configs.
 _HOOK: Callable[..., Any] | None = None
 # Implementations other than "pallas" and "xla" that a hook's Config may name, by name:
-# ``fn(kernel, args, kwargs, config)``; pallas_tune.glue registers "stub" (composed estimates).
+# ``fn(kernel, args, kwargs, config)``; pallas_tune.step.glue registers "stub" (composed
+# estimates).
 _ALTERNATIVES: dict[str, Callable[..., Any]] = {}
 
 
@@ -410,7 +414,7 @@ def tunable(
         ``jax.custom_vjp``): ``backward`` a ``@tunable`` kernel of its own, called by the
         gradient with no tile keywords, or ``"xla"`` (``jax.vjp`` of ``reference``);
         ``backward_args(args, kwargs) -> (bwd_args, bwd_kwargs)`` its example arguments for
-        ``tune(..., grad=True)``. The contract is :mod:`pallas_tune._vjp`'s docstring.
+        ``tune(..., grad=True)``. The contract is :mod:`pallas_tune.runtime.vjp`'s docstring.
       **choices: parameter name → list of choices.
 
     Raises:

@@ -2,7 +2,8 @@
 
 A forward kernel declares its backward with ``@tunable(backward=..., backward_args=...)``:
 
-- ``backward=BWD``, a :class:`~pallas_tune.tunable.TunableKernel` of its own (own name, space,
+- ``backward=BWD``, a :class:`~pallas_tune.runtime.tunable.TunableKernel` of its own (own name,
+space,
   cache entries, reference): the gradient's rule calls ``BWD(*residuals, g, **kwargs)`` with
   **no tile keywords**, so BWD's config is resolved from the cache when the gradient is traced,
   through the same validity check and fallback order as every kernel call. ``kwargs`` are the
