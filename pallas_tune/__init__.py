@@ -47,7 +47,7 @@ _LAZY = {
     "ChipSpec": "pallas_tune.chips",
     "tune": "pallas_tune.tuning",
     "autotune": "pallas_tune.step.program",
-    "AutotuneResult": "pallas_tune.step.program",
+    "AutotuneResult": "pallas_tune.step.result",
     "TuneOptions": "pallas_tune.tuning",
     "TuningResult": "pallas_tune.tuning",
 }

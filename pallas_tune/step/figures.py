@@ -1,5 +1,5 @@
 """The whole step's time, under three settings: every tunable call at its default config, at
-the configs of an :class:`~pallas_tune.step.program.AutotuneResult`, and XLA (its reference)
+the configs of an :class:`~pallas_tune.step.result.AutotuneResult`, and XLA (its reference)
 wherever a kernel has one.
 
 Measured (:func:`wall_clock`): the jitted step run on this host, median of five runs.

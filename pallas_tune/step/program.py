@@ -24,9 +24,6 @@ study between them, as ``pallas-tune sweep`` does.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +32,7 @@ from pallas_tune.step import figures as step
 from pallas_tune.config import Config
 from pallas_tune.errors import NoFeasibleConfigError, PallasTuneError
 from pallas_tune.runtime.tunable import current_hook, resolution_hook
+from pallas_tune.step.result import AutotuneResult, TunedCall
 
 __all__ = ["AutotuneResult", "TunedCall", "autotune", "find_calls"]
 
@@ -127,145 +125,6 @@ def _stand_in(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Co
     if kernel.reference is not None:
         return Config(kernel.space.default or {}, source="default", implementation="xla")
     return None
-
-
-@dataclasses.dataclass(frozen=True)
-class TunedCall:
-    """A call of the program and the config it runs with. ``source``: ``"cache"`` (an entry
-    existed: not tuned again), ``"tuned"`` (tuned here), ``"untuned"`` (its tuning failed,
-    ``error`` says why; the result does not apply a config to it), or the fallback that served
-    when tuning was not asked for. Times are those of the tuning run (NaN where not measured here),
-    ``default_ms`` and ``best_ms`` from the same final ranking."""
-
-    kernel: str
-    key: str
-    chip: str
-    config: dict[str, Any]
-    source: str
-    implementation: str = "pallas"
-    default_ms: float = math.nan
-    best_ms: float = math.nan
-    xla_ms: float = math.nan
-    timer: str = ""
-    xla_partial: int = 0  # Estimates: the reference's ops without an estimate (a lower bound).
-    effective: dict[str, Any] | None = None  # What ``config`` runs as, where clamped.
-    error: str = ""  # ``source == "untuned"``: why tuning failed (the call runs as it did).
-
-    def as_config(self) -> Config:
-        return Config(self.config, source="tuned" if self.source == "tuned" else "cache",
-                      origin="autotune", implementation=self.implementation)
-
-
-class AutotuneResult:
-    """What :func:`autotune` returns: the program's calls and their configs (see the module
-    docstring). ``step_ms``: the whole program's time with each kernel's default config, with
-    the tuned configs and with XLA for every kernel that has a reference, when asked for;
-    ``step_timer`` says how it was obtained (wall clock, or a compiler ESTIMATE); under
-    ``tpu-estimate``, ``step_detail`` holds per setting the cycles, the ops without an estimate
-    and whether the figure is ``partial`` (a lower bound); see :mod:`pallas_tune.step.figures`."""
-
-    def __init__(self, calls: Sequence[TunedCall], *, step_ms: Mapping[str, float] | None = None,
-                 step_timer: str = "", results: Mapping[tuple[str, str], Any] | None = None,
-                 step_detail: Mapping[str, Any] | None = None):
-        self.calls = list(calls)
-        self.step_ms = dict(step_ms or {})
-        self.step_timer = step_timer
-        self.step_detail = dict(step_detail or {})
-        self._results = dict(results or {})
-        self._by = {(c.chip, c.kernel, c.key): c for c in self.calls}
-        self._hooks: list[Any] = []
-
-    def __repr__(self) -> str:
-        tuned = sum(c.source == "tuned" for c in self.calls)
-        failed = sum(c.source == "untuned" for c in self.calls)
-        xla = sum(c.implementation == "xla" for c in self.calls)
-        return (f"AutotuneResult({len(self.calls)} calls: {tuned} tuned, "
-                f"{len(self.calls) - tuned - failed} from the cache"
-                + (f", {failed} could not be tuned" if failed else "") + f"; {xla} run XLA)")
-
-    # ---- applying ----------------------------------------------------------------------------
-
-    def __enter__(self) -> AutotuneResult:
-        def apply(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config | None:
-            call = self._by.get((chips.current_chip(), kernel.name,
-                                 kernel.cache_key(*args, **kwargs)))
-            return call.as_config() if call is not None and call.source != "untuned" else None
-
-        hook = resolution_hook(apply)
-        _forget_traces()
-        hook.__enter__()
-        self._hooks.append(hook)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.pop().__exit__(*exc)
-        _forget_traces()
-
-    # ---- keeping -----------------------------------------------------------------------------
-
-    def to_json(self) -> dict[str, Any]:
-        return {"schema": 1, "step_ms": self.step_ms, "step_timer": self.step_timer,
-                "step_detail": self.step_detail, "calls": [dataclasses.asdict(c) for c in self.calls]}
-
-    def dump(self, path: str | os.PathLike[str]) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_json(), f, indent=1, default=str)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> AutotuneResult:
-        """A result from :meth:`to_json`'s form; raises ValueError naming what is wrong."""
-        calls = data.get("calls") if isinstance(data, Mapping) else None
-        if not isinstance(calls, list):
-            raise ValueError("not an autotune result: no `calls` list")
-        fields = {f.name for f in dataclasses.fields(TunedCall)}
-        out = []
-        for i, c in enumerate(calls):
-            if not isinstance(c, dict) or not {"kernel", "key", "chip", "config",
-                                               "source"} <= set(c):
-                raise ValueError(f"call {i} is not an object with kernel, key, chip, config "
-                                 "and source")
-            if not isinstance(c["config"], dict):
-                raise ValueError(f"call {i}: config is not an object")
-            out.append(TunedCall(**{k: v for k, v in c.items() if k in fields}))
-        step_ms = data.get("step_ms") if isinstance(data.get("step_ms"), dict) else {}
-        detail = data.get("step_detail") if isinstance(data.get("step_detail"), dict) else {}
-        return cls(out, step_ms=step_ms, step_timer=str(data.get("step_timer", "")),
-                   step_detail=detail)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> AutotuneResult:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(json.load(f))
-
-    @classmethod
-    def merge(cls, *results: AutotuneResult) -> AutotuneResult:
-        """One result of several (later results win for the same chip, kernel and key)."""
-        by: dict[tuple[str, str, str], TunedCall] = {}
-        for r in results:
-            by.update({(c.chip, c.kernel, c.key): c for c in r.calls})
-        return cls(list(by.values()))
-
-    def write(self) -> list[str]:
-        """Writes the calls tuned here to the user cache (their full tuning results, trials
-        included); returns the files written."""
-        from pallas_tune.tuning import finish
-
-        paths = []
-        for (name, key), (kernel, result) in self._results.items():
-            del name, key  # Keyed for lookups; the result carries both.
-            paths.append(finish.write(kernel, result).cache_path)
-            with kernel._lock:  # Lookups in this process see the new entries.
-                kernel._memo.clear()
-        return paths
-
-
-def _forget_traces() -> None:
-    """JAX caches traces (``jax.jit``, ``make_jaxpr``) by function and shapes, not by the
-    configs our calls resolve to: entering or leaving a result clears them, so a program
-    jitted before is traced again with the configs now in force (and compiled again)."""
-    import jax
-
-    jax.clear_caches()
 
 
 def autotune(fn: Callable[..., Any], *args: Any, step_time: bool | str = False,

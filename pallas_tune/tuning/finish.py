@@ -16,7 +16,7 @@ from pallas_tune.errors import MeasurementError, NoFeasibleConfigError
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.loops import PREFETCH_NOTE
 from pallas_tune.measure.records import Outcome, spread
-from pallas_tune.tuning import footing
+from pallas_tune.tuning import footing, noise
 from pallas_tune.tuning.log import TrialLog
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import Plan
@@ -95,15 +95,35 @@ def rerank(evaluator: Evaluator, log: TrialLog, options: TuneOptions,
     if options.retime_top < 2 or len(top) < 2:
         return None
     rounds = max(3, options.repeats)
+    configs = [r.config for r in top]
+    times = _retime(evaluator, configs, rounds, xla)
+    if not times:
+        return None
+    rows = _rows(top, times, base, xla)
+    verdict = noise.judge(rows)
+    if verdict is not None and (not verdict["winner_ahead"]
+                                or verdict["default_ahead_by"] is False):
+        # Within noise: time the same configs again, twice as long, before claiming a rank.
+        more = _retime(evaluator, configs, 2 * rounds, xla)
+        if more and len(more) == len(times):
+            times = [a + b for a, b in zip(times, more, strict=True)]
+            rows = [{**row, "retimed": 2} for row in _rows(top, times, base, xla)]
+    return rows
+
+
+def _retime(evaluator: Evaluator, configs: list[Any], rounds: int, xla: bool
+            ) -> list[list[float]] | None:
     try:
-        times = (evaluator.rerank([r.config for r in top], rounds=rounds, reference=True)
-                 if xla else evaluator.rerank([r.config for r in top], rounds=rounds))
+        return (evaluator.rerank(configs, rounds=rounds, reference=True) if xla
+                else evaluator.rerank(configs, rounds=rounds))
     except Exception:  # noqa: BLE001 - keep the search's ranking if re-timing fails.
         logger.warning("interleaved re-timing failed; keeping the search's ranking",
                        exc_info=True)
         return None
-    if not times:
-        return None
+
+
+def _rows(top: list[Any], times: list[list[float]], base: Any, xla: bool
+          ) -> list[dict[str, Any]]:
     rows = [{"trial": r.number, "config": dict(r.config), "search_median_ms": r.median_ms,
              "median_ms": statistics.median(t), "spread_ms": spread(t), "times_ms": list(t),
              **({"default": True} if r is base else {})}
@@ -167,6 +187,13 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
                 "you mean to ship.")
     if ranking:
         prov["retimed_interleaved"] = ranking
+        verdict = noise.judge(ranking)
+        if verdict is not None:
+            prov["ranking_noise"] = verdict
+            if "note" in verdict:
+                from pallas_tune import errors
+
+                errors.warn(f"{kernel.name} {plan.key}: {verdict['note']}")
     if best is not None and PREFETCH_NOTE in (best.detail or ""):  # measure.estimate._detail
         prov["estimate_caveat"] = best.detail
     if "xla_estimate" in extra:  # The reference's estimate, labelled as one.

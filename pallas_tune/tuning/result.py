@@ -89,9 +89,62 @@ class TuningResult:
                       f"{'XLA runs' if self.implementation == 'xla' else 'Pallas runs'}")
         if self.backward is not None:
             speed += f"; backward {self.backward.best_ms:.4g} ms"
+        if self.within_noise:
+            speed += "; within noise (see .table())"
         return (f"TuningResult({self.kernel} {self.key} on {self.chip}: best {best} "
                 f"{self.best_ms:.4g} ms{speed}; {len(self.records)} trials, "
                 f"{self.provenance.get('timer', '?')})")
+
+    def __str__(self) -> str:
+        """The final ranking as a table, then what it can claim (see :meth:`table`)."""
+        return self.table()
+
+    def table(self) -> str:
+        """The result for people: the final ranking (the re-timed configs, interleaved, with
+        the default and XLA where they ran; else the search's best), each row's median, spread
+        and time over the winner's, and one line saying what these runs support: the winner,
+        its speed-up over the default, or that the timings are within noise."""
+        from pallas_tune.tuning import noise
+
+        head = (f"{self.kernel} {self.key} on {self.chip} ({self.provenance.get('timer', '?')}, "
+                f"{len(self.records)} trials)")
+        rows = [r for r in self.ranking if r.get("median_ms") is not None]
+        if not rows:  # No re-ranking: the search's best ok trials.
+            ok = sorted((r for r in self.records if r.outcome.value == "ok"
+                         and r.duplicate_of is None), key=lambda r: r.median_ms)[:5]
+            rows = [{"trial": r.number, "config": dict(r.config), "median_ms": r.median_ms,
+                     "spread_ms": r.measurement.spread_ms if r.measurement else math.nan}
+                    for r in ok]
+        lines = [head, f"  {'rank':>4}  {'median ms':>10}  {'spread ms':>10}  {'x best':>6}"
+                       "  config"]
+        for i, row in enumerate(rows, 1):
+            what = ("XLA (the reference)" if row.get("implementation") == "xla"
+                    else _config_text(row["config"]) + ("  [default]" if row.get("default")
+                                                        else ""))
+            ratio = row["median_ms"] / self.best_ms if self.best_ms > 0 else math.nan
+            lines.append(f"  {i:>4}  {row['median_ms']:>10.4g}  {row.get('spread_ms', 0):>10.3g}"
+                         f"  {ratio:>6.2f}  {what}")
+        verdict = noise.judge(self.ranking) or {}
+        claim = f"best: {_config_text(self.effective or self.best)}, {self.best_ms:.4g} ms"
+        if rows and rows[0].get("default"):
+            claim += ": the default (no config beat it)"
+        elif math.isfinite(self.speedup) and verdict.get("default_ahead_by") is not False:
+            claim += f", {self.speedup:.2f}x the default"
+        if self.implementation == "xla":
+            claim += "; calls run XLA (it beat every config)"
+        lines.append(claim)
+        if "note" in verdict:
+            lines.append("NOISE: " + verdict["note"])
+        if self.cache_path:
+            lines.append(f"cache: {self.cache_path}")
+        return "\n".join(lines)
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether the final ranking could not tell the winner from the runner-up or the
+        default (see :mod:`pallas_tune.tuning.noise`)."""
+        verdict = self.provenance.get("ranking_noise") or {}
+        return "note" in verdict
 
     @property
     def speedup(self) -> float:
@@ -165,6 +218,10 @@ def xla_fields(xla_ms: float, best_ms: float, partial: int, implementation: str
         **({"xla_partial": partial} if partial else {}),
         **({"implementation": "xla"} if implementation == "xla" else {}),
     }
+
+
+def _config_text(config: Any) -> str:
+    return " ".join(f"{k}={v}" for k, v in dict(config).items())
 
 
 def _cell(v: Any) -> Any:
