@@ -108,14 +108,25 @@ def warn(message: str, category: type[Warning] = PallasTuneWarning) -> None:
     import os
     import sys
 
-    root = os.path.dirname(os.path.abspath(__file__))
+    # Our frames, and JAX's: a backward kernel resolves inside jax.grad's machinery, and the
+    # line to show is the user's call of jax.grad (or jit), not a JAX internal.
+    roots = (os.path.dirname(os.path.abspath(__file__)),) + _jax_roots()
     if sys.version_info >= (3, 12):
-        warnings.warn(message, category, skip_file_prefixes=(root,))
+        warnings.warn(message, category, skip_file_prefixes=roots)
         return
     frame, level = sys._getframe(1), 2  # Python 3.11: count our own frames by hand.
-    while frame is not None and frame.f_code.co_filename.startswith(root):
+    while frame is not None and frame.f_code.co_filename.startswith(roots):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
+
+
+def _jax_roots() -> tuple[str, ...]:
+    import os
+    import sys
+
+    jax = sys.modules.get("jax")
+    path = getattr(jax, "__file__", None)
+    return (os.path.dirname(os.path.abspath(path)) + os.sep,) if path else ()
 
 
 class RecordWarning(PallasTuneWarning):

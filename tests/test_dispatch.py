@@ -95,8 +95,10 @@ def test_nearest_tuned_shape_if_valid(cache_dir, fresh):
     with pytest.warns(pt.PallasTuneWarning, match="nearest tuned shape"):
         cfg = fresh.scale.config_for(x)
     assert cfg.source == "nearest" and cfg["br"] == 64
-    # 8x256: a 64-row block over 8 rows is allowed on TPU (edge blocks are padded): used.
-    with pytest.warns(pt.PallasTuneWarning, match="nearest tuned shape"):
+    # 8x256: a 64-row block over 8 rows is allowed on TPU (edge blocks are padded): used,
+    # without a second warning (one per kernel, chip and fallback).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert fresh.scale.config_for(fresh.ones((8, 256)))["br"] == 64
     # br=12 tiles 12 rows (the full dim) but not 24 (12 is no multiple of 8): the default is used.
     _seed_cache(fresh.scale_checked, "x=12x256:float32,factor=2.0",
@@ -450,3 +452,25 @@ def test_receipts_say_what_each_call_ran(cache_dir, fresh, monkeypatch, tmp_path
     fresh.scale._memo.clear()
     fresh.scale(x)
     assert len(path.read_text().splitlines()) == 2  # Unset: nothing written.
+
+
+def test_one_gradient_warns_once_per_kernel_and_points_at_the_caller(cache_dir):
+    """A step's misses: one warning per kernel and fallback (not one per shape), each shown at
+    the user's line, also for a backward kernel resolved inside jax.grad's machinery."""
+    import grad_kernels as gk
+
+    for k in (gk.square, gk.square_bwd):
+        k._memo.clear()
+        k._warned.clear()
+
+    def loss(x, y):
+        return gk.square(x).sum() + gk.square(y).sum() + gk.square(x[:3]).sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.grad(loss, argnums=(0, 1))(jnp.ones(5), jnp.ones(7))
+    ours = [w for w in caught if issubclass(w.category, pt.PallasTuneWarning)]
+    named = sorted(re.search(r"of '([^']+)'", str(w.message)).group(1) for w in ours)
+    assert named == ["tests.square", "tests.square_bwd"], [str(w.message) for w in ours]
+    assert {w.filename for w in ours} == {__file__}, [w.filename for w in ours]
+    assert all("PALLAS_TUNE_RECORD=FILE" in str(w.message) for w in ours)

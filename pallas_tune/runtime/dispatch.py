@@ -160,7 +160,7 @@ def resolve(kernel: Declared, chip: str, key: str, args: Sequence[Any],
                 "model (a model, not a measurement)")
     refusals = f" Refused first: {'; '.join(notes)}." if notes else ""
     kernel._warn_once(key, f"{head}; {what}.{refusals} Tune this shape with: "
-                           f"{tune_hint(kernel, key)}")
+                           f"{tune_hint(kernel, key)}", topic=f"miss:{found.source}")
     return found
 
 

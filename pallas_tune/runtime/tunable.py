@@ -209,9 +209,18 @@ class TunableKernel:
         return config.replace(**explicit) if explicit else config
 
     def _warn_once(self, key: str, message: str, *, topic: str = "miss") -> None:
-        marker = (chips.current_chip(), key, topic)
+        """Warns once per process: a miss (``topic`` ``"miss:SOURCE"``) once per kernel, chip
+        and fallback (default, nearest shape, model): a step's other shapes served the same way
+        would repeat the same advice; anything else (a stale or malformed entry) once per key."""
+        chip = chips.current_chip()
+        miss = topic.startswith("miss")
+        marker = (chip, topic) if miss else (chip, key, topic)
         if marker not in self._warned:
             self._warned.add(marker)
+            if miss:
+                message += (". Later shapes of this kernel served the same way are not warned "
+                            "again; PALLAS_TUNE_RECORD=FILE records them all, for pallas-tune "
+                            "sweep --from-record FILE")
             warn(message)
 
     def _resolve_slow(self, chip: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config:
