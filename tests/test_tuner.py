@@ -414,16 +414,37 @@ def test_a_retune_warm_starts_from_the_entry_it_may_replace(cache_dir):
 
 
 def test_one_error_for_every_first_candidate_stops_the_run(cache_dir):
-    """int8 operands fail every matmul config at trace time with one error: the run stops
-    after FAIL_FAST candidates and says so, instead of spending 20 trials (issue 26.6)."""
+    """int8 (or float16) operands fail every matmul config at trace time with one error: the
+    run stops after FAIL_FAST_TRACE candidates (tracing spends no compile) and says so,
+    instead of spending 20 trials (issue 26.6)."""
     from pallas_tune.kernels.matmul import matmul
-    from pallas_tune.tuning.loop import FAIL_FAST
+    from pallas_tune.tuning.loop import FAIL_FAST_TRACE
 
-    x = jnp.ones((256, 256), jnp.int8)
-    with pytest.raises(pt.NoFeasibleConfigError,
-                       match=rf"first {FAIL_FAST} candidates all failed the same way.*int8"):
-        matmul.tune(x, x, trials=20, repeats=1, write=False)
+    for dtype in (jnp.int8, jnp.float16):
+        x = jnp.ones((256, 256), dtype)
+        with pytest.raises(pt.NoFeasibleConfigError,
+                           match=rf"first {FAIL_FAST_TRACE} candidates all failed the same way"
+                                 rf".*tracing failed.*{jnp.dtype(dtype).name}"):
+            matmul.tune(x, x, trials=20, repeats=1, write=False)
     assert not list((cache_dir).glob("**/*.json"))  # Nothing written.
+
+
+def test_compile_errors_need_more_candidates_than_trace_errors_to_stop(cache_dir):
+    """A failure past tracing (compile, run) can depend on the config in ways its text does
+    not show, so only FAIL_FAST first candidates failing alike stop the run."""
+    from pallas_tune.measure.records import Outcome, TrialRecord
+    from pallas_tune.tuning import loop
+
+    class Log:
+        records = [TrialRecord(number=i, config={"a": i}, outcome=Outcome.COMPILE_ERROR,
+                               error="Mosaic failed: VMEM") for i in range(loop.FAIL_FAST - 1)]
+
+    loop._fail_fast(type("K", (), {"name": "k"}), Log)  # Below FAIL_FAST: goes on.
+    Log.records = Log.records + [TrialRecord(number=9, config={"a": 9},
+                                             outcome=Outcome.COMPILE_ERROR,
+                                             error="Mosaic failed: VMEM")]
+    with pytest.raises(pt.NoFeasibleConfigError, match="first 5 candidates"):
+        loop._fail_fast(type("K", (), {"name": "k"}), Log)
 
 
 def test_xla_wins_where_it_is_faster_and_calls_then_run_it(cache_dir, fresh, tmp_path,

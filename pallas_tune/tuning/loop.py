@@ -33,6 +33,7 @@ __all__ = ["run", "tune", "warm_start_configs"]
 STANDIN_SCAN = 512
 WAIT_S = 0.5  # Poll interval while other workers finish the study's last trials.
 FAIL_FAST = 5  # Stop when this many first candidates all failed with one same error.
+FAIL_FAST_TRACE = 2  # ... or this many, where each failed while being traced (no compile).
 
 
 def tune(kernel: Any, *args: Any, options: TuneOptions | None = None, **kwargs: Any
@@ -204,7 +205,11 @@ def _fail_fast(kernel: Any, log: TrialLog) -> None:
     error: the call's arguments (a dtype the kernel refuses, say), not the configs, are then
     the problem, and the rest of the budget would fail the same way."""
     done = [r for r in log.records if r.duplicate_of is None]
-    if len(done) < FAIL_FAST or any(r.outcome.timed for r in done):
+    # Tracing is deterministic and spends no compile: the same error from two different
+    # configs already says the arguments are at fault (a dtype the kernel refuses, say).
+    traced = all((r.error or "").startswith("tracing failed") for r in done)
+    if len(done) < (FAIL_FAST_TRACE if traced else FAIL_FAST) or any(r.outcome.timed
+                                                                      for r in done):
         return
     errors = {(r.outcome, r.error) for r in done}
     if len(errors) != 1:
