@@ -294,13 +294,11 @@ def test_fresh_study_starts_over_and_a_rerun_resumes(cache_dir, capsys):
 def test_the_resume_line_drops_fresh_study(monkeypatch, capsys):
     """The printed command resumes the interrupted study: with --fresh-study kept, it would
     start that shape's study over."""
-    import argparse
-
     from pallas_tune.cli import sweep
 
     monkeypatch.setattr(sys, "argv", ["pallas-tune", "sweep", "--space", "matmul", "--force",
                                       "--fresh-study", "--trials", "4"])
-    sweep._interrupted(argparse.Namespace(storage="sqlite:///s.db"), "x=8x8:float32")
+    sweep._interrupted("sqlite:///s.db", "x=8x8:float32")
     err = capsys.readouterr().err
     assert "to resume, run again: pallas-tune sweep --space matmul --force --trials 4" in err
     assert "--fresh-study" not in err

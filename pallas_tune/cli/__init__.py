@@ -36,10 +36,11 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["main"]
 
+from pallas_tune.cli import edge  # noqa: E402
 from pallas_tune.cli.options import _fmt_config, add_tune_options, tune_options  # noqa: E402
 from pallas_tune.cli.registry import add_import_option  # noqa: E402
 from pallas_tune.cli.shapes import (  # noqa: E402
@@ -48,6 +49,9 @@ from pallas_tune.cli.shapes import (  # noqa: E402
     read_shapes,
     spec_items,
 )
+
+if TYPE_CHECKING:
+    from pallas_tune.cli.edge import FeasibilityRequest
 
 _tune_options = tune_options  # The names tests and older callers use.
 _spec_items = spec_items
@@ -60,28 +64,19 @@ from pallas_tune.cli.sweep import import_path as _import_path  # noqa: E402
 from pallas_tune.cli.sweep import load_kernel as _load_kernel  # noqa: E402
 
 
-def cmd_feasibility(args: argparse.Namespace) -> int:
-    from pallas_tune.chips import chip_spec
+def cmd_feasibility(request: FeasibilityRequest) -> int:
     from pallas_tune.feasibility import compile as _compile
     from pallas_tune.feasibility import inspect as _inspect
     from pallas_tune.feasibility import model as feasibility
 
-    kernel = _load_kernel(args.kernel, args.path or ())
-    try:
-        spec = chip_spec(args.chip)
-    except ValueError as e:
-        raise CLIUsageError(str(e)) from None
-    if args.compile and not _compile.libtpu_available():
-        raise CLIUsageError("--compile needs libtpu: pip install 'pallas-tune[tpu]'")
-    specs = _read_shapes(args)
-    if not specs:
-        raise CLIUsageError("give at least one --shapes")
-    for shape in specs:
+    kernel = _load_kernel(request.kernel, request.paths)
+    spec = request.chip
+    for shape in request.shapes:
         call_args, call_kwargs = build_call(kernel, shape)
         print(f"{kernel.name} on {spec.name} for {shape} (scoped VMEM default "
               f"{spec.scoped_vmem_default_bytes / 2**20:.0f} MiB)")
         header = f"  {'config':60s} {'model':11s} {'est MiB':>8s} {'limit':>6s} {'vreg':>5s}"
-        print(header + ("  compiler" if args.compile else ""))
+        print(header + ("  compiler" if request.compile else ""))
         counts: dict[str, int] = {}
         for config in kernel.space:
             try:
@@ -94,7 +89,7 @@ def cmd_feasibility(args: argparse.Namespace) -> int:
                     f"{v.vmem_bytes / 2**20:8.2f} {v.limit_bytes / 2**20:6.0f} "
                     f"{v.vreg_pressure:5.1f}")
             key = f"model {v.status}"
-            if args.compile:
+            if request.compile:
                 r = _compile.compile_deviceless(kernel.fn, call_args, {**call_kwargs, **config},
                                                 chip=spec.name)
                 used = f" {r.scoped_vmem_bytes / 2**20:.2f} MiB" if r.scoped_vmem_bytes else ""
@@ -208,38 +203,40 @@ _COMPILING = frozenset({"sweep", "feasibility", "recheck-xla"})
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns its exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
+    command, run = args.command, args.func  # Which command; the edge reads every other flag.
     from pallas_tune.errors import (PallasTuneError, SearchSpaceError, TuneOptionError,
                                     is_disk_full)
 
     terminated: list[int] = []
     try:
-        if args.command in _COMPILING:
+        if command in _COMPILING:
             from pallas_tune.measure.logs import RunLogs
 
             # This process's own libtpu (deviceless compiles) logs in a run directory of its
             # own, set before libtpu loads; its workers' get theirs, kept within their bound.
             os.environ.update(RunLogs().env)
         with _import_path(), _sigterm_as_interrupt(terminated):
-            return int(args.func(args) or 0)
+            request = edge.convert(args)  # Every flag checked, once, before any work.
+            return int(run(request) or 0)
     except KeyboardInterrupt:
-        print(f"pallas-tune {args.command}: interrupted", file=sys.stderr, flush=True)
+        print(f"pallas-tune {command}: interrupted", file=sys.stderr, flush=True)
         return 143 if terminated else 130
     except SystemExit as e:
         if e.code == 130:
             return 143 if terminated else 130
         raise
     except (CLIUsageError, TuneOptionError, SearchSpaceError) as e:  # Bad input given.
-        _error(args.command, e)
+        _error(command, e)
         return 2
     except (PallasTuneError, OSError) as e:
-        _error(args.command, e)
+        _error(command, e)
         return 1
     except Exception as e:  # A database's "disk is full" (SQLAlchemy, Optuna): one line too.
         if not is_disk_full(e):
             raise
-        _error(args.command, f"the disk is full ({type(e).__name__}: "
-                             f"{str(e).strip().splitlines()[0][:300]}); free space and run it "
-                             "again (what finished is kept)")
+        _error(command, f"the disk is full ({type(e).__name__}: "
+                        f"{str(e).strip().splitlines()[0][:300]}); free space and run it "
+                        "again (what finished is kept)")
         return 1
 
 

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pallas_tune.cli.registry import KernelRegistry, add_import_option
 from pallas_tune.cli.shapes import CLIUsageError
+
+if TYPE_CHECKING:
+    from pallas_tune.cli.edge import CheckRequest, MergeRequest
 
 __all__ = ["add_parsers", "cmd_check", "cmd_merge", "root_problem"]
 
@@ -123,7 +125,7 @@ def _read(path: str, *, as_named: bool = True) -> tuple[Any, str | None]:
         return None, str(e)
 
 
-def _space_kernels(args: argparse.Namespace) -> list[Any]:
+def _space_kernels(request: CheckRequest) -> list[Any]:
     """The kernels the ``--space`` files name (a file that cannot be read is left to
     :func:`_coverage`, which says why)."""
     from pallas_tune.cli.registry import load_kernel
@@ -131,13 +133,13 @@ def _space_kernels(args: argparse.Namespace) -> list[Any]:
     from pallas_tune.space import load_space
 
     out = []
-    for name in args.space or ():
+    for name in request.spaces:
         try:
             ref = load_space(name)["kernel"]
         except SearchSpaceError:
             continue
         if ref:
-            out.append(load_kernel(ref, args.path or ()))
+            out.append(load_kernel(ref, request.paths))
     return out
 
 
@@ -203,17 +205,17 @@ def root_problem(root: str) -> str | None:
     return None
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def cmd_check(request: CheckRequest) -> int:
     from pallas_tune import chips
     from pallas_tune.cache import default_cache
 
-    paths = args.paths or [default_cache().user_root]
-    if not args.paths and root_problem(paths[0]):
+    paths = list(request.roots) or [default_cache().user_root]
+    if not request.roots and root_problem(paths[0]):
         print(f"problem: {root_problem(paths[0])}")
         return 1
-    registry = None if args.no_kernels else KernelRegistry(args.imports or (), args.path or ())
+    registry = None if request.no_kernels else KernelRegistry(request.imports, request.paths)
     if registry is not None:
-        for kernel in _space_kernels(args):  # Named by the user's --space files: allowed.
+        for kernel in _space_kernels(request):  # Named by the user's --space files: allowed.
             registry.allow(kernel)
     problems: list[str] = []
     notes: list[str] = []
@@ -241,8 +243,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         malformed, stale_here = _fingerprints(wf, kernel, path, states)
         problems += malformed
         stale += stale_here
-    summaries = _coverage(args, problems, stale)
-    if args.fail_stale:
+    summaries = _coverage(request, problems, stale)
+    if request.fail_stale:
         problems += stale
     else:
         notes += stale
@@ -257,7 +259,7 @@ def cmd_check(args: argparse.Namespace) -> int:
               f"{_LAYOUT}: give a cache root, a chip directory or the files)", file=sys.stderr)
         return 1
     verdict = "OK" if not problems else f"{len(problems)} problem(s)"
-    if args.no_kernels:
+    if request.no_kernels:
         verdict += " (file format only: --no-kernels)"
     code = ", ".join(f"{states[s]} {s}" for s in ("current", "stale", "unknown", "unchecked")
                      if states.get(s))
@@ -266,16 +268,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def _coverage(args: argparse.Namespace, problems: list[str], stale: list[str]) -> list[str]:
-    """--space: a problem per shape without an entry; stale entries join ``stale``."""
-    if not args.space:
+def _coverage(request: CheckRequest, problems: list[str], stale: list[str]) -> list[str]:
+    """--space: a problem per shape without an entry; stale entries join ``stale``. (The edge
+    refused --space without --chip.)"""
+    if not request.spaces:
         return []
-    if not args.chip:
-        raise CLIUsageError("--space needs --chip: the chip whose entries to look for")
     from pallas_tune.cli.coverage import space_coverage
 
     summaries = []
-    for cov in space_coverage(args.space, args.chip, args.paths, args.path or []):
+    for cov in space_coverage(request.spaces, request.chip, request.roots, request.paths):
         problems += [f"{cov.space}: no {cov.chip} entry for {key!r}; tune it: {cmd}"
                      for key, cmd in cov.missing]
         said = {line.partition(": stale")[0] for line in stale}  # Found by the file walk too.
@@ -293,18 +294,18 @@ def _better(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
     return (ok[1] and not ok[0]) or (all(ok) and tb < ta)
 
 
-def cmd_merge(args: argparse.Namespace) -> int:
+def cmd_merge(request: MergeRequest) -> int:
     """Per (chip, kernel, kind, key), the fastest valid entry of the inputs and the target
     wins; written with the cache's atomic merge (inputs are only read)."""
     from pallas_tune import chips
     from pallas_tune.cache import TuningCache, default_cache
     from pallas_tune.cache.entries import entry_problem
 
-    cache = TuningCache(args.into) if args.into else default_cache()
+    cache = TuningCache(request.into) if request.into else default_cache()
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     sources: dict[tuple[str, str, str, str], str] = {}  # The file each kept entry came from.
     skipped = 0
-    for path, chip_dir in _winners_files(args.inputs):
+    for path, chip_dir in _winners_files(list(request.inputs)):
         wf, error = _read(path, as_named=False)
         if wf is None:
             print(f"pallas-tune merge: skipped {path}: {error}", file=sys.stderr)

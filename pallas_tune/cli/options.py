@@ -75,10 +75,11 @@ def _limits_arg(text: str) -> float | dict[str, float]:
         ) from None
 
 
-def tune_options(args: argparse.Namespace, chip: str, *, callbacks: tuple[Any, ...] | None = None,
-                 **overrides: Any) -> Any:
-    """The ``TuneOptions`` of a sweep's flags; ``callbacks``: the progress display's (else
-    ``-v`` prints every trial); ``overrides``: options set over the flags."""
+def tune_options(args: argparse.Namespace, chip: str | None, *,
+                 callbacks: tuple[Any, ...] | None = None, **overrides: Any) -> Any:
+    """The ``TuneOptions`` of a sweep's flags (``chip`` None: this host's); ``callbacks``: the
+    progress display's (else ``-v`` prints every trial); ``overrides``: options set over the
+    flags. Called once per sweep, by the edge (:func:`pallas_tune.cli.edge.sweep_request`)."""
     from pallas_tune.tuning.options import TuneOptions
 
     given = {n: getattr(args, n) for n in TuneOptions.names()

@@ -9,14 +9,16 @@ implementation (Pallas or XLA), and the default's and the tuned time from the sa
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pallas_tune.cli.shapes import CLIUsageError
+
+if TYPE_CHECKING:
+    from pallas_tune.cli.edge import SweepRequest
 
 __all__ = ["cmd_program", "program_args"]
 
@@ -81,18 +83,19 @@ def _ms(v: float) -> str:
     return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else "-"
 
 
-def cmd_program(args: argparse.Namespace, specs: Sequence[str], options: Any) -> int:
-    """Autotunes the program once per shape spec; prints each call. Exit 1 if one failed."""
+def cmd_program(request: SweepRequest) -> int:
+    """Autotunes ``request.program`` once per shape spec, with ``request.options`` (its chip
+    settled); prints each call. Exit 1 if one failed."""
     import pallas_tune as pt
     from pallas_tune.errors import DiskFullError, PallasTuneError
 
-    fn = _load(args.program, args.path or ())
-    calls = [(spec, *program_args(fn, spec)) for spec in specs]  # All checked first.
+    fn = _load(request.program, request.paths)
+    calls = [(spec, *program_args(fn, spec)) for spec in request.shapes]  # All checked first.
     failures = 0
     for spec, call_args, call_kwargs in calls:
-        print(f"pallas-tune sweep --program {args.program}: {spec}", flush=True)
+        print(f"pallas-tune sweep --program {request.program}: {spec}", flush=True)
         try:  # A spec's plain values (n=2, causal=true) are FN's static arguments, as in jit.
-            result = pt.autotune(fn, *call_args, options=options, **call_kwargs,
+            result = pt.autotune(fn, *call_args, options=request.options, **call_kwargs,
                                  static_argnums=_static_positions(call_args))
         except DiskFullError:
             raise

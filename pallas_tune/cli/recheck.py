@@ -16,13 +16,15 @@ another libtpu is skipped, with a note).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pallas_tune.cli.registry import load_kernel
 from pallas_tune.cli.shapes import CLIUsageError, build_call
+
+if TYPE_CHECKING:
+    from pallas_tune.cli.edge import RecheckRequest
 
 __all__ = ["add_parser"]
 
@@ -44,28 +46,23 @@ def add_parser(sub: Any) -> None:
     r.set_defaults(func=cmd_recheck_xla)
 
 
-def cmd_recheck_xla(args: argparse.Namespace) -> int:
-    from pallas_tune import chips
+def cmd_recheck_xla(request: RecheckRequest) -> int:
     from pallas_tune.measure.estimate import Estimator
     from pallas_tune.tuning.footing import data_floor_ms, xla_decision, xla_row
 
-    kernel = load_kernel(args.kernel, args.path or ())
+    kernel = load_kernel(request.kernel, request.paths)
     if kernel.reference is None:
         raise CLIUsageError(f"{kernel.name} has no reference=: there is no XLA to compare")
-    try:
-        spec = chips.chip_spec(args.chip)
-    except ValueError as e:
-        raise CLIUsageError(str(e)) from None
+    spec = request.chip
     todo = [(key, entry) for key, entry, _ in kernel.cache.entries(spec.name, kernel.name)
-            if (args.again or "xla_ms" not in entry) and _estimated(entry)
-            and (not args.key or key in args.key)]
+            if (request.again or "xla_ms" not in entry) and _estimated(entry)
+            and (not request.keys or key in request.keys)]
     if not todo:
         print(f"{kernel.name} on {spec.name}: no estimate entry without an XLA figure")
         return 0
     here = _libtpu_version()
     rewritten: dict[str, dict[str, Any]] = {}
-    cap = int(args.memory_gb * (1 << 30)) if args.memory_gb else None
-    with Estimator(1, memory_limit_bytes=cap) as est:
+    with Estimator(1, memory_limit_bytes=request.memory_limit_bytes) as est:
         for key, entry in todo:
             was = entry.get("provenance", {}).get("versions", {}).get("libtpu")
             if was and here and was != here:
@@ -83,7 +80,7 @@ def cmd_recheck_xla(args: argparse.Namespace) -> int:
             if math.isnan(xla_ms):
                 continue
             rewritten[key] = _with_xla(entry, xla_ms, impl, note, row)
-    if rewritten and not args.dry_run:
+    if rewritten and not request.dry_run:
         path = kernel.cache.write_many(spec.name, kernel.name, rewritten, kind="estimate")
         print(f"{len(rewritten)} entries rewritten in {path}")
     return 0

@@ -9,16 +9,18 @@ versions). PNGs are drawn with matplotlib. Needs the ``report`` extra (plotly, m
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import io
 import json
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pallas_tune.cli.shapes import CLIUsageError
+
+if TYPE_CHECKING:
+    from pallas_tune.cli.edge import ReportRequest
 
 __all__ = ["add_parser", "cmd_report"]
 
@@ -312,47 +314,48 @@ def _slug(key: str) -> str:
     return out.strip("-")[:60] or "key"
 
 
-def _entries(args: argparse.Namespace) -> list[tuple[Any, Any]]:
-    """(file report, entry) of the kernel named exactly, on the chip and keys asked for."""
-    from pallas_tune import chips
+def _entries(request: ReportRequest) -> tuple[str, list[tuple[Any, Any]]]:
+    """(the kernel's cache name, (file report, entry) of that kernel named exactly, on the chip
+    and keys asked for); a short name (``matmul``) is the one kernel whose last part it is."""
     from pallas_tune.cache import default_cache
     from pallas_tune.cache.inventory import inventory
 
-    chip = chips.normalize_chip(args.chip) if args.chip else None
-    reports = [r for r in inventory(default_cache(), kernel=args.kernel, chip=chip)
+    name = request.kernel
+    reports = [r for r in inventory(default_cache(), kernel=name, chip=request.chip)
                if r.error is None]
-    exact = [r for r in reports if r.kernel == args.kernel]
+    exact = [r for r in reports if r.kernel == name]
     if not exact:  # A short name ("matmul") names the one kernel whose last part it is.
-        short = {r.kernel for r in reports if r.kernel and r.kernel.split(".")[-1] == args.kernel}
+        short = {r.kernel for r in reports if r.kernel and r.kernel.split(".")[-1] == name}
         if len(short) == 1:
-            args.kernel = short.pop()
-            print(f"kernel: {args.kernel}")
-            exact = [r for r in reports if r.kernel == args.kernel]
+            name = short.pop()
+            print(f"kernel: {name}")
+            exact = [r for r in reports if r.kernel == name]
     if not exact:
         near = sorted({r.kernel for r in reports if r.kernel})
         hint = f" Kernels whose names contain it: {', '.join(near)}." if near else ""
-        raise CLIUsageError(f"no tuned entries of the kernel {args.kernel!r} in the caches; "
+        raise CLIUsageError(f"no tuned entries of the kernel {name!r} in the caches; "
                             f"run pallas-tune sweep first (pallas-tune show lists them).{hint}")
-    return [(r, e) for r in exact for e in r.entries
-            if e.problem is None and not (args.key and args.key not in e.key)]
+    return name, [(r, e) for r in exact for e in r.entries
+                  if e.problem is None and not (request.key and request.key not in e.key)]
 
 
-def cmd_report(args: argparse.Namespace) -> int:
+def cmd_report(request: ReportRequest) -> int:
     plt, optuna = _need()
     from pallas_tune.cache.inventory import trial_history
     from pallas_tune.measure.records import describe_tally, tally
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     kernel = None
-    if args.reference:
+    if request.reference:
         from pallas_tune.cli.sweep import load_kernel
 
-        kernel = load_kernel(args.reference, args.path or ())
-    found = _entries(args)
+        kernel = load_kernel(request.reference, request.paths)
+    name, found = _entries(request)
     if not found:
-        raise CLIUsageError(f"no valid entries of {args.kernel!r} match --key {args.key!r}; "
+        raise CLIUsageError(f"no valid entries of {name!r} match --key {request.key!r}; "
                             "pallas-tune show --kernel NAME lists its keys")
-    os.makedirs(args.out, exist_ok=True)
+    out = request.out
+    os.makedirs(out, exist_ok=True)
     sections, pngs, rows, first = [], [], [], True
     for r, e in found:
         runs, _ = trial_history(r, e.key)
@@ -364,7 +367,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         compare = _compare(e, prov, _time_reference(kernel, e.key))
         rows.append({"key": e.key, "config": e.effective or e.config, "compare": compare,
                      "unit": unit, "runs": e.implementation})
-        stem = os.path.join(args.out, f"{len(sections):02d}_{_slug(e.key)}")
+        stem = os.path.join(out, f"{len(sections):02d}_{_slug(e.key)}")
         p, frags, notes = _figures(plt, optuna, _study(optuna, trials), trials, compare, stem,
                                    unit)
         pngs += p
@@ -390,12 +393,12 @@ def cmd_report(args: argparse.Namespace) -> int:
             f"{_receipts(prov)}<div class=plots>" + "".join(parts)
             + "</div><details><summary>PNG figures</summary>"
             + "".join(_img(x) for x in p) + "</details></section>")
-    page = os.path.join(args.out, "index.html")
+    page = os.path.join(out, "index.html")
     with open(page, "w", encoding="utf-8") as f:
-        f.write(_PAGE.format(title=html.escape(f"pallas-tune report: {args.kernel}"),
+        f.write(_PAGE.format(title=html.escape(f"pallas-tune report: {name}"),
                              body=_summary(rows) + "".join(sections)))
     print(f"pallas-tune report: {page} ({len(sections)} shape(s)) and {len(pngs)} PNGs in "
-          f"{args.out}")
+          f"{out}")
     return 0
 
 

@@ -3,7 +3,6 @@ kernel is traced, and turned into the call's ``ShapeDtypeStruct`` arguments."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import math
@@ -177,9 +176,11 @@ def read_text(path: str, what: str, *, errors: str = "strict") -> str:
                             "file") from None
 
 
-def read_shapes(args: argparse.Namespace) -> list[str]:
+def read_shapes(given: Sequence[str] | None) -> list[str]:
+    """The ``--shapes`` values given (None: the flag never was), each ``@FILE`` (or the name
+    of a file, without ``=``) replaced by the file's lines that are not blank or comments."""
     specs: list[str] = []
-    for s in getattr(args, "shapes", None) or []:
+    for s in given or []:
         if s.startswith("@") or (os.path.isfile(s) and "=" not in s):
             path = s.lstrip("@")
             text = read_text(path, "shapes file")

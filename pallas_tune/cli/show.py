@@ -3,7 +3,6 @@ characters are), JSON or CSV (whole)."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
@@ -11,10 +10,13 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pallas_tune.cli.options import _fmt_config
 from pallas_tune.cli.registry import KernelRegistry
+
+if TYPE_CHECKING:
+    from pallas_tune.cli.edge import ShowRequest
 
 __all__ = ["backward_lines", "cmd_show", "code_state", "judge_entries", "kernels_of",
            "show_problems", "show_rows"]
@@ -172,28 +174,28 @@ def show_problems(reports: Sequence[Any]) -> list[str]:
     return out
 
 
-def cmd_show(args: argparse.Namespace) -> int:
+def cmd_show(request: ShowRequest) -> int:
     from pallas_tune import chips
     from pallas_tune.cache import default_cache
     from pallas_tune.cache.inventory import inventory
     from pallas_tune.cli import check
 
     cache = default_cache()
-    chip = chips.normalize_chip(args.chip) if args.chip else None
-    registry = KernelRegistry(args.imports or (), args.path or ())
-    reports = inventory(cache, kernel=args.kernel, chip=chip)
+    chip = request.chip
+    registry = KernelRegistry(request.imports, request.paths)
+    reports = inventory(cache, kernel=request.kernel, chip=chip)
     kernels = kernels_of(reports, registry)
     reports = judge_entries(reports, kernels)
     current = {name: k.fingerprint if k is not None else None for name, (k, _) in kernels.items()}
     rows = show_rows(reports, current)
     unchecked = [f"kernel {name!r}: its entries were checked against the file format only, "
                  f"not its space: {why}" for name, (k, why) in sorted(kernels.items()) if k is None]
-    if args.key:
-        rows = [r for r in rows if args.key in r[2]]
-    fmt = args.format
+    if request.key:
+        rows = [r for r in rows if request.key in r[2]]
+    fmt = request.format
     if fmt == "json":
         out = json_entries(reports, rows)
-        if args.trials:
+        if request.trials:
             for item in out:
                 item["runs"] = _runs_of(reports, item["kernel"], item["chip"], item["key"])
         json.dump({"roots": cache.roots(), "entries": out, "backward": backward_lines(kernels),
@@ -230,8 +232,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         for line in problems:
             text = _esc(f"  {line}")
             print(text if len(text) <= 2 * _MAX_CELL else text[:2 * _MAX_CELL - 1] + "…")
-    if args.trials:
-        _print_trials(reports, args.key)
+    if request.trials:
+        _print_trials(reports, request.key)
     return 0
 
 
