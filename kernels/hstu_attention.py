@@ -13,7 +13,7 @@ position bias; distances past the table use its last bucket), ``alpha`` default 
 There is no softmax, so no running max or denominator: each KV block adds its (SiLU ⊙ mask) V to
 an f32 accumulator. Grid (batch, heads, q blocks, kv blocks), the KV axis last and "arbitrary".
 What the kernel does per step, from the v6e compiler's static profile
-(benchmarks/hstu_profile.py, benchmarks/results/hstu_profile.txt):
+(benchmarks/profiles/hstu_profile.py, benchmarks/results/hstu_profile.txt):
 
 - It works transposed, like flash_attention: sᵀ = k qᵀ (bkv, bq) and oᵀ += vᵀ pᵀ (hidden, bq),
   so at hidden dim 128 the 128 is the MXU's streamed side and the full pᵀ tile its weights.

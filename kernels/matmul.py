@@ -4,7 +4,7 @@ Grid (cdiv(M, bm), cdiv(N, bn), cdiv(K, bk)); the K axis is the reduction ("arbi
 The accumulator lives in VMEM scratch; the output tile is written on the last K step. Any M, K, N:
 ragged M and N blocks are dropped on store; when no bk divides K, the last K step zeroes the
 columns of x and rows of y past K before its dot (emitted only then, so shapes that divide compile
-to the same program as without it; benchmarks/ragged.py measures the cost).
+to the same program as without it; benchmarks/kernels/ragged.py measures the cost).
 """
 
 from __future__ import annotations

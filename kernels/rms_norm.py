@@ -2,7 +2,7 @@
 
 A reduction-heavy, memory-bound kernel: its only tunable is the number of rows per block. XLA
 fuses the plain-JAX version well, so whether Pallas wins at all is an open question that
-benchmarks/kernels.py answers per chip, not this docstring.
+benchmarks/kernels/kernels.py answers per chip, not this docstring.
 
 Any number of rows: the grid is cdiv(rows, block_rows) and a ragged last block computes rows that
 are dropped on store (each row is normalised on its own, so nothing leaks into valid rows). The

@@ -204,7 +204,7 @@ def _interpret_state() -> Any:
 
     Setting it to ``True`` selects the HLO interpreter. ``pltpu.force_tpu_interpret_mode()``
     sets an ``InterpretParams`` instead, which selects the TPU simulator: 12-20x slower on the
-    shipped matmul (benchmarks/interpret_modes.py).
+    shipped matmul (benchmarks/runtime/interpret_modes.py).
     """
     from jax._src import config as jax_config
 

@@ -250,9 +250,9 @@ class TrialEncoder:
     """Maps configs to and from Optuna trial parameters: every parameter categorical, over its
     choice indices (so any hashable choice works). Calls only ``trial.suggest_categorical``.
 
-    Replayed on the shared measured landscapes (benchmarks/search_efficiency.py), multivariate TPE
-    over categorical parameters beat log2-ordinal encodings of the power-of-two sizes (@50: 0.82
-    against 0.76 on the convolution space, equal elsewhere).
+    Replayed on the shared measured landscapes (benchmarks/search/search_efficiency.py),
+    multivariate TPE over categorical parameters beat log2-ordinal encodings of the power-of-two
+    sizes (@50: 0.82 against 0.76 on the convolution space, equal elsewhere).
     """
 
     def __init__(self, space: SearchSpace):

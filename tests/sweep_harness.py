@@ -1,4 +1,4 @@
-"""Shared by the sweep tests and benchmarks/sweep_workers.py: a PostgreSQL server, worker
+"""Shared by the sweep tests and benchmarks/sweeps/sweep_workers.py: a PostgreSQL server, worker
 processes of ``pallas-tune sweep`` on one storage, and the study's accounts."""
 
 from __future__ import annotations

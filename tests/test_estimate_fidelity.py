@@ -1,7 +1,7 @@
-"""benchmarks/estimate_fidelity.py's pure parts, on tiny made-up data: reading tpu-inference's
-block-size table, the space per key, the seeded key sample, the stand-in's batch blocks and the
-ranking metrics; and, where tpu-inference is installed, that its kernel modules load without
-vLLM and that the proxy's quantization computes what the original does."""
+"""benchmarks/estimates/estimate_fidelity.py's pure parts, on tiny made-up data: reading
+tpu-inference's block-size table, the space per key, the seeded key sample, the stand-in's batch
+blocks and the ranking metrics; and, where tpu-inference is installed, that its kernel modules
+load without vLLM and that the proxy's quantization computes what the original does."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
+                          "estimates")
 
 SOURCE = """
 from typing import NamedTuple

@@ -1,6 +1,6 @@
 """The fitted cost model (`pallas_tune.feasibility.fitted`): tracing only, no libtpu.
 
-Its constants and their agreement with libtpu's estimates: benchmarks/model_fidelity.py.
+Its constants and their agreement with libtpu's estimates: benchmarks/estimates/model_fidelity.py.
 """
 
 import glob

@@ -43,7 +43,7 @@ def test_shipped_cache_is_valid_and_labelled(path):
         if kind == "estimate":
             assert "estimate" in prov["timing_note"].lower()
         # A parameter added to the kernel since the trials ran, filled in at its default where
-        # the program was checked unchanged (benchmarks/forward_unchanged.py --restamp).
+        # the program was checked unchanged (benchmarks/profiles/forward_unchanged.py --restamp).
         filled = (prov.get("fingerprint_restamped") or {}).get("filled_defaults") or {}
         assert any(t["outcome"] == "ok" and {**t["config"], **filled} == entry["config"]
                    for t in _history(path, data, key, entry))

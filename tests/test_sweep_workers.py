@@ -2,7 +2,7 @@
 moment, and kill -9 resumes. Real PostgreSQL (pgserver) where it can start; SQLite always.
 
 The same scenarios repeated in a loop, kill -9 on PostgreSQL too, and two workers on SQLite:
-benchmarks/sweep_workers.py (results in benchmarks/results/sweep_workers.txt)."""
+benchmarks/sweeps/sweep_workers.py (results in benchmarks/results/sweep_workers.txt)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_three_workers_on_postgres_start_together(tmp_path):
         assert acc["workers"] >= 2, acc  # The work was shared, not done thrice.
 
 
-# The same on PostgreSQL, and both repeated: benchmarks/sweep_workers.py loops.
+# The same on PostgreSQL, and both repeated: benchmarks/sweeps/sweep_workers.py loops.
 @pytest.mark.parametrize("backend", ["sqlite-default"])
 def test_kill9_then_the_same_command_resumes(tmp_path, backend):
     cache = str(tmp_path / "cache")

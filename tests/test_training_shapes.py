@@ -1,5 +1,5 @@
-"""benchmarks/training_shapes.py's pure helpers: the backward roofline's FLOP and byte counts,
-and the words each row gives for where the tuned kernel stands against XLA."""
+"""benchmarks/kernels/training_shapes.py's pure helpers: the backward roofline's FLOP and byte
+counts, and the words each row gives for where the tuned kernel stands against XLA."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                                "benchmarks"))
+                                "benchmarks", "kernels"))
 import training_shapes as ts  # noqa: E402
 
 S = jax.ShapeDtypeStruct
@@ -60,9 +60,9 @@ def test_standing_says_where_xla_is_faster():
 
 
 def test_ragged_dot_alternative_computes_the_grouped_matmul_and_its_gradient():
-    """benchmarks/grouped_xla.py's XLA alternative is the same function as grouped_matmul's
-    reference (empty and uneven groups, summing to m), forward and gradient, so its figures
-    compare like with like."""
+    """benchmarks/kernels/grouped_xla.py's XLA alternative is the same function as
+    grouped_matmul's reference (empty and uneven groups, summing to m), forward and gradient, so
+    its figures compare like with like."""
     import numpy as np
     from xla_gradient import ragged_dot_grouped, xla_gradient
 

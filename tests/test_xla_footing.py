@@ -1,5 +1,5 @@
-"""benchmarks/xla_footing.py's pure parts on made-up data: pairing Tokamax's cache files, the
-footing's constants, and the decision rule scored against the chip's direction."""
+"""benchmarks/estimates/xla_footing.py's pure parts on made-up data: pairing Tokamax's cache
+files, the footing's constants, and the decision rule scored against the chip's direction."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import zipfile
 
 import pytest
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
+                          "estimates")
 
 
 @pytest.fixture(scope="module")

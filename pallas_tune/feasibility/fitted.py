@@ -29,9 +29,9 @@ Per pallas_call, with ``S`` grid steps (:func:`call_features` reads the rest off
 
 The constants (:data:`V6E`) were fitted to libtpu 0.0.50.1's static cycle estimates for v6e
 (converted at 1.75 GHz) in the shipped ledgers ``caches/tpu_v6e/*.estimate.trials.jsonl``, every
-shipped kernel and adapter, by ``python benchmarks/model_fidelity.py`` (least squares on log
-time: the error within each tuning key, which decides the ranking, and the absolute error, which
-sets the level, weighed alike). Fitted without the kernel it scores, it ranks a key's configs
+shipped kernel and adapter, by ``python benchmarks/estimates/model_fidelity.py`` (least squares
+on log time: the error within each tuning key, which decides the ranking, and the absolute error,
+which sets the level, weighed alike). Fitted without the kernel it scores, it ranks a key's configs
 with a median Spearman rho of 0.96 against libtpu's (the roofline: 0.89) and a mean regret of
 3.3% (8.0%), but no better than the roofline on the attention kernels:
 ``benchmarks/results/model_fidelity.md``. It models libtpu's *estimate*, not a measured time. On
@@ -70,7 +70,7 @@ class Constants:
     vec_s: float  # Cost of one element of a step's largest intermediate (s, at v6e's clock).
 
 
-# Fitted to v6e estimates of every shipped kernel: `python benchmarks/model_fidelity.py`
+# Fitted to v6e estimates of every shipped kernel: `python benchmarks/estimates/model_fidelity.py`
 # (2026-11-27, benchmarks/results/model_fidelity.md). mxu_eff sits at its bound, 1 (the fit would
 # take more: over-counted dots); bw_eff 1.44 is near libtpu's read-only probe, 1332 B/cycle at
 # 1.75 GHz = 1.42 x spec (notes/libtpu-static-cost.md); step_s is 313 cycles; vec_s 0.39 cycles.

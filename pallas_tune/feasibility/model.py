@@ -357,7 +357,7 @@ def model_verdict(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec, *,
 def need_band(estimate_bytes: int) -> tuple[int, int]:
     """The range the compiler's scoped-VMEM need is expected in for a model estimate: the
     estimate widened by the error measured on the calibration kernels (``BAND_OVER`` below,
-    ``BAND_UNDER`` above; benchmarks/feasibility_accuracy.py)."""
+    ``BAND_UNDER`` above; benchmarks/feasibility/feasibility_accuracy.py)."""
     return (int(estimate_bytes * (1 - BAND_OVER)), int(math.ceil(estimate_bytes * (1 + BAND_UNDER))))
 
 

@@ -3,7 +3,7 @@
 The rules below are what JAX's Pallas TPU lowering enforces (``_check_block_mappings`` and the
 pipeline-mode check in ``jax/_src/pallas/mosaic/lowering.py``, JAX 0.12) and what the deviceless
 libtpu 0.0.50.1 compiler then accepts, checked on v5e, v6e and 7x by
-``benchmarks/feasibility_accuracy.py``:
+``benchmarks/feasibility/feasibility_accuracy.py``:
 
 1. A block need not divide its array dim. Edge blocks are padded on input (unspecified values)
    and clipped on output; a block may even be larger than its array dim.

@@ -1,10 +1,10 @@
 """Two terms libtpu's static estimate may leave out on a real chip, to add back: opt-in.
 
 Checked against block sizes a real TPU v6e ran best (vLLM tpu-inference's int8 quantized
-matmul table, ``benchmarks/estimate_fidelity.py``), libtpu's static estimate sometimes prefers
-larger batch and in blocks, and fewer, bigger grid steps, than the chip did. Two costs it could
-under-count would explain that, each a term here, per pallas_call, from the traced call alone
-(:func:`pallas_tune.feasibility.fitted.call_features`)::
+matmul table, ``benchmarks/estimates/estimate_fidelity.py``), libtpu's static estimate sometimes
+prefers larger batch and in blocks, and fewer, bigger grid steps, than the chip did. Two costs it
+could under-count would explain that, each a term here, per pallas_call, from the traced call
+alone (:func:`pallas_tune.feasibility.fitted.call_features`)::
 
     corrected = estimate + exposed · (fill and drain bytes + serial bytes) / bw  +  S · step_s
 
@@ -18,7 +18,8 @@ under-count would explain that, each a term here, per pallas_call, from the trac
 - **Per-step overhead.** libtpu counts about 313 cycles (0.18 us) per grid step
   (``fitted.V6E.step_s``); JAX's Pallas TPU guide puts the chip's at about 0.35 us.
   ``step_s`` = 0.15 us, fitted to the ten keys of a fitting sample
-  (``benchmarks/results/data/estimate_fidelity_fit.json``; ``benchmarks/estimate_correction_fit.py``).
+  (``benchmarks/results/data/estimate_fidelity_fit.json``;
+  ``benchmarks/estimates/estimate_correction_fit.py``).
 
 **Measured, it does not help**, so it is off unless asked for (``estimate_correction=True``,
 ``--estimate-correction``). On the fitting sample it puts the real winner first on 9 of 10 keys

@@ -14,7 +14,7 @@ taking the host down.
 Cost control: a kernel may declare ``standin=`` on ``@tunable``: a function returning a smaller
 problem with the same tiles (fewer steps along parallel grid axes) and the factor to scale its
 estimate by. The shipped kernels do; :func:`standin_verdict` decides whether to trust it, and
-benchmarks/tpu_estimate.py checks the scaled figures against full compiles.
+benchmarks/estimates/tpu_estimate.py checks the scaled figures against full compiles.
 
 Figures are compiler estimates converted with the chip's clock, never measurements; cache entries
 written from them are of kind ``estimate`` and lose to any measured entry.

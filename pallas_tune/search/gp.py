@@ -11,7 +11,7 @@ in log2 tile sizes) from a handful of points.
 The proposer, :class:`CandidateBO`, is plain numpy/scipy (:mod:`.model`);
 :class:`CandidateSampler` wraps it as an Optuna sampler so the tuner keeps Optuna's ask/tell,
 storages (resume, many hosts) and plots. How the settings below were chosen, and on which
-landscapes: benchmarks/search_settings.py and benchmarks/results/search_settings.txt.
+landscapes: benchmarks/search/search_settings.py and benchmarks/results/search_settings.txt.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ LOCAL_RADIUS = 2
 INIT = "random"
 
 # Landscapes (kernel/device in ../shared/landscapes) whose replays chose the settings above:
-# CYCLE, XI and INIT were chosen by benchmarks/search_settings.py on these six alone (the first
-# device of each kernel in name order, and pnpoly RTX 3090); CAP_QUANTILE, DEFAULT_STARTUP and
-# the one-hot selectors earlier on the convolution_milo and dedispersion_milo A100 and pnpoly
-# RTX 3090 spaces. The other nine were not used to choose anything; leave-one-kernel-out scores
-# are in benchmarks/results/search_settings.txt.
+# CYCLE, XI and INIT were chosen by benchmarks/search/search_settings.py on these six alone (the
+# first device of each kernel in name order, and pnpoly RTX 3090); CAP_QUANTILE,
+# DEFAULT_STARTUP and the one-hot selectors earlier on the convolution_milo and
+# dedispersion_milo A100 and pnpoly RTX 3090 spaces. The other nine were not used to choose
+# anything; leave-one-kernel-out scores are in benchmarks/results/search_settings.txt.
 TUNING_SET: frozenset[str] = frozenset({
     "convolution/RTX_2080_Ti", "convolution_milo/A100", "dedispersion_milo/A100",
     "gemm/RTX_2080_Ti", "pnpoly/RTX_2080_Ti", "pnpoly/RTX_3090"})

@@ -1,0 +1,146 @@
+"""The plumbing the benchmark scripts share: where things are, the command line that made a
+result, the receipts a result carries (date, host, versions, git), Markdown tables, writing a
+result, running a child process for its JSON, and libtpu: whether it is there, and its static
+profile dumped for deviceless compiles.
+
+A script in ``benchmarks/<group>/`` imports it with benchmarks/ put on its path first:
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import _common as bench  # noqa: E402
+
+This module imports only the standard library (no JAX), so a script may import it before it
+sets what libtpu reads when it loads (:func:`static_profile_env`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TextIO
+
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCHMARKS)
+RESULTS = os.path.join(BENCHMARKS, "results")  # What the scripts write; docs and tests link it.
+LANDSCAPES = os.path.join(BENCHMARKS, "landscapes")
+CACHES = os.path.join(REPO, "caches")
+TESTS = os.path.join(REPO, "tests")
+
+
+def result(*parts: str) -> str:
+    """A path under ``benchmarks/results/``."""
+    return os.path.join(RESULTS, *parts)
+
+
+def script(file: str) -> str:
+    """``file``'s path from the repository root, with ``/``: how commands name a script
+    (``benchmarks/<group>/<name>.py``)."""
+    return os.path.relpath(os.path.abspath(file), REPO).replace(os.sep, "/")
+
+
+def command(file: str, args: Sequence[str] | None = None, env: str = "") -> str:
+    """The command line that runs the script ``file`` with ``args`` (default: this process's
+    arguments), as a result records it: ``[ENV ]python benchmarks/<group>/<name>.py ARGS``."""
+    words = [env, "python", script(file), *(sys.argv[1:] if args is None else args)]
+    return " ".join(w for w in words if w)
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def version(dist: str, missing: str = "not installed") -> str:
+    """The installed version of the distribution ``dist``, or ``missing``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return missing
+
+
+def versions(*dists: str) -> str:
+    """``"jax 0.7.2, libtpu 0.0.50"``: those of ``dists`` that are installed."""
+    return ", ".join(f"{d} {v}" for d in dists if (v := version(d, "")))
+
+
+def host() -> str:
+    """This machine, as a result's header names it: its name, architecture and CPU count."""
+    return f"{platform.node() or 'unknown'} ({platform.machine()}, {os.cpu_count()} CPU cores)"
+
+
+def git(*args: str, check: bool = True) -> str:
+    """``git ARGS`` in this checkout: its output, stripped."""
+    return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True,
+                          check=check).stdout.strip()
+
+
+def git_show(rev: str, path: str) -> str:
+    """The text of ``path`` (from the repository root) at the git revision ``rev``."""
+    return subprocess.run(["git", "-C", REPO, "show", f"{rev}:{path}"], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def table(columns: Sequence[str], rows: Iterable[Any],
+          cells: Callable[[Any], Iterable[Any]] = lambda r: r) -> list[str]:
+    """A Markdown table's lines: the header of ``columns``, then ``cells(row)`` for each row."""
+    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in rows])
+
+
+def write(path: str | None, text: str, *, echo: bool = True) -> None:
+    """Writes ``text`` to ``path`` as it is (its folder made; nowhere where ``path`` is empty)
+    and, with ``echo``, prints it."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    if echo:
+        print(text.rstrip("\n"))
+
+
+def run_json(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
+             cwd: str | None = None, input: str | None = None,
+             timeout: float | None = None) -> Any:
+    """Runs ``cmd`` with ``env`` added to this process's environment, and returns the JSON its
+    last line of output holds; a non-zero exit raises, with the end of its stderr."""
+    r = subprocess.run(list(cmd), capture_output=True, text=True, cwd=cwd, input=input,
+                       timeout=timeout, env={**os.environ, **(env or {})}, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def have_libtpu(to: str = "estimate", *, stream: TextIO | None = None) -> bool:
+    """Whether libtpu is installed (deviceless TPU compiles); if not, says so: nothing to
+    ``to``."""
+    from pallas_tune.feasibility import compile as _compile
+
+    if _compile.libtpu_available():
+        return True
+    print(f"libtpu is not installed (pip install 'pallas-tune[tpu]'): nothing to {to}.",
+          file=stream or sys.stdout)
+    return False
+
+
+STATIC_PROFILE = "--xla_jf_dump_static_llo_profile_to"
+
+
+def static_profile_env(prefix: str, *, bundles: bool = False) -> str:
+    """Call before JAX loads: JAX on the CPU, libtpu loadable beside another process's, and
+    libtpu's static LLO profile of every compile (what its cycle estimate reads) dumped to a
+    fresh folder, returned; with ``bundles``, to its ``sp/``, and the final VLIW bundles of every
+    program to its ``jf/``."""
+    dump = tempfile.mkdtemp(prefix=prefix)
+    os.environ["LIBTPU_INIT_ARGS"] = (
+        f"{STATIC_PROFILE}={dump}/sp --xla_jf_dump_to={dump}/jf "
+        "--xla_jf_dump_llo_pass_label_regex=final_bundles" if bundles
+        else f"{STATIC_PROFILE}={dump}")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    return dump

@@ -1,0 +1,125 @@
+"""Tune the GPU adapters on their model shape sets and compare tuned, upstream default and XLA.
+
+    python benchmarks/kernels/gpu_adapters.py [--spaces gpu_attention,gpu_softmax] [--trials 24]
+
+For every shape of every ``search_spaces/gpu_*.toml``: tune the adapter (the cache entry is
+written under ``PALLAS_TUNE_CACHE_DIR`` with its receipts), then time the upstream default, the
+tuned config and the kernel's plain-JAX reference compiled by XLA, interleaved (A B C A B C ...),
+by device time from the profiler (the whole program of each: the Pallas kernel and the XLA ops
+around it, such as decode attention's split-k reduction). Prints a Markdown table.
+
+Needs an NVIDIA GPU; on a CPU host everything runs in interpret mode and the figures are
+meaningless (the script says so and refuses unless ``--allow-cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as bench  # noqa: E402
+
+import jax  # noqa: E402
+
+from pallas_tune import chips, cli  # noqa: E402
+from pallas_tune.measure.timing import compare, compile_candidate, make_inputs  # noqa: E402
+from pallas_tune.measure.timing import profile_device_times  # noqa: E402
+from pallas_tune.space import load_space  # noqa: E402
+
+SPACES = ("gpu_attention", "gpu_decode_attention", "gpu_paged_attention", "gpu_softmax",
+          "gpu_layer_norm", "gpu_rms_norm")
+
+
+def _device_times(fn, args, rounds: int) -> list[list[float]]:
+    """Interleaved device times (ms) of compiled programs ``fn`` over ``rounds`` rounds."""
+    compiled = []
+    for f in fn:
+        exe, _ = compile_candidate(f, args, {}, interpret=chips.should_interpret())
+        if isinstance(exe, BaseException):
+            raise exe
+        jax.block_until_ready(exe(*args))
+        compiled.append(exe)
+    times: list[list[float]] = [[] for _ in compiled]
+    for _ in range(rounds):
+        for i, exe in enumerate(compiled):
+            t = profile_device_times(exe, args, 5, None)
+            if t is None:  # No device events (CPU): wall clock, labelled by the caller.
+                t0 = time.perf_counter()
+                jax.block_until_ready(exe(*args))
+                t = [(time.perf_counter() - t0) * 1e3]
+            times[i].extend(t)
+    return times
+
+
+def run_shape(kernel, spec: str, trials: int, rounds: int) -> dict:
+    call_args, call_kwargs = cli.build_call(kernel, spec)
+    t0 = time.perf_counter()
+    result = kernel.tune(*call_args, trials=trials, timer="profiler", **call_kwargs)
+    tune_s = time.perf_counter() - t0
+    if kernel.inputs is not None:
+        args, kwargs = kernel.inputs(*call_args, **call_kwargs)
+    else:
+        args, kwargs = make_inputs(call_args, 0), dict(call_kwargs)
+    default, best = dict(kernel.space.default), result.best
+    fns = [lambda *a, c=default: kernel.fn(*a, **kwargs, **c),
+           lambda *a, c=best: kernel.fn(*a, **kwargs, **c),
+           lambda *a: kernel.reference(*a, **kwargs)]
+    ref = jax.block_until_ready(jax.jit(fns[2])(*args))
+    for f in fns[:2]:
+        ok, _, why = compare(jax.jit(f)(*args), ref)
+        if not ok:
+            raise AssertionError(f"{kernel.name} {spec}: {why}")
+    med = [statistics.median(t) for t in _device_times(fns, args, rounds)]
+    counts = result.trials["outcome"].value_counts().to_dict()
+    return {"key": result.key, "default": default, "best": best, "default_ms": med[0],
+            "tuned_ms": med[1], "xla_ms": med[2], "tune_s": tune_s, "outcomes": counts,
+            "measured": int(counts.get("ok", 0))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--spaces", default=",".join(SPACES))
+    p.add_argument("--trials", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--allow-cpu", action="store_true")
+    args = p.parse_args(argv)
+    device = jax.devices()[0]
+    if device.platform != "gpu" and not args.allow_cpu:
+        print("gpu_adapters.py measures GPU kernels; no GPU here (use --allow-cpu to smoke-test "
+              "in interpret mode, figures meaningless).", file=sys.stderr)
+        return 2
+    print("# $ " + bench.command(__file__, ["--spaces", args.spaces, "--trials",
+                                           str(args.trials), "--rounds", str(args.rounds)]))
+    print(f"# {bench.today()}, {device.device_kind}, jax {jax.__version__}; device time "
+          "(profiler) of the whole program, median of interleaved rounds; chip "
+          f"{chips.current_chip()}")
+    print("\n".join(bench.table(
+        ["kernel", "shape (key)", "upstream default", "ms", "tuned", "ms", "XLA reference ms",
+         "tuned vs default", "tuned vs XLA", "measured", "tune s"], [])))
+    for name in args.spaces.split(","):
+        loaded = load_space(name)
+        kernel = cli._load_kernel(loaded["kernel"])
+        for shape in loaded["shapes"]:
+            spec = cli._spec_items(shape)
+            try:
+                r = run_shape(kernel, spec, args.trials, args.rounds)
+            except Exception as e:  # noqa: BLE001 - one failing shape must not hide the rest.
+                print(f"| {kernel.name} | {spec} | FAILED: {type(e).__name__}: "
+                      f"{str(e)[:200]} |||||||||")
+                continue
+            fmt = lambda c: " ".join(f"{k}={v}" for k, v in c.items())  # noqa: E731
+            print(f"| {kernel.name} | `{r['key']}` | {fmt(r['default'])} | "
+                  f"{r['default_ms']:.4f} | {fmt(r['best'])} | {r['tuned_ms']:.4f} | "
+                  f"{r['xla_ms']:.4f} | {r['default_ms'] / r['tuned_ms']:.2f}x | "
+                  f"{r['xla_ms'] / r['tuned_ms']:.2f}x | {r['measured']} | {r['tune_s']:.0f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    sys.exit(main())
