@@ -56,6 +56,31 @@ def test_a_partial_sum_gives_way_to_xla_s_cost_model_on_the_footing():
     assert impl == "xla" and ms == pytest.approx(footed) and "cost model" in note
 
 
+def test_xla_s_cost_model_decides_where_libtpu_s_profiled_compile_died():
+    """libtpu's static profiler can die compiling XLA's program (seen: ragged_dot, out of the
+    worker's address space); the compile without the flag still carries XLA's cost model,
+    which then decides on the footing, the floor and the margin as a partial sum's would."""
+    from pallas_tune.measure.estimate import EstimateResult
+    from pallas_tune.tuning.footing import MARGIN, PALLAS_BIAS, XLA_MODEL_BIAS, xla_row
+
+    died = EstimateResult(ok=False, kind="worker_crashed",
+                          message="the worker died from signal SIGSEGV\nmmap error: 12",
+                          model_cycles=1_000_000)
+    row = xla_row(died, clock_hz=1e9)
+    assert row["model_ms"] == pytest.approx(1.0) and "median_ms" not in row
+    assert row["error"] == "the worker died from signal SIGSEGV"  # Not the worker's log.
+    footed = PALLAS_BIAS / XLA_MODEL_BIAS
+    ms, impl, note = xla_decision(row, footed * MARGIN * 1.01)
+    assert impl == "xla" and ms == pytest.approx(footed) and "profiled one failed" in note
+    ms, impl, note = xla_decision(row, footed * MARGIN * 0.99)
+    assert impl == "pallas" and "margin" in note
+    ms, impl, note = xla_decision(row, footed * 0.5)
+    assert impl == "pallas" and "is slower" in note
+    assert xla_decision({**row, "floor_ms": 2 * footed}, 10.0)[1] == "pallas"  # Below floor.
+    no_model = xla_row(EstimateResult(ok=False, kind="worker_crashed", message="died"), 1e9)
+    assert math.isnan(xla_decision(no_model, 1.0)[0])
+
+
 def test_the_footing_is_the_one_measured():
     """The constants are benchmarks/results/xla_footing.md's: its rule with these constants is
     the one that agreed with the chip on every key (checked there), so changing them without a

@@ -95,9 +95,11 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
     if not result.ok:
         return EstimateResult(ok=False, kind=result.kind, message=result.message,
                               compile_s=result.compile_s, scale=scale)
-    if not result.estimated_cycles:
+    if not result.estimated_cycles:  # XLA's cost model, if any, is kept (see xla_row).
         return EstimateResult(ok=False, kind=NO_ESTIMATE, compile_s=result.compile_s,
-                              scale=scale, message=estimate_flag_missing_message())
+                              scale=scale, message=estimate_flag_missing_message(),
+                              model_cycles=int(round(sum(result.model_cycles) * scale))
+                              if result.model_cycles else None)
     low = below_floor(census.floor_flops, result, chip)
     if low:
         return EstimateResult(ok=False, kind=NOT_ESTIMABLE, compile_s=result.compile_s,
@@ -352,8 +354,13 @@ class EstimateEvaluator(PoolEvaluator):
         ref, w = self._reference
         reply = self.pool.call("estimate_for", ref, w.args, w.kwargs, {}, w.chip, False,
                                phase="compile")
-        return reply.value if reply.kind == "done" else EstimateResult(
-            ok=False, kind=reply.kind, message=reply.message[:500])
+        if reply.kind == "done":
+            return reply.value
+        # Died profiled (seen: XLA's ragged_dot): XLA's cost model from an unprofiled compile.
+        plain = self._unprofiled.compile(ref, w.args, w.kwargs, {}, w.chip)
+        return EstimateResult(
+            ok=False, kind=reply.kind, message=reply.message[:500],
+            model_cycles=plain.value.model_cycles if plain.kind == "done" else None)
 
     def check_standin(self, configs: Sequence[Mapping[str, Any]]) -> tuple[bool, dict[str, Any]]:
         """Estimates one candidate on the stand-in and in full; trusts the stand-in within 5%
@@ -401,11 +408,12 @@ class Estimator:
     """Estimates of any kernel's configs in a pool of worker processes (benchmarks, tests).
 
     A worker that dies (a compiler abort, its memory limit) costs only its candidate, recorded
-    with kind ``worker_crashed``."""
+    with kind ``worker_crashed``. ``profile=False``: libtpu without its profiling flag (no
+    cycles of its own; XLA's cost model, ``model_cycles``, where the program has fusions)."""
 
     def __init__(self, workers: int = 2, *, memory_limit_bytes: int | None = -1,
-                 timeout_s: float | None = None):
-        self.workers = max(1, workers)
+                 timeout_s: float | None = None, profile: bool = True):
+        self.workers, self._profile = max(1, workers), profile
         self._dump = tempfile.mkdtemp(prefix="pallas-tune-llo-")
         self._options = dict(limits={"compile": timeout_s}, memory_limit=memory_limit_bytes)
         self._pool: Pool | None = None
@@ -415,7 +423,7 @@ class Estimator:
             ) -> list[EstimateResult]:
         refs = cand.KernelParts.of(kernel).refs()
         if self._pool is None:  # Started on first use, importing the script if a part is there.
-            self._pool = _estimate_pool((None, None, self._dump, True, None),
+            self._pool = _estimate_pool((None, None, self._dump, True, None, self._profile),
                                         workers=self.workers, main_path=refs.main_path,
                                         **self._options)
         a, k = cand.to_wire(list(args)), cand.to_wire(dict(kwargs))

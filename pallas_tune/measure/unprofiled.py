@@ -40,13 +40,7 @@ class UnprofiledCheck:
         what the compile said."""
         from pallas_tune.measure.loops import NO_ESTIMATE
 
-        if self._pool is None:
-            session, sargs, env, main_path, memory_limit, limits = self._spec
-            self._pool = Pool(session, sargs, size=1, env=env, main_path=main_path,
-                              memory_limit=memory_limit, limits=limits)
-            self._pool.start()
-        reply = self._pool.call("estimate_for", refs, args, kwargs, dict(config), chip, False,
-                                phase="compile")
+        reply = self.compile(refs, args, kwargs, config, chip)
         if reply.kind != "done":
             return None, reply.message[-500:]
         r = reply.value
@@ -55,6 +49,19 @@ class UnprofiledCheck:
                     if r.scoped_vmem_bytes else "")
             return True, f"compiles without the profiling flag{vmem}"
         return (False if r.kind in VMEM_KINDS else None), r.message[:500]
+
+    def compile(self, refs: Any, args: Any, kwargs: Any, config: Mapping[str, Any], chip: str
+                ) -> Any:
+        """The worker's reply to compiling ``refs`` with ``config`` without the flag: its
+        ``value`` (an EstimateResult) carries no libtpu cycles, but XLA's own cost model
+        (``model_cycles``) where the program has XLA fusions."""
+        if self._pool is None:
+            session, sargs, env, main_path, memory_limit, limits = self._spec
+            self._pool = Pool(session, sargs, size=1, env=env, main_path=main_path,
+                              memory_limit=memory_limit, limits=limits)
+            self._pool.start()
+        return self._pool.call("estimate_for", refs, args, kwargs, dict(config), chip, False,
+                               phase="compile")
 
     def close(self) -> None:
         if self._pool is not None:

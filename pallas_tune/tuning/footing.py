@@ -88,8 +88,12 @@ def xla_row(result: Any, clock_hz: float) -> dict[str, Any]:
 
     row: dict[str, Any] = {"implementation": "xla", "timer": "tpu-estimate"}
     if result is None or not result.ok or result.cycles is None:
-        return {**row, "error": (result.message[:500] or result.kind) if result is not None
-                else "no reference"}
+        row["error"] = ((result.message[:500] or result.kind) if result is not None
+                        else "no reference")
+        if result is not None and result.model_cycles:  # libtpu gave none: the model did.
+            row["model_ms"] = cycles_to_ms(result.model_cycles, clock_hz)
+            row["error"] = row["error"].split("\n")[0]  # Not the dying worker's log.
+        return row
     ms = cycles_to_ms(result.cycles, clock_hz)
     row.update(median_ms=ms, spread_ms=0.0, times_ms=[ms], cycles=result.cycles,
                partial=result.ops_without_estimate)
@@ -105,8 +109,17 @@ def xla_decision(xla_row: Mapping[str, Any] | None, best_ms: float) -> tuple[flo
     below ``best_ms`` and not below the call's data floor (``floor_ms``); a partial libtpu sum
     is replaced by XLA's cost model on the footing, or, without one, never makes XLA win.
     Measured rows: XLA runs where it is faster."""
-    if xla_row is None or "median_ms" not in xla_row:
+    if xla_row is None or ("median_ms" not in xla_row and "model_ms" not in xla_row):
         return math.nan, "pallas", (xla_row or {}).get("error", "")
+    if "median_ms" not in xla_row:  # libtpu's compile of XLA's program gave no figure.
+        model = float(xla_row["model_ms"])
+        xla_ms = model * PALLAS_BIAS / XLA_MODEL_BIAS
+        how = (f"XLA's cost model ({model:.4g} ms, from a compile without libtpu's profiling "
+               f"flag, as the profiled one failed) at the Pallas estimate's footing "
+               f"(x{PALLAS_BIAS / XLA_MODEL_BIAS:.3g}: {xla_ms:.4g} ms)")
+        if xla_ms >= best_ms:
+            return xla_ms, "pallas", f"Pallas runs: {how} is slower"
+        return _credible(xla_row, xla_ms, best_ms, how)
     xla_ms = float(xla_row["median_ms"])
     if xla_row.get("timer") != "tpu-estimate":  # Timed on a device beside the configs.
         return xla_ms, ("xla" if xla_ms < best_ms else "pallas"), ""
@@ -126,6 +139,12 @@ def xla_decision(xla_row: Mapping[str, Any] | None, best_ms: float) -> tuple[flo
         how = (f"XLA's cost model ({float(model):.4g} ms) at the Pallas estimate's footing "
                f"(x{PALLAS_BIAS / XLA_MODEL_BIAS:.3g}: {xla_ms:.4g} ms), as libtpu's sum is "
                f"partial ({partial} ops without an estimate)")
+    return _credible(xla_row, xla_ms, best_ms, how)
+
+
+def _credible(xla_row: Mapping[str, Any], xla_ms: float, best_ms: float, how: str
+              ) -> tuple[float, str, str]:
+    """The floor and the margin, for an XLA figure on the estimate's footing."""
     floor = float(xla_row.get("floor_ms") or 0.0)
     if xla_ms < floor:
         return xla_ms, "pallas", (
