@@ -118,3 +118,25 @@ def test_a_space_file_is_validated_before_its_module_is_imported(cache_dir, tmp_
     r = _cli(["sweep", "--space", str(tmp_path / "s.toml"), "--path", str(tmp_path)], cache_dir)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
     assert not marker.exists()
+
+
+def test_bare_show_lists_the_user_s_entries_and_counts_the_shipped_ones(cache_dir, capsys):
+    """Bare ``show``: the user's entries row by row, the library's shipped ones one line per
+    kernel and chip (their full rows run to hundreds of characters); a filter lists them."""
+    from pallas_tune.cache import default_cache
+    from pallas_tune.cli import main
+
+    default_cache().write_many("cpu", "toy_kernels.scale", {
+        "x=64x256:float32,factor=2.0": {"config": {"br": 8, "bc": 128, "buffering": 2},
+                                        "median_ms": 0.25}})
+    assert main(["show"]) == 0
+    out = capsys.readouterr().out
+    assert "x=64x256:float32,factor=2.0" in out and "0.25" in out  # The user's row.
+    assert "shipped with installed libraries:" in out
+    line = next(ln for ln in out.splitlines() if "kernels.matmul.matmul " in ln)
+    assert line.split()[-2:][1] == "entries" and int(line.split()[-2]) > 0
+    assert "x=8192x4096:bfloat16" not in out  # No shipped key listed.
+    summary = out[out.index("shipped with installed libraries:"):].split("\n\n")[0]
+    assert max(len(ln) for ln in summary.splitlines()[1:]) < 120
+    assert main(["show", "--kernel", "kernels.matmul.matmul"]) == 0
+    assert "x=8192x4096:bfloat16" in capsys.readouterr().out

@@ -228,7 +228,8 @@ class KernelRegistry:
                 if kernel.name == name:
                     return kernel, None
                 return None, (f"{module}:{attr} is the kernel {kernel.name!r}, not {name!r}: "
-                              f"pass --import MODULE, the module that defines {name!r}")
+                              f"pass --import MODULE, the module that defines {name!r} (or "
+                              "--path DIR, the directory that holds it)")
             except KernelImportError as e:
                 return None, f"importing the module of kernel {name!r} failed ({e})"
             except CLIUsageError as e:
@@ -267,4 +268,6 @@ class KernelRegistry:
         if any(ep.module == module for ep in self._entry_points()):
             return None
         return (f"its module is none of those pallas-tune may import (the record names it, "
-                f"and importing a module runs it): pass --import {module or 'MODULE'} to tune it")
+                f"and importing a module runs it): pass --import {module or 'MODULE'}, or "
+                f"--path DIR for the directory that holds {module.split('.')[0] or 'it'}, to "
+                "tune it")

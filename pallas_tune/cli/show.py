@@ -211,7 +211,10 @@ def cmd_show(request: ShowRequest) -> int:
     if not rows:
         print(_esc(f"no cache entries (looked in {cache.roots()})"))
         return 0
-    _print_table(rows)
+    if request.kernel or request.chip or request.key:
+        _print_table(rows)
+    else:  # Bare show: the user's entries in full, the library's shipped ones counted.
+        _print_overview(rows)
     here = chips.current_chip()
     others = sorted({r[1] for r in rows} - {here})
     if others and chip is None:
@@ -235,6 +238,26 @@ def cmd_show(request: ShowRequest) -> int:
     if request.trials:
         _print_trials(reports, request.key)
     return 0
+
+
+def _print_overview(rows: Sequence[tuple[str, ...]]) -> None:
+    """Bare ``show``: every user-cache row, then one line per shipped (kernel, chip) with its
+    number of entries (the full table of them runs to hundreds of characters a row)."""
+    user = [r for r in rows if not r[7].startswith("shipped")]
+    if user:
+        _print_table(user)
+    counts: dict[tuple[str, str], int] = {}
+    for r in rows:
+        if r[7].startswith("shipped"):
+            counts[r[0], r[1]] = counts.get((r[0], r[1]), 0) + 1
+    if not counts:
+        return
+    print(("\n" if user else "") + f"shipped with installed libraries: {sum(counts.values())} "
+          f"entries of {len({k for k, _ in counts})} kernels (pallas-tune show --kernel NAME "
+          "or --chip CHIP lists them; --format json or csv, all rows)")
+    width = max(len(k) for k, _ in counts)
+    for (kernel, chip), n in sorted(counts.items()):
+        print(_esc(f"  {kernel.ljust(width)}  {chip:<12} {n:>3} entries"))
 
 
 def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
