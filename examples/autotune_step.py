@@ -52,12 +52,7 @@ def main() -> None:
 
     result = pt.autotune(block, x, *params, trials=args.trials, repeats=2, seed=0,
                          xla=True if args.xla else None, step_time=True)
-    print(result)
-    for c in result.calls:
-        print(f"  {c.kernel}  {c.key}\n    -> {c.config} ({c.source}, {c.implementation}); "
-              f"default {c.default_ms:.4g} ms, tuned {c.best_ms:.4g} ms, XLA {c.xla_ms:.4g} ms")
-    print(f"step ({result.step_timer}): " + ", ".join(
-        f"{k} {v:.4g} ms" for k, v in result.step_ms.items()))
+    print(result)  # One row per call (times not measured show as "-"), then the step's.
 
     with result:  # The tuned configs, without touching the cache.
         out = jax.jit(block)(x, *params)
@@ -76,10 +71,7 @@ def estimate(args: argparse.Namespace) -> None:
     shapes = [jax.ShapeDtypeStruct(s, bf) for s in ((args.tokens, d), (d,), (d, f), (f, d))]
     result = pt.autotune(block, *shapes, trials=args.trials, seed=0, timer="tpu-estimate",
                          chip="v6e", step_time="composed")
-    print(result)
-    for c in result.calls:
-        print(f"  {c.kernel}  {c.key}\n    -> {c.config} ({c.source}, runs "
-              f"{c.implementation}); tuned {c.best_ms:.4g} ms, XLA {c.xla_ms:.4g} ms (ESTIMATES)")
+    print(result)  # One row per call, then the step's figures: all ESTIMATES.
     glue = result.step_detail["glue"]
     print(f"step ({result.step_timer}):\n  glue {glue['ms']:.4g} ms; " + ", ".join(
         f"{k} {v:.4g} ms" for k, v in result.step_ms.items()))

@@ -57,26 +57,34 @@ def settings(result: Any) -> dict[str, Any]:
 
 
 def wall_clock(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-               result: Any) -> tuple[dict[str, float], str]:
-    """Median wall time of the jitted step under each setting, traced afresh for each."""
+               result: Any, rounds: int = 7) -> tuple[dict[str, float], str]:
+    """Median wall time of the jitted step under each setting: each traced and compiled under
+    its setting, then all timed interleaved, round by round (default, tuned, XLA, default, ...),
+    so that a loaded host's drift hits all alike. The timer says where the tuned step is not
+    clearly ahead of the default's (:func:`pallas_tune.tuning.noise.ahead`)."""
     import jax
 
-    def run(ctx: Any) -> float:
-        real = [_concrete(a) for a in args]
+    from pallas_tune.tuning import noise
+
+    real = [_concrete(a) for a in args]
+    compiled = {}
+    for name, ctx in settings(result).items():
         with ctx:
             jax.clear_caches()
-            step = jax.jit(lambda *a: fn(*a, **kwargs))
+            compiled[name] = jax.jit(lambda *a: fn(*a, **kwargs)).lower(*real).compile()
+            jax.block_until_ready(compiled[name](*real))  # Warm.
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    for _ in range(rounds):
+        for name, step in compiled.items():
+            t0 = time.perf_counter()
             jax.block_until_ready(step(*real))
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                jax.block_until_ready(step(*real))
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    out = {name: run(ctx) for name, ctx in settings(result).items()}
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    out = {name: statistics.median(t) for name, t in times.items()}
     timer = ("wall clock (interpret mode on CPU: grid steps, not TPU speed)"
              if chips.should_interpret() else "wall clock")
+    if not noise.ahead(times["tuned"], times["default"]):
+        timer += ("; the tuned step is not clearly faster than the default's in these "
+                  f"{rounds} interleaved rounds")
     return out, timer
 
 
