@@ -99,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
              "--timer tpu-estimate --trials 10 --workers 1 --seed 0` for SPACE = "
              "quantized_matmul and quantized_grouped_matmul, then `pallas-tune recheck-xla "
              "KERNEL --chip v6e --again` (XLA decided under the current footing)",
+             "- XLA's figure for the grouped matmul is XLA's own cost model brought to the "
+             "Pallas estimate's footing: libtpu's profiled compile of XLA's ragged_dot program "
+             "dies (it runs the compile worker out of address space), so "
+             "`pallas_tune.tuning.footing` takes the cost model from a compile without the "
+             "profiling flag (each entry's note says so).",
              "- Above 100%: libtpu's model moves HBM bytes at 1.44x the spec bandwidth the "
              "roofline uses, so a memory-bound estimate can beat the spec roofline; read the "
              "fractions as estimates of estimates.", ""]
