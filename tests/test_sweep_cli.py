@@ -253,7 +253,7 @@ def test_live_progress_row_reads_at_narrow_widths(width, monkeypatch):
     row = next(ln for ln in lines if "/32" in ln)
     assert "2/32" in row and "ETA" in row and "0:00:0" in row, lines
     status = "".join(lines[lines.index(row) + 1:])
-    assert "best 1 ms vs default 4 ms (4.00x); 3 trials: 2 timed, 1 infeasible" in status, lines
+    assert "search best 1 ms vs default 4 ms (4.00x); 3 trials: 2 timed, 1 infeasible" in status, lines
     assert label in "".join(lines[:lines.index(row)]), lines  # The key whole, above.
 
 

@@ -93,7 +93,7 @@ class SweepProgress:
         from pallas_tune.measure.records import describe_tally, tally
 
         counts = describe_tally(tally(self.seen))
-        best = f"best {_ms(progress.best_ms)}"
+        best = f"search best {_ms(progress.best_ms)}"  # One run each; the final line re-times.
         if math.isfinite(self.default_ms) and math.isfinite(progress.best_ms):
             best += f" vs default {_ms(self.default_ms)} ({self.default_ms / progress.best_ms:.2f}x)"
         return f"{best}; {counts}"

@@ -270,12 +270,14 @@ def _sweep_shape(request: SweepRequest, kernel: Any, label: str, call_args: list
         if progress:
             progress.close()
     label = " (compiler estimate)" if kind == "estimate" else ""
-    if math.isfinite(result.speedup):  # Both from the final re-ranking: like with like.
+    if result.within_noise:  # The final re-ranking could not rank: say so, claim nothing.
+        label += f"; WITHIN NOISE: {result.provenance['ranking_noise']['note']}"
+    elif math.isfinite(result.speedup):  # Both from the final re-ranking: like with like.
         label += f", default {result.default_ms:.4g} ms ({result.speedup:.2f}x)"
     if result.implementation == "xla":  # What calls will run, not only what Pallas can do.
         label += (f"; XLA {result.xla_ms:.4g} ms is faster: calls run XLA (the kernel's "
                   "reference), not this config")
-    _say(request, f"  {key}: best {result.best} {result.best_ms:.4g} ms{label} "
+    _say(request, f"  {key}: best {result.best} {result.best_ms:.4g} ms re-timed{label} "
                   f"({describe_tally(result.tally)}; {time.perf_counter() - t0:.1f}s) -> "
                   f"{result.cache_path or 'not written (--no-write)'}")
     return 0
