@@ -140,3 +140,24 @@ def test_bare_show_lists_the_user_s_entries_and_counts_the_shipped_ones(cache_di
     assert max(len(ln) for ln in summary.splitlines()[1:]) < 120
     assert main(["show", "--kernel", "kernels.matmul.matmul"]) == 0
     assert "x=8192x4096:bfloat16" in capsys.readouterr().out
+
+
+def test_no_libtpu_probing_noise_on_a_host_without_a_tpu(cache_dir):
+    """With libtpu installed and ALLOW_MULTIPLE_LIBTPU_LOAD=1 (as deviceless compiles need),
+    libtpu initialises on any host and, with no TPU, prints a screen of worker-probing errors;
+    the CLI keeps it from probing where the host has no TPU chip."""
+    from pallas_tune.feasibility.compile import libtpu_available
+
+    if not libtpu_available():
+        pytest.skip("libtpu is not installed: it prints nothing to silence")
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        pytest.skip("this host has TPU chips: JAX's own start-up configures libtpu")
+    env = subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir, ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    for name in ("JAX_PLATFORMS", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"):
+        env.pop(name, None)  # Every backend starts, libtpu's too, as on a user's host.
+    r = subprocess.run([sys.executable, "-m", "pallas_tune", "show", "--kernel", "rms_norm_bwd"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "TPU worker hostnames" not in r.stderr and "host bounds" not in r.stderr, r.stderr

@@ -209,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     terminated: list[int] = []
     try:
+        from pallas_tune.chips import quiet_tpu_probe_env
+
+        os.environ.update(quiet_tpu_probe_env())  # No TPU here: no libtpu probing noise.
         if command in _COMPILING:
             from pallas_tune.measure.logs import RunLogs
 
