@@ -17,6 +17,13 @@ gives the keys past kv_len the mask value and zeroes the values past it (``0 * N
 poison the sum). That masking is emitted only for ragged kv_len, so shapes that divide compile to
 the same program as without it.
 
+Sliding-window (``local_window_size``) and document (``segment_ids``) masks (``_masks``): block
+pairs no query sees are skipped, with no compute and, where the index map can tell, no DMA (a
+window's by program ids; segment ids' by each block's range of ids, from SMEM tables); pairs
+every query sees whole run unmasked and the rest are masked by position and id; a query that
+sees no key gives 0. That path is a pallas_call of its own (``flash_attention_masked_*``): the
+calls without masks lower to the programs they always did.
+
 Differentiable (``jax.grad``, ``jax.vjp``, under ``jit``, ``checkpoint`` and ``vmap``) through a
 custom VJP: when differentiated, the forward also writes each query row's log-sum-exp (a second
 output of the same kernel), and the gradient is ``flash_attention_bwd.flash_attention_bwd``, a
@@ -36,12 +43,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
-from pallas_tune.kernels import _ragged
+from pallas_tune.kernels import _masks, _ragged
 from pallas_tune.kernels._attention import DTYPES, check_qkv, flash_attention_reference
 from pallas_tune.kernels._attention import MASK_VALUE as _MASK_VALUE
+from pallas_tune.kernels._masks import SegmentIds
 from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd, flash_attention_bwd_args
 
-__all__ = ["DTYPES", "flash_attention", "flash_attention_reference"]
+__all__ = ["DTYPES", "SegmentIds", "flash_attention", "flash_attention_reference"]
 
 _STRIP = 256  # Query columns per stair of the diagonal staircase (best of 128-1024 by the
 #                v6e estimate at S=2048: 197,002 cycles against 209,066 / 217,930 / 245,898).
@@ -53,18 +61,27 @@ _SUM_ROWS = 8  # Rows of ones below vᵀ: the MXU sums pᵀ (one sublane tile).
 # The public entry; registered as a tunable kernel (search_spaces/flash_attention.toml) at the end
 # of the file, once its reference and stand-in exist.
 def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                    bq: int, bkv: int):
+                    local_window_size: int | tuple[int, int] | None = None,
+                    segment_ids: SegmentIds | None = None, bq: int, bkv: int):
     """softmax(q kᵀ · sm_scale) v per head; ``sm_scale=None`` means 1/√head_dim.
 
     Any sequence lengths and head dim; float32 or bfloat16 (one dtype for q, k and v). Block
-    sizes larger than a sequence are clamped to it.
+    sizes larger than a sequence are clamped to it. ``local_window_size=(left, right)``: the
+    query at position i sees the keys i - left to i + right (an int w: (w, w); with
+    ``causal=True`` at most i), as in ``jax.nn.dot_product_attention``. ``segment_ids=
+    SegmentIds(q, kv)``, integer arrays (batch, q_len) and (batch, kv_len): a query sees only
+    the keys with its id (packed documents). A query that sees no key gives 0.
 
     Raises:
       ValueError: the shapes do not match (see the module docstring), q_heads is not a multiple
-        of kv_heads, or the dtypes are not one of float32 and bfloat16.
+        of kv_heads, the dtypes are not one of float32 and bfloat16, or the window or segment
+        ids are malformed.
     """
     check_qkv("flash_attention", q, k, v)
-    return _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv)
+    masks = _masks.masks_of(q, k, causal=causal, local_window_size=local_window_size,
+                            segment_ids=segment_ids)
+    return _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv, masks=masks,
+                    segment_ids=segment_ids)
 
 
 # Differentiable through the tunable contract (FlashAttention-2): when differentiated, the same
@@ -72,14 +89,17 @@ def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = N
 # is the tunable ``flash_attention_bwd``, called with no block sizes so that its own are
 # resolved from the cache when the gradient is traced (see ``backward=`` below). Without
 # differentiation the forward is the one pallas_call below, unchanged (same cache entries).
-def _residuals(q, k, v, *, causal: bool = False, sm_scale: float | None = None, bq: int,
-               bkv: int):
+def _residuals(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
+               local_window_size=None, segment_ids=None, bq: int, bkv: int):
     check_qkv("flash_attention", q, k, v)
-    o, lse = _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv, lse=True)
+    masks = _masks.masks_of(q, k, causal=causal, local_window_size=local_window_size,
+                            segment_ids=segment_ids)
+    o, lse = _forward(q, k, v, causal=causal, sm_scale=sm_scale, bq=bq, bkv=bkv, lse=True,
+                      masks=masks, segment_ids=segment_ids)
     return o, (q, k, v, o, lse)
 
 
-def _forward(q, k, v, *, causal, sm_scale, bq, bkv, lse=False):
+def _forward(q, k, v, *, causal, sm_scale, bq, bkv, lse=False, masks=None, segment_ids=None):
     """The forward pallas_call: o, and with ``lse=True`` also the log-sum-exp of each query
     row's scaled scores, (batch, q_heads, q_len) float32."""
     b, hq, sq, d = q.shape
@@ -87,6 +107,8 @@ def _forward(q, k, v, *, causal, sm_scale, bq, bkv, lse=False):
     group = hq // hkv
     bq, bkv = min(bq, sq), min(bkv, sk)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if masks is not None:
+        return _forward_masked(q, k, v, masks, segment_ids, scale=scale, bq=bq, bkv=bkv, lse=lse)
     nk = pl.cdiv(sk, bkv)
 
     if causal:
@@ -103,12 +125,7 @@ def _forward(q, k, v, *, causal, sm_scale, bq, bkv, lse=False):
     early = causal and _staircase_ok(bq, bkv, sk % bkv) and sq <= sk
     kernel = functools.partial(_kernel, sm_scale=scale, causal=causal, bq=bq, bkv=bkv,
                                kv_tail=sk % bkv, early=early, lse=lse)
-    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    out_specs = pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0))
-    if lse:  # A (1, bq) row per block, as the kernel holds its softmax statistics.
-        out_shape = [out_shape, jax.ShapeDtypeStruct((b, hq, 1, sq), jnp.float32)]
-        out_specs = [out_specs,
-                     pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j: (bi, h, 0, i))]
+    out_shape, out_specs = _outputs(q, bq, lse)
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -130,8 +147,53 @@ def _forward(q, k, v, *, causal, sm_scale, bq, bkv, lse=False):
     return (out[0], out[1].reshape(b, hq, sq)) if lse else out
 
 
+def _outputs(q, bq, lse):
+    """The forward's out_shape and out_specs: o, and with ``lse`` its (1, bq) row per block,
+    as the kernel holds its softmax statistics."""
+    b, hq, sq, d = q.shape
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_specs = pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0))
+    if lse:
+        out_shape = [out_shape, jax.ShapeDtypeStruct((b, hq, 1, sq), jnp.float32)]
+        out_specs = [out_specs,
+                     pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j, *_: (bi, h, 0, i))]
+    return out_shape, out_specs
+
+
+def _forward_masked(q, k, v, masks, segment_ids, *, scale, bq, bkv, lse):
+    """The forward with a window or segment ids (``_masks``): the same kernel, on the pairs of
+    blocks some query sees (a skipped step's KV index repeats a needed block: no DMA)."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group = hq // hkv
+
+    def kv_block(bi, h, i, j, *t):
+        return bi, _masks.kv_clamp(masks, bq, bkv, bi, i, j, t)
+
+    def kv_index(bi, h, i, j, *t):
+        return bi, h // group, kv_block(bi, h, i, j, *t)[1], 0
+
+    out_shape, out_specs = _outputs(q, bq, lse)
+    kernel = functools.partial(_kernel, sm_scale=scale, causal=False, bq=bq, bkv=bkv,
+                               kv_tail=sk % bkv, early=False, lse=lse)
+    out = _masks.pallas_call(
+        kernel, masks, segment_ids, (0, 2, 3), per="q",
+        grid=(b, hq, pl.cdiv(sq, bq), pl.cdiv(sk, bkv)),
+        in_specs=[pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0)),
+                  pl.BlockSpec((None, None, bkv, d), kv_index),
+                  pl.BlockSpec((None, None, bkv, d), kv_index)],
+        operands=[q, k, v], q_block=lambda bi, h, i, j, *_: (bi, i), kv_block=kv_block,
+        out_shape=out_shape, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((1, bq), jnp.float32),
+                        pltpu.VMEM((d + _SUM_ROWS, bq), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        name=f"flash_attention_masked{'_lse' if lse else ''}_{bq}x{bkv}")
+    return (out[0], out[1].reshape(b, hq, sq)) if lse else out
+
+
 def _kernel(q_ref, k_ref, v_ref, o_ref, *refs, sm_scale, causal, bq, bkv, kv_tail, early,
-            lse):
+            lse, blocks=None):
     """Works on transposed scores, sᵀ = k qᵀ (bkv, bq), and a transposed accumulator oᵀ (d, bq).
 
     On a 256x256 MXU a head_dim of 128 fills half of it in q kᵀ whichever way round; but in
@@ -150,14 +212,16 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *refs, sm_scale, causal, bq, bkv, kv_tai
         m_ref[...] = jnp.full_like(m_ref, _MASK_VALUE)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def scores(mask=False, tail=0, lo=0, hi=bq, rows=bkv, diagonal=None, last=False):
+    def scores(mask=False, tail=0, lo=0, hi=bq, rows=bkv, diagonal=None, last=False,
+               masked=False):
         """sᵀ for the queries in columns [lo, hi) of this block against its first ``rows``
         keys (static bounds: the queries outside see none of the others).
 
         mask: apply the causal mask by absolute positions (a block that straddles the
         diagonal); diagonal=a: a static triangle instead, key r visible to column lo + c when
         r <= a + c (the keys start at query lo - a); tail: valid keys of a ragged last block;
-        last: ignored here (``update`` writes these columns' output after this step)."""
+        last: ignored here (``update`` writes these columns' output after this step);
+        masked: what the window and segment ids hide (``blocks``) is -inf."""
         q = (q_ref[lo:hi, :].astype(jnp.float32) * c).astype(q_ref.dtype)
         s = lax.dot_general(k_ref[:rows, :], q, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # (rows, hi - lo)
@@ -171,7 +235,7 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *refs, sm_scale, causal, bq, bkv, kv_tai
             s = jnp.where(q_pos >= k_pos, s, _MASK_VALUE)
         if tail:
             s = _ragged.fill_tail(s, tail, axis=0, value=_MASK_VALUE)
-        return s
+        return blocks.mask(s, lo) if masked else s
 
     def update(*parts):
         """One online-softmax step for each part (``scores``' keywords; disjoint columns); a
@@ -214,22 +278,57 @@ def _kernel(q_ref, k_ref, v_ref, o_ref, *refs, sm_scale, causal, bq, bkv, kv_tai
             if t >= _LAG:
                 softmax_pv(ss.pop(t - _LAG), **parts[t - _LAG])
 
-    def write_out(acc, lo, hi):
-        """o for query rows [lo, hi) from their accumulator oᵀ (with the sums below it)."""
-        d = o_ref.shape[-1]
-        o_ref[lo:hi, :] = (acc[:d, :] * (1.0 / acc[d:d + 1, :])).T.astype(o_ref.dtype)
-        if lse_ref is not None:  # m and the sum are in log2 units of the scaled scores.
-            lse_ref[:, lo:hi] = (m_ref[:, lo:hi] + jnp.log2(acc[d:d + 1, :])) * math.log(2.0)
+    write_out = functools.partial(_write_out, o_ref, lse_ref, m_ref, none_seen=blocks is not None)
 
     # Every query row sees a valid key in KV block 0 (key 0), so l > 0 at the end, even in rows
     # dropped on store. Causal: blocks above the diagonal are skipped, below it need no mask.
-    if not (causal or kv_tail):
+    if blocks is not None:  # A window or segment ids: l may be 0 (``none_seen``).
+        _dispatch_masked(update, blocks, bq=bq, kv_tail=kv_tail)
+    elif not (causal or kv_tail):
         update()
     else:
         _dispatch(update, i, j, causal=causal, bq=bq, bkv=bkv, kv_tail=kv_tail, early=early)
 
     if not early:
         pl.when(j == pl.num_programs(3) - 1)(lambda: write_out(acc_ref[...], 0, bq))
+
+
+def _write_out(o_ref, lse_ref, m_ref, acc, lo, hi, *, none_seen):
+    """o for query rows [lo, hi) from their accumulator oᵀ (with the sums below it), and
+    their lse. none_seen: a row may have summed nothing (l = 0): its o is 0, its lse -inf."""
+    d = o_ref.shape[-1]
+    if none_seen:
+        total = acc[d:d + 1, :]
+        o = acc[:d, :] * jnp.where(total > 0, 1.0 / total, 0.0)
+    else:
+        o = acc[:d, :] * (1.0 / acc[d:d + 1, :])
+    o_ref[lo:hi, :] = o.T.astype(o_ref.dtype)
+    if lse_ref is not None:  # m and the sum are in log2 units of the scaled scores.
+        lse_ref[:, lo:hi] = (m_ref[:, lo:hi] + jnp.log2(acc[d:d + 1, :])) * math.log(2.0)
+
+
+def _dispatch_masked(update, blocks, *, bq, kv_tail):
+    """With a window or segment ids: a pair of blocks no query sees is skipped, a pair every
+    query sees whole runs unmasked (in strips, as without masks), the rest is masked by
+    position and id (``Blocks.mask``), the ragged last KV block also by ``tail``."""
+    run, whole = blocks.run(), blocks.whole()
+    last = blocks.j == pl.num_programs(3) - 1
+    if kv_tail:
+        whole = jnp.logical_and(whole, jnp.logical_not(last))
+    pl.when(jnp.logical_and(run, whole))(update)
+    strips = range(0, bq, _STRIP) if bq % _STRIP == 0 else [None]
+
+    def masked(tail):
+        return [dict(masked=True, tail=tail, **({} if a is None else dict(lo=a, hi=a + _STRIP)))
+                for a in strips]
+
+    straddle = jnp.logical_and(run, jnp.logical_not(whole))
+    if kv_tail:
+        pl.when(jnp.logical_and(straddle, jnp.logical_not(last)))(
+            functools.partial(update, *masked(0)))
+        pl.when(jnp.logical_and(run, last))(functools.partial(update, *masked(kv_tail)))
+    else:
+        pl.when(straddle)(functools.partial(update, *masked(0)))
 
 
 def _staircase_ok(bq, bkv, kv_tail):
@@ -294,10 +393,11 @@ def _standin(args, kwargs, config):
     (nb, nh), scale = shrink_parallel([b, hkv], per_head)
     q2 = jax.ShapeDtypeStruct((nb, nh * group, sq, d), q.dtype)
     kv2 = jax.ShapeDtypeStruct((nb, nh, sk, d), k.dtype)
-    return [q2, kv2, kv2], kwargs, scale
+    return [q2, kv2, kv2], _masks.standin_kwargs(kwargs, nb), scale
 
 
 flash_attention = pt.tunable(space="flash_attention", reference=flash_attention_reference,
                              standin=_standin, backward=flash_attention_bwd,
                              backward_args=flash_attention_bwd_args,
-                             backward_residuals=_residuals)(flash_attention)
+                             backward_residuals=_residuals,
+                             key_optional=("local_window_size", "segment_ids"))(flash_attention)

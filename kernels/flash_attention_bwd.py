@@ -20,6 +20,12 @@ block size divides the other, a block on the diagonal runs as a staircase, each 
 only the keys its last query sees (``_strips``), so a causal backward computes about half the
 scores however large its blocks; otherwise straddling blocks are masked by position.
 
+With ``local_window_size`` or ``segment_ids`` (``_masks``) both passes skip the block pairs no
+query sees (no compute; where the index map can tell, no DMA: the window's by program ids, the
+segments' from SMEM tables of each block's range of ids), run unmasked the pairs every query
+sees whole and mask the rest by position and id, as the forward does; a query that saw no key
+(lse -inf) gets zero gradients. Without them the passes are the programs they always were.
+
 Any q_len and kv_len: a ragged last block along the axis a pass reduces over (q rows in dK/dV, KV
 rows in dQ) has its out-of-bounds rows zeroed and its scores masked on that step only (``0 * NaN``
 would poison the sums); along the other axis the rows are independent and dropped on store. The
@@ -39,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 
 import pallas_tune as pt
-from pallas_tune.kernels import _ragged
+from pallas_tune.kernels import _masks, _ragged
 from pallas_tune.kernels._attention import (MASK_VALUE, check_qkv, flash_attention_reference,
                                             reference_lse)
 
@@ -56,9 +62,10 @@ _LAG = 1  # Strips between a strip's two score-sized matmuls and its softmax-gra
 # The public entry; registered as a tunable kernel (search_spaces/flash_attention_bwd.toml) at
 # the end of the file, once its reference, inputs and stand-in exist.
 def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool = False,
-                        sm_scale: float | None = None, bq_dq: int, bkv_dq: int, bq_dkv: int,
-                        bkv_dkv: int):
-    """(dq, dk, dv) of ``flash_attention(q, k, v, causal=, sm_scale=)`` for the cotangent ``do``.
+                        sm_scale: float | None = None, local_window_size=None, segment_ids=None,
+                        bq_dq: int, bkv_dq: int, bq_dkv: int, bkv_dkv: int):
+    """(dq, dk, dv) of ``flash_attention(q, k, v, causal=, sm_scale=, local_window_size=,
+    segment_ids=)`` for the cotangent ``do``.
 
     o is the forward's output and lse, (batch, q_heads, q_len) float32, the log-sum-exp of each
     query row's scaled scores (the forward saves both when differentiated). dq has q's dtype, dk
@@ -74,33 +81,41 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool = False,
     if o.shape != q.shape or do.shape != q.shape or lse.shape != (b, hq, sq):
         raise ValueError(f"flash_attention_bwd needs o and do shaped like q {q.shape} and lse "
                          f"{(b, hq, sq)}; got o {o.shape}, do {do.shape}, lse {lse.shape}")
+    masks = _masks.masks_of(q, k, causal=causal, local_window_size=local_window_size,
+                            segment_ids=segment_ids)
     do = do.astype(q.dtype)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     # Rows (1, q_len) per head, like the kernels' statistics; lse in log2 units (exp2 below).
     lse2 = (lse.astype(jnp.float32) * _LOG2E).reshape(b, hq, 1, sq)
+    if masks is not None:  # A query that sees no key (lse -inf): p = exp2(-inf - inf) = 0.
+        lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).reshape(b, hq, 1, sq)
+    mask_kw = dict(masks=masks, segment_ids=segment_ids) if masks is not None else {}
     dk, dv = _dkv_call(q, k, v, do, lse2, delta, scale=scale, causal=causal,
-                       bq=min(bq_dkv, sq), bkv=min(bkv_dkv, k.shape[2]))
+                       bq=min(bq_dkv, sq), bkv=min(bkv_dkv, k.shape[2]), **mask_kw)
     dq = _dq_call(q, k, v, do, lse2, delta, scale=scale, causal=causal,
-                  bq=min(bq_dq, sq), bkv=min(bkv_dq, k.shape[2]))
+                  bq=min(bq_dq, sq), bkv=min(bkv_dq, k.shape[2]), **mask_kw)
     return dq, dk, dv
 
 
-def _dkv_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv):
+def _dkv_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv, masks=None,
+              segment_ids=None):
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group, nq = hq // hkv, pl.cdiv(sq, bq)
 
-    def q_block(j, i):  # Causal: the q blocks before the first that sees KV block j repeat it.
+    def q_block(j, i, bi, tables):  # Skipped q blocks repeat a needed one (no DMA). Causal:
+        if masks is not None:  # those before the first that sees KV block j; masks: those
+            return _masks.q_clamp(masks, bq, bkv, bi, j, i, tables)  # outside the ones that do.
         return jnp.maximum(i, jnp.minimum(j * bkv // bq, nq - 1)) if causal else i
 
-    def q_index(bi, h, j, g, i):
-        return (bi, h * group + g, q_block(j, i), 0)
+    def q_index(bi, h, j, g, i, *t):
+        return (bi, h * group + g, q_block(j, i, bi, t), 0)
 
-    def row_index(bi, h, j, g, i):
-        return (bi, h * group + g, 0, q_block(j, i))
+    def row_index(bi, h, j, g, i, *t):
+        return (bi, h * group + g, 0, q_block(j, i, bi, t))
 
-    def kv_index(bi, h, j, g, i):
+    def kv_index(bi, h, j, g, i, *_):
         return (bi, h, j, 0)
 
     q_spec = pl.BlockSpec((None, None, bq, d), q_index)
@@ -108,21 +123,27 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv):
     kv_spec = pl.BlockSpec((None, None, bkv, d), kv_index)
     kernel = functools.partial(_dkv_kernel, c=scale * _LOG2E, scale=scale, causal=causal, bq=bq,
                                bkv=bkv, q_tail=sq % bq)
-    return pl.pallas_call(
-        kernel,
+    call = dict(
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        grid=(b, hkv, pl.cdiv(sk, bkv), group, nq),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=[kv_spec, kv_spec],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-        name=f"flash_attention_dkv_{bq}x{bkv}",
-    )(q, k, v, do, lse2, delta)
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")))
+    grid = (b, hkv, pl.cdiv(sk, bkv), group, nq)
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    if masks is not None:
+        return _masks.pallas_call(kernel, masks, segment_ids, (0, 4, 2), per="kv", grid=grid,
+                                  in_specs=in_specs, operands=[q, k, v, do, lse2, delta],
+                                  q_block=lambda bi, h, j, g, i, *t: (bi, q_block(j, i, bi, t)),
+                                  kv_block=lambda bi, h, j, g, i, *_: (bi, j),
+                                  name=f"flash_attention_dkv_masked_{bq}x{bkv}", **call)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs,
+                          name=f"flash_attention_dkv_{bq}x{bkv}", **call,
+                          )(q, k, v, do, lse2, delta)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc,
-                *, c, scale, causal, bq, bkv, q_tail):
+                *, c, scale, causal, bq, bkv, q_tail, blocks=None):
     """One KV block against one q head's query block, strip by strip (transposed scores):
     dv += pᵀ dO, dk += dsᵀ q over the keys each strip sees."""
     j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
@@ -145,7 +166,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                 lse = _ragged.fill_tail(lse, tail - lo, 1)
                 delta = _ragged.fill_tail(delta, tail - lo, 1)
             s = _scores(k[:rows], q, c, tri=tri, mask=mask, causal=causal, q0=i * bq + lo,
-                        k0=j * bkv, q_valid=tail - lo if tail and hi > tail else 0)
+                        k0=j * bkv, q_valid=tail - lo if tail and hi > tail else 0,
+                        blocks=blocks, lo=lo)
             dp = lax.dot_general(v[:rows], do, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
             return q, do, lse, delta, s, dp
@@ -160,7 +182,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         _pipelined([st for st in strips if not (tail and st[0] >= tail)], front, back)
 
     _dispatch(body, causal=causal, i=i, j=j, bq=bq, bkv=bkv, tail=q_tail,
-              is_tail=i == pl.num_programs(4) - 1)
+              is_tail=i == pl.num_programs(4) - 1, blocks=blocks)
 
     @pl.when(last)
     def _write():
@@ -168,34 +190,46 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv):
+def _dq_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv, masks=None,
+             segment_ids=None):
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
 
-    def kv_index(bi, h, i, j):  # Causal: skipped blocks repeat the last needed one (no DMA).
-        return (bi, h // group, jnp.minimum(j, (i * bq + bq - 1) // bkv) if causal else j, 0)
+    def kv_block(bi, h, i, j, *t):  # Skipped blocks repeat a needed one (no DMA).
+        if masks is not None:
+            return _masks.kv_clamp(masks, bq, bkv, bi, i, j, t)
+        return jnp.minimum(j, (i * bq + bq - 1) // bkv) if causal else j
 
-    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j: (bi, h, i, 0))
-    row_spec = pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j: (bi, h, 0, i))
+    def kv_index(bi, h, i, j, *t):
+        return (bi, h // group, kv_block(bi, h, i, j, *t), 0)
+
+    q_spec = pl.BlockSpec((None, None, bq, d), lambda bi, h, i, j, *_: (bi, h, i, 0))
+    row_spec = pl.BlockSpec((None, None, 1, bq), lambda bi, h, i, j, *_: (bi, h, 0, i))
     kv_spec = pl.BlockSpec((None, None, bkv, d), kv_index)
     kernel = functools.partial(_dq_kernel, c=scale * _LOG2E, scale=scale, causal=causal, bq=bq,
                                bkv=bkv, kv_tail=sk % bkv)
-    return pl.pallas_call(
-        kernel,
+    call = dict(
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(b, hq, pl.cdiv(sq, bq), pl.cdiv(sk, bkv)),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
         out_specs=q_spec,
         scratch_shapes=[pltpu.VMEM((d, bq), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        name=f"flash_attention_dq_{bq}x{bkv}",
-    )(q, k, v, do, lse2, delta)
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")))
+    grid = (b, hq, pl.cdiv(sq, bq), pl.cdiv(sk, bkv))
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    if masks is not None:
+        return _masks.pallas_call(kernel, masks, segment_ids, (0, 2, 3), per="q", grid=grid,
+                                  in_specs=in_specs, operands=[q, k, v, do, lse2, delta],
+                                  q_block=lambda bi, h, i, j, *_: (bi, i),
+                                  kv_block=lambda bi, h, i, j, *t: (bi, kv_block(bi, h, i, j, *t)),
+                                  name=f"flash_attention_dq_masked_{bq}x{bkv}", **call)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs,
+                          name=f"flash_attention_dq_{bq}x{bkv}", **call,
+                          )(q, k, v, do, lse2, delta)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, *, c, scale,
-               causal, bq, bkv, kv_tail):
+               causal, bq, bkv, kv_tail, blocks=None):
     """One query block against one KV block, strip by strip: dqᵀ += kᵀ ds, accumulated
     transposed (head_dim, bq) so that no (keys, queries) block is transposed, only k."""
     i, j = pl.program_id(2), pl.program_id(3)
@@ -213,7 +247,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
         def front(lo, hi, rows, tri):
             q, do = q_ref[lo:hi, :], do_ref[lo:hi, :]
             s = _scores(k[:rows], q, c, tri=tri, mask=mask, causal=causal, q0=i * bq + lo,
-                        k0=j * bkv, k_valid=tail)
+                        k0=j * bkv, k_valid=tail, blocks=blocks, lo=lo)
             dp = lax.dot_general(v[:rows], do, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
             return s, dp
@@ -226,19 +260,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
         _pipelined(strips, front, back)
 
     _dispatch(body, causal=causal, i=i, j=j, bq=bq, bkv=bkv, tail=kv_tail,
-              is_tail=j == pl.num_programs(3) - 1)
+              is_tail=j == pl.num_programs(3) - 1, blocks=blocks)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _write():
         dq_ref[...] = (dq_acc[...].T * scale).astype(dq_ref.dtype)
 
 
-def _scores(k, q, c, *, tri, mask, causal, q0, k0, q_valid=0, k_valid=0):
+def _scores(k, q, c, *, tri, mask, causal, q0, k0, q_valid=0, k_valid=0, blocks=None, lo=0):
     """sᵀ = k (c q)ᵀ, (keys, queries), in log2 units (c = sm_scale · log2 e, as in the
     forward). tri: the static triangle key - column <= tri; mask: the causal mask by absolute
-    positions (first query q0, first key k0) and the valid columns or rows of a ragged block."""
+    positions (first query q0, first key k0) and the valid columns or rows of a ragged block,
+    or with ``blocks`` (a window or segment ids) theirs, from column ``lo`` of the block."""
     qs = (q.astype(jnp.float32) * c).astype(q.dtype)
     s = lax.dot_general(k, qs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    if mask and blocks is not None:
+        return blocks.mask(s, lo)
     if tri is None and not mask:
         return s
     row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
@@ -299,17 +336,24 @@ def _diagonals(bq, bkv):
     return list(range(-(bq - m), bkv - 1, m))
 
 
-def _dispatch(body, *, causal, i, j, bq, bkv, tail, is_tail):
+def _dispatch(body, *, causal, i, j, bq, bkv, tail, is_tail, blocks=None):
     """Runs ``body(strips, mask=, tail=)`` where a block is needed: whole below the causal
     diagonal, as a staircase of static triangles on it (one branch per offset, when the block
     sizes divide one another), masked by position otherwise; the ragged last block along the
-    reduced axis (static ``tail`` valid positions; 0: none) masked by position."""
+    reduced axis (static ``tail`` valid positions; 0: none) masked by position. With
+    ``blocks`` (a window or segment ids): skipped where no query sees a key, whole where every
+    query sees every key, masked otherwise."""
     whole = _strips(bq, bkv)
-    if not (causal or tail):
+    if not (causal or tail) and blocks is None:
         return body(whole)
     first_key, first_query = j * bkv, i * bq
     not_tail = jnp.logical_not(is_tail) if tail else jnp.bool_(True)
-    if causal:
+    if blocks is not None:
+        run, full = blocks.run(), jnp.logical_and(blocks.whole(), not_tail)
+        pl.when(jnp.logical_and(run, full))(lambda: body(whole))
+        straddle = jnp.logical_and(jnp.logical_and(run, jnp.logical_not(full)), not_tail)
+        pl.when(straddle)(lambda: body(whole, mask=True))
+    elif causal:
         below = first_key + bkv - 1 <= first_query  # Every key visible to every query.
         run = first_key <= first_query + bq - 1  # Some key visible.
         pl.when(jnp.logical_and(below, not_tail))(lambda: body(whole))
@@ -329,10 +373,13 @@ def _dispatch(body, *, causal, i, j, bq, bkv, tail, is_tail):
 
 
 def flash_attention_bwd_reference(q, k, v, o, lse, do, *, causal: bool = False,
-                                  sm_scale: float | None = None):
+                                  sm_scale: float | None = None, local_window_size=None,
+                                  segment_ids=None):
     """(dq, dk, dv) by ``jax.vjp`` of the plain-JAX forward (o and lse are not used)."""
+    masks = {} if local_window_size is None and segment_ids is None else dict(
+        local_window_size=local_window_size, segment_ids=segment_ids)
     _, vjp = jax.vjp(functools.partial(flash_attention_reference, causal=causal,
-                                       sm_scale=sm_scale), q, k, v)
+                                       sm_scale=sm_scale, **masks), q, k, v)
     return vjp(do.astype(q.dtype))
 
 
@@ -340,12 +387,15 @@ def flash_attention_bwd_args(args, kwargs, seed: int = 0):
     """Concrete backward arguments for a forward call ``flash_attention(q, k, v, causal=,
     sm_scale=)``: ``((q, k, v, o, lse, do), {"causal", "sm_scale"})`` with o and lse from the
     reference math and do random (fixed seed), so the backward can be tuned for a forward shape.
-    ShapeDtypeStruct q, k, v are drawn at random (from the same seed) first."""
+    ShapeDtypeStruct q, k, v are drawn at random (from the same seed) first. A window and
+    segment ids (concrete) are passed on where the forward call has them."""
     q, k, v = args[:3]
     keys = jax.random.split(jax.random.key(seed), 4)
     q, k, v = (jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype)
                if isinstance(x, jax.ShapeDtypeStruct) else x for key, x in zip(keys, (q, k, v)))
     opts = {"causal": bool(kwargs.get("causal", False)), "sm_scale": kwargs.get("sm_scale")}
+    opts.update({n: kwargs[n] for n in ("local_window_size", "segment_ids")
+                 if kwargs.get(n) is not None})
     o = jax.jit(functools.partial(flash_attention_reference, **opts))(q, k, v)
     lse = jax.jit(functools.partial(reference_lse, **opts))(q, k)
     do = jax.random.normal(keys[3], q.shape, jnp.float32).astype(q.dtype)
@@ -371,11 +421,13 @@ def _standin(args, kwargs, config):
     qs = jax.ShapeDtypeStruct((nb, nh * group, sq, d), q.dtype)
     kvs = jax.ShapeDtypeStruct((nb, nh, sk, d), k.dtype)
     lse = jax.ShapeDtypeStruct((nb, nh * group, sq), jnp.float32)
-    return [qs, kvs, kvs, qs, lse, qs], kwargs, scale
+    return [qs, kvs, kvs, qs, lse, qs], _masks.standin_kwargs(kwargs, nb), scale
 
 
 
 
 flash_attention_bwd = pt.tunable(space="flash_attention_bwd",
                                  reference=flash_attention_bwd_reference, inputs=_inputs,
-                                 standin=_standin)(flash_attention_bwd)
+                                 standin=_standin,
+                                 key_optional=("local_window_size", "segment_ids"),
+                                 )(flash_attention_bwd)

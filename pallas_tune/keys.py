@@ -79,16 +79,21 @@ def format_value(v: Any, like: Any = None) -> str:
 
 def call_key(
     sig: inspect.Signature, tuned: frozenset[str], args: Sequence[Any], kwargs: Mapping[str, Any],
-    only: frozenset[str] | None = None,
+    only: frozenset[str] | None = None, optional: frozenset[str] = frozenset(),
 ) -> str:
     """The default key: array shapes and dtypes, then static non-tuned argument values; with
     ``only`` (``@tunable(key=["x", "y", "causal"])``, like Triton's ``key=``), just the
-    arguments named there: the others do not change which config is best."""
+    arguments named there: the others do not change which config is best. A parameter named
+    in ``optional`` (``@tunable(key_optional=[...])``) is left out while its value is its
+    default: a feature a kernel gained after its caches were keyed (a mask) keys only the calls
+    that use it, and the calls without it keep their keys and entries."""
     bound = sig.bind_partial(*args, **kwargs)
     bound.apply_defaults()
     arrays, statics = [], []
     for name, value in bound.arguments.items():
         if name in tuned or (only is not None and name not in only):
+            continue
+        if name in optional and value is sig.parameters[name].default:
             continue
         param = sig.parameters[name]
         if param.kind is inspect.Parameter.VAR_POSITIONAL:

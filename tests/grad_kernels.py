@@ -60,3 +60,16 @@ def square(x, *, b):
             reference=lambda x: x ** 3, backward="xla")
 def cube(x, *, b):
     return x * x * x
+
+
+@pt.tunable(name="tests.shifted_bwd", c=[1, 2], default={"c": 1})
+def shifted_bwd(x, g, *, offset=None, c):
+    """Takes the forward's keyword array ``offset`` (an operand of the custom VJP)."""
+    return (g if offset is None else g * offset,)
+
+
+@pt.tunable(name="tests.shifted", b=[1, 2], default={"b": 1}, backward=shifted_bwd,
+            key_optional=["offset"])
+def shifted(x, *, offset=None, b):
+    """x times a keyword array (not differentiated), keyed only when given."""
+    return x if offset is None else x * offset

@@ -16,7 +16,8 @@ def gk(cache_dir):
     import grad_kernels
 
     kernels = (grad_kernels.scaled, grad_kernels.scaled_bwd, grad_kernels.square,
-               grad_kernels.square_bwd, grad_kernels.cube)
+               grad_kernels.square_bwd, grad_kernels.cube, grad_kernels.shifted,
+               grad_kernels.shifted_bwd)
     for k in kernels:
         k._memo.clear()
         k._warned.clear()
@@ -57,6 +58,27 @@ def test_backward_residuals_and_xla_backward(gk):
     np.testing.assert_allclose(jax.grad(lambda x: gk.cube(x).sum())(x), 3 * x * x, rtol=1e-6)
     assert gk.cube.backward_backend == "xla" and gk.cube.backward is None
     assert gk.square_bwd.config_for(x, x, x).source == "default"
+
+
+def test_keyword_arrays_are_operands_under_checkpoint_and_keyed_only_when_given(gk):
+    """A keyword array (``offset``) reaches the backward as a traced operand of the custom VJP,
+    not a closed-over constant: jit, jax.checkpoint and vmap trace it. ``key_optional``: the
+    key names it only when it is given."""
+    x, off = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), jnp.arange(6.0).reshape(2, 3)
+
+    def loss(x, off):
+        return (gk.shifted(x, offset=off) * x).sum()
+
+    for wrap in (lambda f: f, jax.checkpoint,
+                 lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)):
+        np.testing.assert_allclose(jax.jit(jax.grad(wrap(loss)))(x, off), 2 * x * off)
+    batched = jax.vmap(jax.grad(loss))(jnp.stack([x, -x]), jnp.stack([off, off + 1]))
+    np.testing.assert_allclose(batched, np.stack([2 * x * off, -2 * x * (off + 1)]))
+    assert gk.shifted.cache_key(x) == "x=2x3:float32"
+    assert gk.shifted.cache_key(x, offset=None) == "x=2x3:float32"
+    assert gk.shifted.cache_key(x, offset=off) == "x=2x3:float32,offset=2x3:float32"
+    with pytest.raises(pt.SearchSpaceError, match="key_optional"):
+        pt.tunable(name="t.badkey", b=[1], key_optional=["y"])(lambda x, *, b: x)
 
 
 def test_declaration_errors():

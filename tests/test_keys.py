@@ -24,6 +24,16 @@ def test_default_key_format_and_defaults_applied():
     assert k3 != k1
 
 
+def test_optional_parameters_are_keyed_only_off_their_default():
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    base = keys.call_key(SIG, frozenset({"bq"}), (x, x), {})
+    opt = frozenset({"sm_scale"})
+    assert keys.call_key(SIG, frozenset({"bq"}), (x, x), {}, optional=opt) == (
+        "x=8x128:float32,y=8x128:float32,causal=false")
+    assert keys.call_key(SIG, frozenset({"bq"}), (x, x), {"sm_scale": 0.5},
+                         optional=opt) == base.replace("null", "0.5")
+
+
 def test_parse_roundtrip():
     parsed = keys.parse_key("x=1024x512:bfloat16,causal=true,n=3,mode=\"a,b\"")
     assert parsed["x"] == ("array", (1024, 512), "bfloat16")

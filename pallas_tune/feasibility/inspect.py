@@ -332,14 +332,24 @@ def abstractify(args: Sequence[Any]) -> list[Any]:
 def array_function(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
                    ) -> tuple[Callable[..., Any], list[jax.ShapeDtypeStruct]]:
     """``fn(*args, **kwargs)`` as a function of its array leaves only (non-array arguments
-    closed over as static), and those leaves as ShapeDtypeStructs (shardings kept)."""
+    closed over as static), and those leaves as ShapeDtypeStructs (shardings kept). Arrays
+    among the keywords (e.g. flash attention's ``segment_ids``) are leaves too, after the
+    positional ones."""
     leaves, treedef = jax.tree_util.tree_flatten(abstractify(args))
+    arrays_kw = {k: v for k, v in kwargs.items() if any(
+        hasattr(x, "shape") and hasattr(x, "dtype") for x in jax.tree_util.tree_leaves(v))}
+    kw_leaves, kw_tree = jax.tree_util.tree_flatten(abstractify([arrays_kw])[0])
+    n = len(leaves)
+    leaves = leaves + kw_leaves
     is_arr = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
 
     def flat_fn(*arrs: Any) -> Any:
         it = iter(arrs)
         full = [next(it) if a else x for x, a in zip(leaves, is_arr, strict=True)]
-        return fn(*jax.tree_util.tree_unflatten(treedef, full), **kwargs)
+        if not arrays_kw:
+            return fn(*jax.tree_util.tree_unflatten(treedef, full), **kwargs)
+        return fn(*jax.tree_util.tree_unflatten(treedef, full[:n]),
+                  **{**kwargs, **jax.tree_util.tree_unflatten(kw_tree, full[n:])})
 
     return flat_fn, [x for x, a in zip(leaves, is_arr, strict=True) if a]
 

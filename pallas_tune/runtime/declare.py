@@ -37,9 +37,19 @@ class Declared(Protocol):
     def _tune_from_trace(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any: ...
 
 
-def key_names(fn: Callable[..., Any], names: Any, tuned: frozenset[str]) -> frozenset[str]:
-    """Validates ``key=[...]``: names of the function's non-tuned parameters."""
+def key_names(fn: Callable[..., Any], names: Any, tuned: frozenset[str], *,
+              optional: bool = False) -> frozenset[str]:
+    """Validates ``key=[...]``: names of the function's non-tuned parameters; with
+    ``optional``, ``key_optional=[...]``: such names with a default (none is fine)."""
     params = inspect.signature(fn).parameters
+    if optional:
+        bad = [n for n in names if isinstance(n, str) and (
+            n not in params or n in tuned or params[n].default is inspect.Parameter.empty)]
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names) or bad:
+            raise SearchSpaceError(
+                f"key_optional={names!r}: name non-tuned parameters of "
+                f"{getattr(fn, '__qualname__', fn)} with a default; {bad or names!r} are not.")
+        return frozenset(names)
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
         raise SearchSpaceError(f"key={names!r} must be a callable or a list of parameter names, "
                                "e.g. key=[\"x\", \"y\", \"causal\"].")

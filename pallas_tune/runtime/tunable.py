@@ -55,7 +55,8 @@ class TunableKernel:
                  standin: Callable[..., Any] | None = None, version: str | None = None,
                  fallback: str | None = None, backward: Any = None,
                  backward_args: Callable[..., Any] | None = None,
-                 backward_residuals: Callable[..., Any] | None = None):
+                 backward_residuals: Callable[..., Any] | None = None,
+                 key_optional: Sequence[str] = ()):
         space.check_function(fn)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -68,6 +69,7 @@ class TunableKernel:
             self.key_names = key_names(fn, key, frozenset(space.names))
             key = None
         self.key_fn = key
+        self.key_optional = key_names(fn, key_optional, frozenset(space.names), optional=True)
         self.reference = reference
         self.inputs = inputs
         self.vmem_estimate = vmem_estimate
@@ -180,7 +182,8 @@ class TunableKernel:
         kwargs = {k: v for k, v in kwargs.items() if k not in self._tuned}
         if self.key_fn is not None:
             return keys.custom_key(self.key_fn(*args, **kwargs))
-        return keys.call_key(self._sig, self._tuned, args, kwargs, self.key_names)
+        return keys.call_key(self._sig, self._tuned, args, kwargs, self.key_names,
+                             self.key_optional)
 
     def call_space(self, *args: Any, **kwargs: Any) -> tuple[SearchSpace, dict[str, int]]:
         """The space of distinct effective configs for a call with these arguments, and the
@@ -351,6 +354,7 @@ def tunable(
     default: Mapping[str, Any] | None = None,
     name: str | None = None,
     key: Callable[..., Any] | Sequence[str] | None = None,
+    key_optional: Sequence[str] = (),
     reference: Callable[..., Any] | None = None,
     space: SearchSpace | str | None = None,
     inputs: Callable[..., Any] | None = None,
@@ -387,7 +391,8 @@ def tunable(
       key: maps the call's arguments to the cache key (default: shapes and dtypes of array
         arguments plus the values of static non-tuned arguments, see :mod:`pallas_tune.keys`),
         or, like Triton's ``key=``, a list of the argument names that make the key (the
-        others, e.g. a scale factor, do not change which config is best).
+        others, e.g. a scale factor, do not change which config is best); ``key_optional``:
+        names keyed only off their default (a feature added later keeps old calls' keys).
       reference: a function with the kernel's signature (minus tuned parameters) whose output
         each candidate must match while tuning (default: the output of the default config).
       space: a :class:`SearchSpace` or the name of a file under ``search_spaces/``; keyword
@@ -433,15 +438,13 @@ def tunable(
 
     def wrap(f: Callable[..., Any]) -> TunableKernel:
         s, file_fallback = declared_space(f, space, choices, default, constraints, clamp)
-        return TunableKernel(f, s, name=name, key=key, reference=reference, inputs=inputs,
-                             vmem_estimate=vmem_estimate, standin=standin,
-                             cache=library_cache(cache), version=version,
+        return TunableKernel(f, s, name=name, key=key, key_optional=key_optional,
+                             reference=reference, inputs=inputs, vmem_estimate=vmem_estimate,
+                             standin=standin, cache=library_cache(cache), version=version,
                              fallback=fallback if fallback is not None else file_fallback,
                              backward=backward, backward_args=backward_args,
                              backward_residuals=backward_residuals)
 
-    if fn is not None:
-        if not callable(fn):
-            raise SearchSpaceError(f"@tunable expects a function, got {fn!r}.")
-        return wrap(fn)
-    return wrap
+    if fn is not None and not callable(fn):
+        raise SearchSpaceError(f"@tunable expects a function, got {fn!r}.")
+    return wrap if fn is None else wrap(fn)

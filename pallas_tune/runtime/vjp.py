@@ -18,7 +18,10 @@ space,
 ``backward_residuals(*args, **kwargs_and_config) -> (out, residuals)``, optional, runs the
 forward when it is differentiated and returns its output and what BWD takes before ``g`` (e.g.
 flash attention's ``(q, k, v, o, lse)``). Positional arguments that are not arrays and every
-keyword are static: they are not differentiated (no cotangent is returned for them).
+keyword are not differentiated (no cotangent is returned for them). A keyword whose value is an
+array or a tuple of arrays (flash attention's ``segment_ids``) is an operand of the custom VJP
+all the same, not a closed-over constant, so that ``jax.checkpoint``, ``jit`` and ``vmap`` can
+trace it; BWD receives it among ``kwargs``. Every other keyword is static.
 
 The declaration is checked when decorated (:func:`check_signatures`): a backward that cannot
 take the residuals and the cotangent, or the forward's non-tuned keywords, is refused then,
@@ -28,7 +31,6 @@ not at the first ``jax.grad``.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,6 +60,11 @@ def call_with_vjp(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
 
     where = [i for i, a in enumerate(args) if _is_array(a)]
     static = {i: a for i, a in enumerate(args) if not _is_array(a)}
+    # Array keywords: operands of the custom_vjp after the positional arrays (never cotangents).
+    held = {k: v for k, v in kwargs.items() if _is_array(v) or (
+        isinstance(v, tuple | list) and v and all(_is_array(x) for x in v))}
+    leaves, tree = jax.tree_util.tree_flatten(held)
+    n = len(where)
 
     def full(arrays: Sequence[Any]) -> list[Any]:
         out, it = [], iter(arrays)
@@ -65,29 +72,38 @@ def call_with_vjp(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
             out.append(static[i] if i in static else next(it))
         return out
 
-    forward = functools.partial(kernel.fn, **kwargs, **config)
+    def keywords(operands: Sequence[Any]) -> Mapping[str, Any]:
+        return {**kwargs, **tree.unflatten(operands[n:])} if held else kwargs
 
     @jax.custom_vjp
-    def call(*arrays: Any) -> Any:
+    def call(*operands: Any) -> Any:
         with _interpreting():
-            return forward(*full(arrays))
+            return kernel.fn(*full(operands[:n]), **keywords(operands), **config)
 
-    def fwd(*arrays: Any) -> tuple[Any, Any]:
+    def fwd(*operands: Any) -> tuple[Any, Any]:
+        arrays, kw = operands[:n], keywords(operands)
         with _interpreting():
             if kernel.backward_residuals is not None:
-                return kernel.backward_residuals(*full(arrays), **kwargs, **config)
-            return forward(*full(arrays)), tuple(arrays)  # Residuals must be arrays.
+                out, res = kernel.backward_residuals(*full(arrays), **kw, **config)
+            else:
+                out, res = kernel.fn(*full(arrays), **kw, **config), tuple(arrays)
+        return out, ((res, operands[n:]) if held else res)  # Residuals must be arrays.
 
     def bwd(residuals: Any, g: Any) -> tuple[Any, ...]:
+        kw = kwargs
+        if held:
+            residuals, kept = residuals
+            kw = keywords((None,) * n + tuple(kept))
         if kernel.backward_backend == "xla":
-            return _xla_backward(kernel.reference, full(residuals), kwargs, g, where)
-        if kernel.backward_residuals is None:
-            residuals = full(residuals)
-        grads = kernel.backward(*residuals, g, **kwargs)
-        return _select(kernel.name, grads, len(args), where)
+            grads = _xla_backward(kernel.reference, full(residuals), kw, g, where)
+        else:
+            if kernel.backward_residuals is None:
+                residuals = full(residuals)
+            grads = _select(kernel.name, kernel.backward(*residuals, g, **kw), len(args), where)
+        return (*grads, *[None] * len(leaves))
 
     call.defvjp(fwd, bwd)
-    return call(*[args[i] for i in where])
+    return call(*[args[i] for i in where], *leaves)
 
 
 def _xla_backward(reference: Callable[..., Any], args: list[Any], kwargs: Mapping[str, Any],
