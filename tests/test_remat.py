@@ -66,3 +66,24 @@ def test_autotune_under_checkpoint(cache_dir, policy):
                                    err_msg=name)
     flash_attention._memo.clear()
     flash_attention_bwd._memo.clear()
+
+
+def test_find_calls_keeps_no_tracer_of_a_masked_call(cache_dir):
+    """A masked call's keyword arrays (segment ids) are recorded abstract: finding the calls
+    of a step that traces them leaks no tracer, and the recorded call re-traces."""
+    from pallas_tune.kernels.flash_attention import SegmentIds
+    from pallas_tune.step.program import find_calls
+
+    q = jnp.ones((1, 2, S, 32), jnp.float32)
+    k = v = jnp.ones((1, 1, S, 32), jnp.float32)
+    ids = jnp.repeat(jnp.arange(2, dtype=jnp.int32), S // 2)[None]
+
+    def loss(q, k, v, ids):
+        return jnp.sum(flash_attention(q, k, v, segment_ids=SegmentIds(ids, ids)))
+
+    calls = find_calls(jax.grad(loss), q, k, v, ids)
+    masked = [c for c in calls if c.kernel.name == flash_attention.name]
+    assert masked, calls
+    seg = masked[0].kwargs["segment_ids"]
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(seg))
+    jax.eval_shape(lambda *a: flash_attention(*a, **masked[0].kwargs), *masked[0].args)

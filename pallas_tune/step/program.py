@@ -74,7 +74,9 @@ def find_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Call]:
         key = kernel.cache_key(*a, **kw)
         at = (kernel.name, key)
         if at not in found:
-            found[at] = Call(kernel, tuple(abstractify(list(a))), dict(kw), key)
+            # Keyword arrays (a mask's segment ids) abstracted too: no tracer outlives the trace.
+            found[at] = Call(kernel, tuple(abstractify(list(a))),
+                             dict(zip(kw, abstractify(list(kw.values())), strict=True)), key)
         if at in standins:
             return standins[at]
         config = outer(kernel, a, kw) if outer is not None else None
