@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, settings
 # `ci` draws few examples, derandomized, so CI checks the same cases each run; `long` draws many
 # random ones for local runs (HYPOTHESIS_MAX_EXAMPLES sets how many per test).
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, database=None,
+settings.register_profile("ci", max_examples=5, deadline=None, derandomize=True, database=None,
                           suppress_health_check=_SLOW, print_blob=True)
 settings.register_profile("long", deadline=None, suppress_health_check=_SLOW, print_blob=True,
                           max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "150")))
