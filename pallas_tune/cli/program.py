@@ -10,7 +10,6 @@ implementation (Pallas or XLA), and the default's and the tuned time from the sa
 from __future__ import annotations
 
 import inspect
-import math
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -79,15 +78,12 @@ def _static_positions(call_args: Sequence[Any]) -> tuple[int, ...]:
                      hasattr(x, "shape") for x in a)))
 
 
-def _ms(v: float) -> str:
-    return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else "-"
-
-
 def cmd_program(request: SweepRequest) -> int:
     """Autotunes ``request.program`` once per shape spec, with ``request.options`` (its chip
     settled); prints each call. Exit 1 if one failed."""
     import pallas_tune as pt
     from pallas_tune.errors import DiskFullError, PallasTuneError
+    from pallas_tune.step.result import ms_text
 
     fn = _load(request.program, request.paths)
     calls = [(spec, *program_args(fn, spec)) for spec in request.shapes]  # All checked first.
@@ -106,7 +102,7 @@ def cmd_program(request: SweepRequest) -> int:
         for c in result.calls:
             runs_as = f" runs as {c.effective}" if c.effective else ""
             print(f"  {c.kernel}  {c.key}\n    {c.config}{runs_as}  ({c.source}, runs "
-                  f"{c.implementation}; default {_ms(c.default_ms)} ms, tuned "
-                  f"{_ms(c.best_ms)} ms, XLA {_ms(c.xla_ms)} ms)", flush=True)
+                  f"{c.implementation}; default {ms_text(c.default_ms)} ms, tuned "
+                  f"{ms_text(c.best_ms)} ms, XLA {ms_text(c.xla_ms)} ms)", flush=True)
         print(f"  {result}", flush=True)
     return 1 if failures else 0

@@ -18,11 +18,10 @@ Resolution order for a call whose tuned keywords are not all given (the first co
 
 An entry tuned on other code of the kernel (its recorded ``kernel_fingerprint`` is not the
 kernel's :attr:`~pallas_tune.runtime.tunable.TunableKernel.fingerprint`) still serves when
-valid for the
-call, with one warning per (kernel, key); entries that record none serve silently.
+valid for the call, with one warning per (kernel, key); entries that record none serve silently.
 
-Steps 2 to 5 warn once per (kernel, key), naming the config used, why the others were refused
-and the command that tunes the shape. The result is memoized per (chip, key) by the kernel.
+Steps 3 to 5 warn once per (kernel, chip, fallback), naming the config used, why the others were
+refused and the command that tunes the shape; later shapes served the same way are not warned. The result is memoized per (chip, key) by the kernel.
 """
 
 from __future__ import annotations

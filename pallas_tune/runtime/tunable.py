@@ -20,18 +20,19 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pallas_tune import chips, keys
+from pallas_tune.cache import TuningCache, default_cache
+from pallas_tune.constraints import Constraint
+from pallas_tune.errors import SearchSpaceError, warn
 from pallas_tune.runtime import dispatch
 from pallas_tune.runtime import record as _record
 from pallas_tune.runtime import vjp as _vjp
 from pallas_tune.runtime.declare import declared_space, default_name, key_names, library_cache
-from pallas_tune.cache import TuningCache, default_cache
-from pallas_tune.constraints import Constraint
-from pallas_tune.errors import SearchSpaceError, warn
 from pallas_tune.space import Config, SearchSpace
 
 __all__ = ["TunableKernel", "tunable"]
 
 _UNSET: Any = object()
+
 
 def _fast_part(v: Any) -> Any:
     shape = getattr(v, "shape", None)
@@ -313,9 +314,8 @@ class TunableKernel:
 # A function (kernel, args, kwargs) -> Config | None consulted before the cache while set:
 # pallas_tune.step.program records a program's calls with it, and applies a result's configs.
 _HOOK: Callable[..., Any] | None = None
-# Implementations other than "pallas" and "xla" that a hook's Config may name, by name:
-# ``fn(kernel, args, kwargs, config)``; pallas_tune.step.glue registers "stub" (composed
-# estimates).
+# Implementations other than "pallas" and "xla" a hook's Config may name, by name: ``fn(kernel,
+# args, kwargs, config)``; pallas_tune.step.glue registers "stub" (composed estimates).
 _ALTERNATIVES: dict[str, Callable[..., Any]] = {}
 
 

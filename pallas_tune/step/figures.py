@@ -183,14 +183,14 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
     the next, a buffer kept in VMEM from one to the next) is not modelled."""
     import warnings
 
-    from pallas_tune.step import glue
+    import jax
+
     from pallas_tune.chips import chip_spec
     from pallas_tune.errors import PallasTuneWarning
     from pallas_tune.feasibility.inspect import array_function
     from pallas_tune.measure.estimate import Estimator, cycles_to_ms
     from pallas_tune.measure.loops import Census
-
-    import jax
+    from pallas_tune.step import glue
 
     spec = chip_spec(chip)
     flat_fn, arrays = array_function(fn, args, kwargs)

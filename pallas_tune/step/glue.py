@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pallas_tune import chips
-from pallas_tune.runtime import vjp as _vjp
 from pallas_tune.config import Config
+from pallas_tune.runtime import vjp as _vjp
 from pallas_tune.runtime.tunable import current_hook, register_alternative, resolution_hook
 
 __all__ = ["StubCall", "glue_function", "record"]

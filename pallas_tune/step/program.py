@@ -28,10 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pallas_tune import chips
-from pallas_tune.step import figures as step
 from pallas_tune.config import Config
 from pallas_tune.errors import NoFeasibleConfigError, PallasTuneError
 from pallas_tune.runtime.tunable import current_hook, resolution_hook
+from pallas_tune.step import figures as step
 from pallas_tune.step.result import AutotuneResult, TunedCall
 
 __all__ = ["AutotuneResult", "TunedCall", "autotune", "find_calls"]

@@ -12,10 +12,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pallas_tune import chips
+from pallas_tune.cache.files import sanitize
 from pallas_tune.config import Config
 from pallas_tune.runtime.tunable import resolution_hook
 
-__all__ = ["AutotuneResult", "TunedCall"]
+__all__ = ["AutotuneResult", "TunedCall", "ms_text"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,10 +81,10 @@ class AutotuneResult:
             what = c.error if c.source == "untuned" else " ".join(
                 f"{k}={v}" for k, v in (c.effective or c.config).items())
             lines.append(f"  {c.kernel.rsplit('.', 1)[-1]:<24} {c.source:<8} "
-                         f"{c.implementation:<6} default {_ms(c.default_ms)} ms, tuned "
-                         f"{_ms(c.best_ms)} ms, XLA {_ms(c.xla_ms)} ms  {c.key}  {what}")
+                         f"{c.implementation:<6} default {ms_text(c.default_ms)} ms, tuned "
+                         f"{ms_text(c.best_ms)} ms, XLA {ms_text(c.xla_ms)} ms  {c.key}  {what}")
         if self.step_ms:
-            figures = ", ".join(f"{k} {_ms(v)} ms" for k, v in self.step_ms.items())
+            figures = ", ".join(f"{k} {ms_text(v)} ms" for k, v in self.step_ms.items())
             lines.append(f"  step ({self.step_timer}): {figures}")
         return "\n".join(lines)
 
@@ -109,7 +110,7 @@ class AutotuneResult:
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe form (strict JSON: a time not measured is ``null``, never ``NaN``)."""
-        return _finite({"schema": 1, "step_ms": self.step_ms, "step_timer": self.step_timer,
+        return sanitize({"schema": 1, "step_ms": self.step_ms, "step_timer": self.step_timer,
                         "step_detail": self.step_detail,
                         "calls": [dataclasses.asdict(c) for c in self.calls]})
 
@@ -169,19 +170,9 @@ class AutotuneResult:
 _TIMES = ("default_ms", "best_ms", "xla_ms")
 
 
-def _ms(v: Any) -> str:
+def ms_text(v: Any) -> str:
+    """A time for people: 4 significant digits, ``-`` where it was not measured."""
     return f"{v:.4g}" if isinstance(v, int | float) and math.isfinite(v) else "-"
-
-
-def _finite(v: Any) -> Any:
-    """``v`` with every non-finite float replaced by None (JSON has no NaN)."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, Mapping):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_finite(x) for x in v]
-    return v
 
 
 def _forget_traces() -> None:

@@ -15,6 +15,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pallas_tune.measure.records import spread
+
 __all__ = ["ahead", "judge", "noisy_rows"]
 
 
@@ -31,10 +33,8 @@ def ahead(a: Sequence[float], b: Sequence[float]) -> bool:
 
 
 def _spread(t: Sequence[float]) -> float:
-    if len(t) < 4:
-        return max(t) - min(t)
-    q = statistics.quantiles(t, n=4)
-    return q[2] - q[0]
+    """The interquartile range; with fewer than 4 runs (none), the full range."""
+    return spread(list(t)) if len(t) >= 4 else max(t) - min(t)
 
 
 def noisy_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

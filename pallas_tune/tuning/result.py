@@ -104,8 +104,6 @@ class TuningResult:
         the default and XLA where they ran; else the search's best), each row's median, spread
         and time over the winner's, and one line saying what these runs support: the winner,
         its speed-up over the default, or that the timings are within noise."""
-        from pallas_tune.tuning import noise
-
         head = (f"{self.kernel} {self.key} on {self.chip} ({self.provenance.get('timer', '?')}, "
                 f"{len(self.records)} trials)")
         rows = [r for r in self.ranking if r.get("median_ms") is not None]
@@ -124,7 +122,7 @@ class TuningResult:
             ratio = row["median_ms"] / self.best_ms if self.best_ms > 0 else math.nan
             lines.append(f"  {i:>4}  {row['median_ms']:>10.4g}  {row.get('spread_ms', 0):>10.3g}"
                          f"  {ratio:>6.2f}  {what}")
-        verdict = noise.judge(self.ranking) or {}
+        verdict = self.provenance.get("ranking_noise") or {}
         claim = f"best: {_config_text(self.effective or self.best)}, {self.best_ms:.4g} ms"
         if rows and rows[0].get("default"):
             claim += ": the default (no config beat it)"
