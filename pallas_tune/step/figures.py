@@ -235,17 +235,19 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
             for c, n in zip(calls, live, strict=True)]}
         out: dict[str, float] = {}
         done: dict[Any, Any] = {}  # Programs compiled alone, by call, implementation, config.
+        live_of = {(c.kernel.name, c.key): n for c, n in zip(calls, live, strict=True)}
         for name in only:
             gone = {(c.kernel.name, c.key): absorbed_by(c, name) for c in calls}
             absorbed = set().union(*gone.values())
             per = [{"absorbed": True} if (c.kernel.name, c.key) in absorbed else _alone(
                 c, n, gone[(c.kernel.name, c.key)], name, traced, (estimate, standalone),
-                spec.clock_hz, done) for c, n in zip(calls, live, strict=True)]
+                spec.clock_hz, done, live_of) for c, n in zip(calls, live, strict=True)]
             figures = [r for r in per if "absorbed" not in r]
             detail[name] = {"calls": per, "partial": bool(
                 detail["glue"]["partial"] or any(r.get("partial") for r in figures)),
                 "standalone": sum(bool(r.get("standalone")) for r in figures),
-                "standin": sum(bool(r.get("standin_scale")) for r in figures)}
+                "standin": sum(bool(r.get("standin_scale")) for r in figures),
+                "footing": sum(bool(r.get("footing")) for r in figures)}
             if all("cycles" in r for r in figures):
                 total = glue_reply.cycles + sum(r["live"] * r["cycles"] for r in figures)
                 out[name] = cycles_to_ms(total, spec.clock_hz)
@@ -258,9 +260,14 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
 
 def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[..., Any],
            estimators: tuple[Callable[..., Any], Callable[..., Any]], clock_hz: float,
-           done: dict[Any, Any]) -> dict[str, Any]:
+           done: dict[Any, Any], live_of: Mapping[Any, int]) -> dict[str, Any]:
     """One call's figure under setting ``name``, compiled alone (see :func:`composed`); a
     program compiled under another setting (the same config, or XLA twice) is not again.
+
+    A call compiled with its VJP (it ``absorbs`` backward calls) counts as often as the most
+    used of it and them: under ``jax.grad`` the last forward of a step is dead (only the
+    gradient is returned) while its backward is live, and its program then leaves the forward's
+    results untaken, as the step does.
 
     Where that program fails to compile (libtpu's static profile dies on some programs of
     stubs and kernels that compile and profile as a program of their own: seen, libtpu 0.0.50,
@@ -271,15 +278,19 @@ def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[
     estimate, standalone = estimators
     config = traced(name, lambda: call.kernel.config_for(*call.args, **call.kwargs))
     xla = config.implementation == "xla"  # The reference: the same program at any config.
+    forward = live > 0
+    if absorbs:
+        live = max(live, *(live_of.get(a, 0) for a in absorbs))
     mark = (call.kernel.name, call.key, xla, () if xla else tuple(sorted(config.items())),
-            bool(absorbs))
+            bool(absorbs), forward)
     if mark not in done:
-        g, g_specs, stubs = glue.alone(call, grad=bool(absorbs))
+        g, g_specs, stubs = glue.alone(call, grad=bool(absorbs), forward=forward)
         done[mark] = traced(name, lambda: estimate(g, g_specs, stubs))
     r, loops = done[mark]
-    row: dict[str, Any] = {"live": live, "absorbs": sorted(absorbs)}
+    row: dict[str, Any] = {"live": live, "absorbs": sorted(absorbs),
+                           **({} if forward else {"forward_dead": True})}
     if r.ok and r.cycles is not None:
-        return {**row, **_figure(r, loops, clock_hz)}
+        return {**row, **_figure(r, loops, clock_hz, xla)}
     error = (r.message or r.kind)[:300]
     if absorbs:
         return {**row, "error": error}
@@ -297,14 +308,27 @@ def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[
         how["standin_scale"] = round(r.scale, 4)
     if not r.ok or r.cycles is None:
         return {**row, "error": error}
-    return {**row, **_figure(r, loops, clock_hz), **how, "in_step_error": error}
+    return {**row, **_figure(r, loops, clock_hz, xla), **how, "in_step_error": error}
 
 
-def _figure(r: Any, census: Any, clock_hz: float) -> dict[str, Any]:
+def _figure(r: Any, census: Any, clock_hz: float, xla: bool = False) -> dict[str, Any]:
+    """A compile's figure. For XLA's program (``xla``) where libtpu's sum is partial (ops it
+    gave 0 cycles: on attention 0.18-0.28x the chip's time), XLA's cost model at the Pallas
+    estimate's footing (:mod:`pallas_tune.tuning.footing`) where that is higher, labelled
+    ``footing`` with both figures: the footing the tuner's XLA decision uses."""
     from pallas_tune.measure.estimate import cycles_to_ms
 
-    return {"ms": cycles_to_ms(r.cycles, clock_hz), "cycles": r.cycles,
-            "compile_s": round(r.compile_s, 2), **_unmodelled(r, census)}
+    fig = {"ms": cycles_to_ms(r.cycles, clock_hz), "cycles": r.cycles,
+           "compile_s": round(r.compile_s, 2), **_unmodelled(r, census)}
+    if xla and r.ops_without_estimate and r.model_cycles:
+        from pallas_tune.tuning.footing import PALLAS_BIAS, XLA_MODEL_BIAS
+
+        on_footing = int(round(r.model_cycles * PALLAS_BIAS / XLA_MODEL_BIAS))
+        if on_footing > r.cycles:
+            fig.update(libtpu_ms=fig["ms"], model_ms=cycles_to_ms(r.model_cycles, clock_hz),
+                       ms=cycles_to_ms(on_footing, clock_hz), cycles=on_footing,
+                       footing=True, partial=bool(census.loops or census.blind_inputs))
+    return fig
 
 
 def _unmodelled(r: Any, census: Any) -> dict[str, Any]:

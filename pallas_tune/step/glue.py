@@ -232,12 +232,15 @@ def _count_stubs(eqn: Any, found: list[int]) -> None:
             _count_stubs(inner, found)
 
 
-def alone(call: StubCall, grad: bool = False) -> tuple[Callable[..., Any], list[Any], int]:
+def alone(call: StubCall, grad: bool = False, forward: bool = True
+          ) -> tuple[Callable[..., Any], list[Any], int]:
     """``(g, arrays, stubs)``: a program of ``call`` alone, as the hooks and cache in force resolve it:
     its arguments that are the step's own are the program's; the others are made inside the
     program by a stub, and its results are taken by one (so that each is placed where the step
     places it: parameters in HBM, intermediates where the compiler puts them). With ``grad``, the call's
-    VJP too (a cotangent from a stub): a call whose gradient is XLA's autodiff of it.
+    VJP too (a cotangent from a stub): a call whose gradient is XLA's autodiff of it; its
+    forward's results are taken too where the step uses them (``forward``), else XLA may drop
+    the forward (a dot's VJP needs only the inputs and the cotangent), as it does in the step.
     ``stubs``: how many stubs the program holds."""
     import jax
 
@@ -266,8 +269,9 @@ def alone(call: StubCall, grad: bool = False) -> tuple[Callable[..., Any], list[
             out, vjp = jax.vjp(run, *made)
             cot = stubs.produce(made, jax.tree.map(
                 lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), out))
-            results = [x for x in jax.tree.leaves(vjp(cot))
-                       if x.dtype != jax.dtypes.float0]  # Integer inputs have none.
+            results = (jax.tree.leaves(out) if forward else []) + [
+                x for x in jax.tree.leaves(vjp(cot))
+                if x.dtype != jax.dtypes.float0]  # Integer inputs have none.
         return stubs.produce(results, [jax.ShapeDtypeStruct((8, 128), "float32")])
 
     return g, specs, bool(inner) + 1 + grad
