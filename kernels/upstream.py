@@ -40,6 +40,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 import pallas_tune as pt
 from pallas_tune import chips
+from pallas_tune.kernels import _splash as _standin
 from pallas_tune.kernels._attention import flash_attention_reference
 from pallas_tune.kernels.flash_attention_bwd import (flash_attention_bwd_args,
                                                      flash_attention_bwd_reference)
@@ -53,6 +54,9 @@ __all__ = ["flash_attention", "flash_attention_bwd", "megablox_gmm", "megablox_g
 _gmm = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 
 _BLOCKS = [128, 256, 512, 1024]
+# Splash's sequence blocks: up to 4096, as flash_attention's (MaxText's long-context configs use
+# 2048), so that a comparison of the two tuned kernels gives each the same range.
+_SPLASH_BLOCKS = [*_BLOCKS, 2048, 4096]
 _DTYPES = (jnp.float32, jnp.bfloat16)  # Mosaic rejects float16 loads; megablox takes only these.
 _LANES, _SUBLANES = 128, 8  # The TPU block rule: last two block dims multiples, or the full dims.
 _FA_BWD_BLOCKS = ("block_q_major_dkv", "block_q_dkv", "block_k_major_dkv", "block_k_dkv",
@@ -183,13 +187,15 @@ def flash_attention_bwd(q, k, v, o, l, m, do, *, causal: bool = False,
     return dq, dk, dv
 
 
-@pt.tunable(block_q=_BLOCKS, block_kv=_BLOCKS, block_kv_compute=[128, 256, 512],
+@pt.tunable(block_q=_SPLASH_BLOCKS, block_kv=_SPLASH_BLOCKS, block_kv_compute=_BLOCKS,
             default={"block_q": 128, "block_kv": 128, "block_kv_compute": 128},
-            reference=_mha_reference, name="jax.ops.tpu.splash_attention")
+            reference=_mha_reference, name="jax.ops.tpu.splash_attention",
+            standin=_standin.forward_standin, key_optional=["tables"])
 def splash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
-                     block_q: int, block_kv: int, block_kv_compute: int):
+                     block_q: int, block_kv: int, block_kv_compute: int, tables: bool = True):
     """JAX's splash attention forward: q (batch, q_heads, q_len, head_dim), k and v (batch,
-    kv_heads, kv_len, head_dim), q_heads a multiple of kv_heads.
+    kv_heads, kv_len, head_dim), q_heads a multiple of kv_heads. ``tables=False`` is the
+    estimate's stand-in (``kernels._splash``): every block computed, unmasked, in grid order.
 
     Accepts q_len divisible by the (clamped) block_q; kv_len a multiple of 128 divisible by
     block_kv, itself divisible by block_kv_compute (a multiple of 128); any head_dim; float32 or
@@ -204,7 +210,7 @@ def splash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = 
             "pallas_tune.kernels.flash_attention (any kv_len)")
     bq, bkv, bkvc = _splash_blocks(s_q, s_k, block_q, block_kv, block_kv_compute)
     sizes = _splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkvc)
-    return _splash_fn(q, k, v, causal, sm_scale, sizes)
+    return _splash_fn(q, k, v, causal, sm_scale, sizes, tables)
 
 
 def _splash_blocks(s_q, s_k, block_q, block_kv, block_kv_compute, suffix=""):
@@ -224,12 +230,15 @@ def _splash_blocks(s_q, s_k, block_q, block_kv, block_kv_compute, suffix=""):
     return bq, bkv, bkvc
 
 
-def _splash_call(q, k, v, causal, sm_scale, sizes):
-    """Upstream's splash attention with these BlockSizes, vmapped over the batch."""
+def _splash_call(q, k, v, causal, sm_scale, sizes, tables=True):
+    """Upstream's splash attention with these BlockSizes, vmapped over the batch (without its
+    mask tables: the estimate's stand-in, ``kernels._splash``)."""
     s_q, s_k = q.shape[2], k.shape[2]
     head = _masks.CausalMask((s_q, s_k)) if causal else _masks.FullMask((s_q, s_k))
     mask = _masks.MultiHeadMask([head] * q.shape[1])
     kernel = _splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
+    if not tables:
+        kernel = _standin.strip_tables(kernel)
     return jax.vmap(kernel)(q * jnp.asarray(_scale(q, sm_scale), q.dtype), k, v)
 
 
@@ -237,18 +246,19 @@ def _splash_call(q, k, v, causal, sm_scale, sizes):
 # residuals and mask infos are private to its VJP, so the gradient (`splash_attention_bwd`)
 # recomputes upstream's forward with full BlockSizes and runs upstream's VJP: one forward more
 # than upstream's own gradient. Not differentiated, the forward is upstream's call as before.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _splash_fn(q, k, v, causal, sm_scale, sizes):
-    return _splash_call(q, k, v, causal, sm_scale, sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _splash_fn(q, k, v, causal, sm_scale, sizes, tables):
+    return _splash_call(q, k, v, causal, sm_scale, sizes, tables)
 
 
-def _splash_fwd(q, k, v, causal, sm_scale, sizes):
+def _splash_fwd(q, k, v, causal, sm_scale, sizes, tables):
     with chips.interpret_mode() if chips.should_interpret() else contextlib.nullcontext():
-        return _splash_call(q, k, v, causal, sm_scale, sizes), (q, k, v)
+        return _splash_call(q, k, v, causal, sm_scale, sizes, tables), (q, k, v)
 
 
-def _splash_bwd(causal, sm_scale, sizes, residuals, do):
-    return splash_attention_bwd(*residuals, do, causal=causal, sm_scale=sm_scale)
+def _splash_bwd(causal, sm_scale, sizes, tables, residuals, do):
+    return splash_attention_bwd(*residuals, do, causal=causal, sm_scale=sm_scale,
+                                tables=tables)
 
 
 _splash_fn.defvjp(_splash_fwd, _splash_bwd)
@@ -260,14 +270,17 @@ def _splash_bwd_reference(q, k, v, do, *, causal=False, sm_scale=None):
                                          sm_scale=sm_scale)
 
 
-@pt.tunable(block_q_dkv=_BLOCKS, block_kv_dkv=_BLOCKS, block_kv_dkv_compute=[128, 256, 512],
-            block_q_dq=_BLOCKS, block_kv_dq=_BLOCKS, use_fused_bwd_kernel=[False, True],
+@pt.tunable(block_q_dkv=_SPLASH_BLOCKS, block_kv_dkv=_SPLASH_BLOCKS,
+            block_kv_dkv_compute=_BLOCKS, block_q_dq=_SPLASH_BLOCKS, block_kv_dq=_SPLASH_BLOCKS,
+            use_fused_bwd_kernel=[False, True],
             default={"block_q_dkv": 128, "block_kv_dkv": 128, "block_kv_dkv_compute": 128,
                      "block_q_dq": 128, "block_kv_dq": 128, "use_fused_bwd_kernel": False},
-            reference=_splash_bwd_reference, name="jax.ops.tpu.splash_attention_bwd")
+            reference=_splash_bwd_reference, name="jax.ops.tpu.splash_attention_bwd",
+            standin=_standin.backward_standin, key_optional=["tables"])
 def splash_attention_bwd(q, k, v, do, *, causal: bool = False, sm_scale: float | None = None,
                          block_q_dkv: int, block_kv_dkv: int, block_kv_dkv_compute: int,
-                         block_q_dq: int, block_kv_dq: int, use_fused_bwd_kernel: bool):
+                         block_q_dq: int, block_kv_dq: int, use_fused_bwd_kernel: bool,
+                         tables: bool = True):
     """The backward of JAX's splash attention with its backward BlockSizes as the tuned
     parameters: (dq, dk, dv) for the cotangent do. Upstream's forward is recomputed first (its
     blocks: the dK/dV ones), then upstream's VJP runs its dK/dV and dQ kernels (one fused
@@ -289,7 +302,8 @@ def splash_attention_bwd(q, k, v, do, *, causal: bool = False, sm_scale: float |
     sizes = _splash.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkvc, block_q_dkv=bq,
                                block_kv_dkv=bkv, block_kv_dkv_compute=bkvc,
                                use_fused_bwd_kernel=use_fused_bwd_kernel, **dq_blocks)
-    _, vjp = jax.vjp(lambda a, b, c: _splash_call(a, b, c, causal, sm_scale, sizes), q, k, v)
+    _, vjp = jax.vjp(lambda a, b, c: _splash_call(a, b, c, causal, sm_scale, sizes, tables),
+                     q, k, v)
     return vjp(do.astype(q.dtype))
 
 

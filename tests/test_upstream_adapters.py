@@ -252,3 +252,47 @@ def test_megablox_adapter_is_differentiable():
     with pytest.raises(pt.InvalidConfig, match="tm_t=256 must divide m=384"):
         upstream.megablox_gmm_bwd(lhs[:384], rhs, gs, jnp.zeros((384, 384)), tm=128, tk=128,
                                   tn=128, tm_t=256, tk_t=128, tn_t=128)
+
+
+def test_splash_standin_computes_every_block_without_tables():
+    """Splash's estimate stand-in (kernels/_splash.py): with its mask tables taken out it
+    fetches and computes every block in grid order, i.e. full attention, on one KV head and
+    its query heads, scaled back by the heads and the causal share of blocks."""
+    from pallas_tune.kernels import _splash
+
+    q, k, v = _qkv((1, 4, 512, 128))
+    kk, vv = k[:, :2], v[:, :2]  # GQA: 2 query heads per KV head.
+    blocks = dict(block_q=128, block_kv=256, block_kv_compute=128)
+    out = upstream.splash_attention(q, kk, vv, causal=False, tables=False, **blocks)
+    ref = flash_attention_reference(q, kk, vv, causal=False)
+    np.testing.assert_allclose(out, ref, atol=2e-3, rtol=2e-3)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, kk, vv)]
+    cut, kwargs, scale = _splash.forward_standin(specs, {"causal": True}, blocks)
+    assert [a.shape for a in cut] == [(1, 2, 512, 128), (1, 1, 512, 128), (1, 1, 512, 128)]
+    assert kwargs == {"causal": False, "tables": False}
+    # 4 query blocks of 128 over 2 KV blocks of 256: rows 0-1 see block 0 only, rows 2-3 both.
+    assert _splash.causal_fraction(512, 512, 128, 256) == 6 / 8
+    assert scale == pytest.approx(2 * 6 / 8)  # Two KV heads, 6 of 8 blocks computed.
+    assert _splash.causal_fraction(8192, 8192, 512, 512) == pytest.approx(17 / 32)
+    bwd = dict(block_q_dkv=512, block_kv_dkv=512, block_kv_dkv_compute=512, block_q_dq=256,
+               block_kv_dq=512, use_fused_bwd_kernel=False)
+    _, _, s = _splash.backward_standin(specs + specs[:1], {"causal": True}, bwd)
+    dkv, dq = _splash.causal_fraction(512, 512, 512, 512), _splash.causal_fraction(
+        512, 512, 256, 512)
+    assert s == pytest.approx(2 * (6 * dkv + 3 * dq) / 9)
+
+
+def test_a_standin_is_used_where_the_full_problem_has_no_estimate():
+    """Splash's full program has no static estimate at any config (its tables read as 0): the
+    stand-in is then used, marked unverifiable, not dropped."""
+    from pallas_tune.measure.estimate import EstimateResult
+    from pallas_tune.measure.loops import NOT_ESTIMABLE
+    from pallas_tune.measure.standin import standin_verdict
+
+    scaled = EstimateResult(ok=True, kind="ok", cycles=1000, scale=4.25)
+    blind = EstimateResult(ok=False, kind=NOT_ESTIMABLE, message="blind fetches")
+    use, record = standin_verdict({"block_q": 512}, 4.25, scaled, blind)
+    assert use and record["unverifiable"] and not record["trusted"]
+    assert "blind fetches" in record["note"]
+    other = EstimateResult(ok=False, kind="compile_error", message="boom")
+    assert standin_verdict({"block_q": 512}, 4.25, scaled, other)[0] is False

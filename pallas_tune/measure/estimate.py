@@ -375,7 +375,7 @@ class EstimateEvaluator(PoolEvaluator):
             scale = reply.value if reply.kind == "done" else None
             if scale == "error":
                 return self._use(False, {"error": "stand-in raised"})
-            if scale is not None and scale > 1:
+            if scale is not None and scale != 1:  # Shrunk (> 1), or transformed (splash).
                 ranked.append((scale, len(ranked), dict(config)))
         if not ranked:
             return self._use(True, {"note": "no candidate needed a stand-in"})
