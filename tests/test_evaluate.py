@@ -1,6 +1,7 @@
 """The evaluation boundary's parts: timing rules, program fingerprints, the worker pool."""
 
 import math
+import os
 import time
 
 import jax
@@ -138,3 +139,27 @@ def test_pool_answers_questions_and_runs_calls_in_parallel():
         (pid_a, start_a, end_a), (pid_b, start_b, end_b) = (
             r.value for r in pool.map([("span", (1.5,), "run")] * 2))
         assert pid_a != pid_b and start_a < end_b and start_b < end_a  # At once, two workers.
+
+
+def test_a_worker_imports_the_callers_pallas_tune_not_the_working_directorys(tmp_path,
+                                                                                monkeypatch):
+    """Run from a directory holding another pallas_tune (a source checkout beside an
+    installed wheel, as on a lent GPU machine), a worker started with ``python -c`` imported
+    that one and never started; it must import the caller's."""
+    from pallas_tune.measure.pool import Pool, safe_path_env
+
+    decoy = tmp_path / "pallas_tune"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the checkout, not the caller')\n")
+    monkeypatch.chdir(tmp_path)
+    assert safe_path_env() == {"PYTHONSAFEPATH": "1"}
+    p = Pool("toy_kernels:ToySession", ("t",), limits={"trace": 2.0, "run": 3.0})
+    try:
+        p.start()
+        assert p.call("work", "trace", 0.1, phase="trace").kind == "done"
+    finally:
+        p.close()
+    import pallas_tune
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(pallas_tune.__file__)))
+    assert safe_path_env(home) == {}  # Run from the caller's own checkout: as before.

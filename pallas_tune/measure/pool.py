@@ -69,6 +69,20 @@ class _Job:
     phase: str
 
 
+def safe_path_env(cwd: str | None = None) -> dict[str, str]:
+    """``PYTHONSAFEPATH=1`` for a worker unless this process's pallas_tune lives in ``cwd``.
+
+    A worker starts with ``python -c``, which puts the working directory first on its path:
+    run from a source checkout while the installed wheel is the one imported (a lent GPU
+    machine, a CI job), the worker imported the checkout's pallas_tune, which has no
+    ``pallas_tune.kernels`` without an install, and every worker failed to start."""
+    import pallas_tune
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pallas_tune.__file__)))
+    here = os.path.abspath(cwd or os.getcwd())
+    return {} if root == here else {"PYTHONSAFEPATH": "1"}
+
+
 class _Worker:
     """One child process and the parent's end of its pipe."""
 
@@ -80,7 +94,7 @@ class _Worker:
         fcntl.fcntl(self.log.fileno(), fcntl.F_SETFL,
                     fcntl.fcntl(self.log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
         parent, child = Pipe(duplex=True)
-        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1", **safe_path_env()}
         code = "from pallas_tune.measure.child import _child_main; _child_main()"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(child.fileno()), str(os.getpid())],
