@@ -76,9 +76,8 @@ def safe_path_env(cwd: str | None = None) -> dict[str, str]:
     run from a source checkout while the installed wheel is the one imported (a lent GPU
     machine, a CI job), the worker imported the checkout's pallas_tune, which has no
     ``pallas_tune.kernels`` without an install, and every worker failed to start."""
-    import pallas_tune
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(pallas_tune.__file__)))
+    # This file is pallas_tune/measure/pool.py: the directory holding pallas_tune.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     here = os.path.abspath(cwd or os.getcwd())
     return {} if root == here else {"PYTHONSAFEPATH": "1"}
 
