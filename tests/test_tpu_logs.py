@@ -37,7 +37,32 @@ def log_root(tmp_path, monkeypatch):
 def test_off_writes_no_logs_at_all(monkeypatch):
     monkeypatch.setenv(logs.ENV, "off")
     run = logs.RunLogs()
-    assert run.env == {"TPU_LOG_DIR": "disabled"} and run.path is None and run.note() == ""
+    assert run.env == {"TPU_LOG_DIR": "disabled", "TPU_MIN_LOG_LEVEL": "3"}
+    assert run.path is None and run.note() == ""
+
+
+@pytest.mark.libtpu
+def test_off_leaves_no_glog_files_in_tmp_either(monkeypatch):
+    """TPU_LOG_DIR=disabled alone does not stop libtpu's glog: a deviceless compile then wrote
+    tpu_driver.*.log.INFO.<date>.<pid> to /tmp (and a profiler abort writes up to 1 GB each).
+    A process given the 'off' environment writes none there."""
+    import glob
+    import subprocess
+    import sys
+
+    monkeypatch.setenv(logs.ENV, "off")
+    env = {**os.environ, **logs.RunLogs().env, "JAX_PLATFORMS": "cpu",
+           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    code = ("import os, jax, jax.numpy as jnp\n"
+            "from pallas_tune.feasibility.compile import compile_deviceless\n"
+            "s = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)\n"
+            "r = compile_deviceless(lambda a, b: a @ b, [s, s], {}, chip='tpu_v6e')\n"
+            "print(os.getpid(), r.ok)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout.split()
+    pid, ok = out[-2], out[-1]
+    assert ok == "True"
+    assert not glob.glob(f"/tmp/tpu_driver*.{pid}"), "libtpu wrote glog files to /tmp"
 
 
 def test_a_run_directory_under_the_root_and_a_note_naming_it(log_root):
@@ -55,7 +80,7 @@ def test_a_root_that_is_a_link_or_a_file_gets_no_logs(tmp_path, monkeypatch):
     target.mkdir()
     os.symlink(target, tmp_path / "link")
     monkeypatch.setenv(logs.ENV, str(tmp_path / "link"))
-    assert logs.RunLogs().env == {"TPU_LOG_DIR": "disabled"}
+    assert logs.RunLogs().env == {"TPU_LOG_DIR": "disabled", "TPU_MIN_LOG_LEVEL": "3"}
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv(logs.ENV, str(tmp_path / "file"))
     assert logs.RunLogs().path is None

@@ -12,7 +12,8 @@ output, which a crashed trial reports), then the oldest files go. Run directorie
 no longer alive are kept, newest first, within four times that bound.
 
 ``PALLAS_TUNE_TPU_LOGS``: unset, the per-user log directory (``platformdirs.user_log_path``,
-``tpu/`` in it); a directory, that one; ``off``, no files at all (``TPU_LOG_DIR=disabled``).
+``tpu/`` in it); a directory, that one; ``off``, no log files but a fatal abort's
+(``TPU_LOG_DIR=disabled`` and ``TPU_MIN_LOG_LEVEL=3``: the first alone sends them to ``/tmp``).
 Workers also get no core files (``RLIMIT_CORE`` 0; libtpu's abort says "Dumping core").
 """
 
@@ -79,7 +80,11 @@ class RunLogs:
             # leaves nothing behind.
             self.path = os.path.join(
                 root, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUNS)}")
-        self.env = {"TPU_LOG_DIR": self.path or "disabled"}
+        # No directory: TPU_LOG_DIR=disabled alone sends libtpu's glog files to /tmp instead
+        # (measured, libtpu 0.0.50: tpu_driver.*.log.INFO, 18 KB a compile, up to 1 GB each
+        # where the profiler aborts); below FATAL it writes none.
+        self.env = ({"TPU_LOG_DIR": self.path} if self.path
+                    else {"TPU_LOG_DIR": "disabled", "TPU_MIN_LOG_LEVEL": "3"})
 
     def note(self) -> str:
         """Where a failure's logs are, for its message ("" when there are none)."""
