@@ -15,10 +15,18 @@ Every figure is a COMPILER ESTIMATE (libtpu's static profile, deviceless), not a
 "partial" marks a lower bound: libtpu gave some ops no estimate, or a kernel has loops or
 table-indexed fetches its static profile cannot follow (``pallas_tune.measure.loops``).
 
-Layers (2048 tokens, bf16; RoPE, gating and residuals in plain JAX):
+``--upstream TRIALS`` adds the upstream-Pallas figures (``steps/upstream.py``): the layer as a
+MaxText user runs it (XLA dots and norms, splash attention at MaxText's blocks), and with
+splash's blocks tuned in TRIALS trials; splash estimated on its stand-in (``kernels/_splash.py``).
+``--check-whole SETTING...`` compiles those settings' layer whole too, to check the composition.
+
+Layers (``steps/layers.py``; --tokens, bf16; RoPE, gating and residuals in plain JAX):
 - llama_fwd / llama_fwd_bwd: a Llama-3.1-8B decoder layer (d 4096, 32 query / 8 KV heads of
   128, MLP 14336): rms_norm, fused QKV matmul, causal flash attention (GQA), O matmul, rms_norm,
   gate/up/down matmuls; forward, and jax.grad of its sum over the input and every weight.
+- llama70b_fwd_bwd: one chip's shard of a Llama-3.1-70B decoder layer under 8-way tensor
+  parallelism (d 8192, 8 of 64 query heads and 1 of 8 KV heads, fused gate|up of 2 x 3584), its
+  all-reduces not counted; jax.grad as above.
 - mixtral_moe: a Mixtral-8x7B MoE MLP (d 4096, 8 experts of 14336, top-2; the router in plain
   JAX; tokens sorted by expert with fixed group sizes: 2048 tokens x 2 = 4096 rows, 512 each):
   grouped_matmul for gate, up and down.
@@ -44,14 +52,13 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as bench  # noqa: E402
+from steps import layers, upstream  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import pallas_tune as pt  # noqa: E402
 from pallas_tune.step import figures as step  # noqa: E402
-from pallas_tune.kernels.flash_attention import flash_attention  # noqa: E402
-from pallas_tune.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 from pallas_tune.kernels.mamba2_ssd import mamba2_ssd  # noqa: E402
 from pallas_tune.kernels.matmul import matmul  # noqa: E402
 from pallas_tune.kernels.rms_norm import rms_norm  # noqa: E402
@@ -61,57 +68,30 @@ BF = jnp.bfloat16
 T = 2048  # Tokens (--tokens).
 
 
-def _rope(x):  # x (heads, T, 128): rotary embedding in plain JAX.
-    half = x.shape[-1] // 2
-    freq = 1.0 / (500000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
-    ang = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq[None]
-    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
-    a, b = x[..., :half], x[..., half:]
-    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
+def llama_layer(*a):
+    return layers.llama8b(*a)
 
 
-def llama_layer(x, n1, wqkv, wo, n2, wg, wu, wd):
-    """One Llama-3.1-8B decoder layer on x (T, 4096)."""
-    t = x.shape[0]
-    h = rms_norm(x, n1, eps=1e-5)
-    qkv = matmul(h, wqkv)
-    q = _rope(qkv[:, :4096].reshape(t, 32, 128).transpose(1, 0, 2))[None]
-    k = _rope(qkv[:, 4096:5120].reshape(t, 8, 128).transpose(1, 0, 2))[None]
-    v = qkv[:, 5120:].reshape(t, 8, 128).transpose(1, 0, 2)[None]
-    a = flash_attention(q, k, v, causal=True)[0].transpose(1, 0, 2).reshape(t, 4096)
-    x = x + matmul(a, wo)
-    h = rms_norm(x, n2, eps=1e-5)
-    return x + matmul(jax.nn.silu(matmul(h, wg)) * matmul(h, wu), wd)
-
-
-def llama_train(x, *weights):
-    """jax.grad of the layer's output sum, over the input and every weight."""
-    loss = lambda *a: llama_layer(*a).astype(jnp.float32).sum()  # noqa: E731
-    return jax.grad(loss, argnums=tuple(range(1 + len(weights))))(x, *weights)
+llama_train = layers.train(layers.llama8b)
 
 
 def llama_args():
-    d, f = 4096, 14336
-    return (S((T, d), BF), S((d,), BF), S((d, 6144), BF), S((d, d), BF), S((d,), BF),
-            S((d, f), BF), S((d, f), BF), S((f, d), BF))
+    return layers.llama8b_args(T)
 
 
-def moe_layer(x, router, wg, wu, wd):
-    """A Mixtral-8x7B MoE MLP on x (T, 4096): top-2 of 8 experts; rows sorted by expert."""
-    t, e = x.shape[0], router.shape[1]
-    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits), 2)
-    order = jnp.argsort(experts.reshape(-1))
-    rows = x[order // 2]  # Each token twice, grouped by expert (balanced sizes assumed here).
-    sizes = jnp.full((e,), 2 * t // e, jnp.int32)
-    h = jax.nn.silu(grouped_matmul(rows, wg, sizes)) * grouped_matmul(rows, wu, sizes)
-    out = grouped_matmul(h, wd, sizes) * weights.reshape(-1)[order][:, None].astype(x.dtype)
-    return jnp.zeros_like(x).at[order // 2].add(out)
+llama70b_train = layers.train(layers.llama70b_tp8)
+
+
+def llama70b_args():
+    return layers.llama70b_tp8_args(T)
+
+
+def moe_layer(*a):
+    return layers.moe(*a)
 
 
 def moe_args():
-    d, f, e = 4096, 14336, 8
-    return (S((T, d), BF), S((d, e), BF), S((e, d, f), BF), S((e, d, f), BF), S((e, f, d), BF))
+    return layers.moe_args(T)
 
 
 def mamba2_layer(x, norm, wx, wz, wbc, wdt, conv, A, D, onorm, wout):
@@ -142,12 +122,15 @@ LAYERS = {
     "llama_fwd": ("Llama-3.1-8B decoder layer, forward", llama_layer, llama_args),
     "llama_fwd_bwd": ("Llama-3.1-8B decoder layer, forward+backward (jax.grad)", llama_train,
                       llama_args),
+    "llama70b_fwd_bwd": ("Llama-3.1-70B decoder layer, one chip of 8-way tensor parallelism, "
+                         "forward+backward (jax.grad)", llama70b_train, llama70b_args),
     "mixtral_moe": ("Mixtral-8x7B MoE MLP, forward", moe_layer, moe_args),
     "mamba2": ("Mamba-2 2.7B mixer, forward", mamba2_layer, mamba2_args),
 }
 
 
-def run(name: str, trials: int, settings: list[str], memory_gb: float, method: str) -> dict:
+def run(name: str, trials: int, settings: list[str], memory_gb: float, method: str,
+        upstream_trials: int | None = None, check_whole: list[str] | None = None) -> dict:
     title, fn, make = LAYERS[name]
     t0 = time.perf_counter()
     result = pt.autotune(fn, *make(), timer="tpu-estimate", chip="v6e", trials=trials,
@@ -162,15 +145,25 @@ def run(name: str, trials: int, settings: list[str], memory_gb: float, method: s
     result.step_ms, result.step_timer, result.step_detail = how(
         fn, make(), {}, result, "v6e", workers=1, only=settings,
         memory_limit_bytes=int(memory_gb * (1 << 30)) if memory_gb else None)
-    return {"layer": name, "title": f"{title}, {T} tokens ({method})",
+    step_wall = round(time.perf_counter() - t1, 1)
+    whole = None
+    if check_whole and method == "composed":  # The composition against a whole compile.
+        w_ms, _, w_detail = step.estimates(
+            fn, make(), {}, result, "v6e", workers=1, only=check_whole,
+            memory_limit_bytes=int(memory_gb * (1 << 30)) if memory_gb else None)
+        whole = {"ms": w_ms, "detail": w_detail}
+    row = {"layer": name, "title": f"{title}, {T} tokens ({method})",
             "tuning_wall_s": round(wall, 1), "method": method, "tokens": T,
-            "step_wall_s": round(time.perf_counter() - t1, 1),
+            "step_wall_s": step_wall, "whole": whole,
             "step_ms": result.step_ms, "step_timer": result.step_timer,
             "step_detail": result.step_detail,
             "calls": [{"kernel": c.kernel.rsplit(".", 1)[-1], "key": c.key, "source": c.source,
                        "implementation": c.implementation, "config": c.config,
                        "best_ms": c.best_ms, "xla_ms": c.xla_ms, "default_ms": c.default_ms,
                        "xla_partial": c.xla_partial} for c in result.calls]}
+    if upstream_trials is not None and name in upstream.LAYERS and method == "composed":
+        row["upstream"] = upstream.rows(name, row, T, upstream_trials, memory_gb)
+    return row
 
 
 def _ms(rows_step: dict, detail: dict, k: str) -> str:
@@ -181,7 +174,9 @@ def _ms(rows_step: dict, detail: dict, k: str) -> str:
         errors = [c["error"] for c in detail[k].get("calls", []) if "error" in c]
         return "no estimate: " + str(detail[k].get("error") or (errors or ["?"])[0])[:80]
     n, scaled = detail.get(k, {}).get("standalone", 0), detail.get(k, {}).get("standin", 0)
+    footing = detail.get(k, {}).get("footing", 0)
     return (f"{v:.3f}" + (" partial" if detail.get(k, {}).get("partial") else "")
+            + (f" ({footing} call(s) on XLA's cost model at the footing)" if footing else "")
             + (f" ({n} call(s) standalone)" if n else "")
             + (f" ({scaled} of them on the kernel's stand-in, scaled)" if scaled else ""))
 
@@ -216,6 +211,8 @@ def _composed(r: dict) -> list[str]:
             f = d.get(name, {}).get("calls", [])
             f = f[i] if i < len(f) else {}
             cells.append(_num(f["ms"]) + (" partial" if f.get("partial") else "")
+                         + (f" footing (libtpu {f['libtpu_ms']:.4f} partial)"
+                            if f.get("footing") else "")
                          + (" standalone" if f.get("standalone") else "")
                          + (f" stand-in x{f['standin_scale']:g}" if f.get("standin_scale")
                             else "") if "ms" in f
@@ -224,6 +221,89 @@ def _composed(r: dict) -> list[str]:
         out.append(f"| {c['kernel'].rsplit('.', 1)[-1]} | `{c['key']}` | {c['count']} | "
                    f"{t.get('source', '?')} | {t.get('implementation', '?')} | "
                    f"`{t.get('config', '?')}` | {' | '.join(cells)} |")
+    return out
+
+
+def _upstream_ms(u: dict | None, k: str) -> float | None:
+    v = ((u or {}).get(k) or {}).get("ms")
+    return v if isinstance(v, float) and math.isfinite(v) else None
+
+
+def _upstream_cell(u: dict | None, k: str) -> str:
+    f = (u or {}).get(k)
+    if f is None:
+        return "not run"
+    v = _upstream_ms(u, k)
+    if v is None:
+        return "no estimate: " + str(f.get("detail", {}).get("error", "?"))[:80]
+    return f"{v:.3f} (splash {f['splash']['ms']:.3f})"
+
+
+def _attention_ms(r: dict, setting: str) -> float | None:
+    """The step's attention under a setting: its forward call and backward call(s), or the
+    forward compiled with XLA's VJP, each times its occurrences."""
+    d = r["step_detail"]
+    total, seen = 0.0, False
+    for c, f in zip(d["calls"], d.get(setting, {}).get("calls", []), strict=False):
+        if "flash_attention" in c["kernel"] and "ms" in f:
+            total, seen = total + f["live"] * f["ms"], True
+    return total if seen else None
+
+
+def attention_table(rows: list[dict]) -> list[str]:
+    """Attention's share of each upstream row: ours tuned, XLA's, splash's two."""
+    rows = [r for r in rows if r.get("upstream")]
+    if not rows:
+        return []
+    out = ["", "Attention alone in each step (forward and backward, ms, ESTIMATES; splash on its "
+           "stand-in, XLA on the footing where libtpu's sum is partial):", "",
+           "| layer | pallas-tune flash, tuned | XLA | splash, MaxText's blocks | splash, tuned "
+           "| splash's tuned blocks |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        u = r["upstream"]
+        sp = [((u.get(k) or {}).get("splash") or {}) for k in ("maxtext", "tuned")]
+        blocks = {**(sp[1].get("forward_blocks") or {}), **(sp[1].get("backward_blocks") or {})}
+        out.append(f"| {r['title']} | {_num(_attention_ms(r, 'tuned'))} | "
+                   f"{_num(_attention_ms(r, 'xla'))} | {_num(sp[0].get('ms'))} | "
+                   f"{_num(sp[1].get('ms'))} | `{blocks or '-'}` |")
+    return out
+
+
+def headline(rows: list[dict]) -> list[str]:
+    """Tuned against all-XLA and against upstream Pallas (the faster of MaxText's splash blocks
+    and splash tuned by pallas-tune), for the rows that have an upstream figure."""
+    rows = [r for r in rows if r.get("upstream")]
+    if not rows:
+        return []
+    out = ["", "| layer | all-XLA | upstream: MaxText's splash | upstream: splash tuned | "
+           "default configs | tuned | tuned vs all-XLA | tuned vs upstream (its faster) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, d, u = r["step_ms"], r["step_detail"], r["upstream"]
+        ups = [v for v in (_upstream_ms(u, "maxtext"), _upstream_ms(u, "tuned")) if v]
+        tuned = s.get("tuned")
+        vs_up = f"{min(ups) / tuned:.2f}x" if ups and tuned else "-"
+        vs_xla = f"{s['xla'] / tuned:.2f}x" if tuned and s.get("xla") else "-"
+        out.append(f"| {r['title']} | {_ms(s, d, 'xla')} | {_upstream_cell(u, 'maxtext')} | "
+                   f"{_upstream_cell(u, 'tuned')} | {_ms(s, d, 'default')} | "
+                   f"{_ms(s, d, 'tuned')} | {vs_xla} | {vs_up} |")
+    return out
+
+
+def whole_check(rows: list[dict]) -> list[str]:
+    """Composed figures against the same layer compiled whole, where that was run."""
+    rows = [r for r in rows if r.get("whole")]
+    if not rows:
+        return []
+    out = ["", "Composition checked against a whole compile (both ESTIMATES):", "",
+           "| layer | setting | composed ms | whole ms | composed / whole |", "|---|---|---|---|---|"]
+    for r in rows:
+        for k, detail in r["whole"]["detail"].items():
+            c, w = r["step_ms"].get(k), r["whole"]["ms"].get(k)
+            cell = (f"{w:.3f}" + (" partial" if detail.get("partial") else "") if w
+                    else "no estimate: " + str(detail.get("error", "?"))[:80])
+            ratio = f"{c / w:.2f}" if c and w else "-"
+            out.append(f"| {r['title']} | {k} | {_num(c)} | {cell} | {ratio} |")
     return out
 
 
@@ -241,6 +321,9 @@ def render(rows: list[dict], commands: list[str], missing: list[str]) -> str:
              f"`{bench.script(__file__)}` on a CPU-only host, {bench.today()}.", "",
              "Commands:", ""]
     lines += [f"    {c}" for c in commands]
+    lines += headline(rows)
+    lines += attention_table(rows)
+    lines += whole_check(rows)
     lines += ["", "| layer | all-XLA ms (ESTIMATE) | default configs ms (ESTIMATE) | tuned ms "
               "(ESTIMATE) | tuned vs XLA | tuned vs default | calls (tuned here / cached) | "
               "calls running XLA | tuning wall time |", "|---|---|---|---|---|---|---|---|---|"]
@@ -291,13 +374,33 @@ def main() -> None:
     p.add_argument("--method", choices=["composed", "whole"], default="composed",
                    help="composed: the glue compiled whole plus each call alone (fits this "
                    "host); whole: the layer compiled whole")
+    p.add_argument("--upstream", type=int, default=None, metavar="TRIALS",
+                   help="also estimate the layer as MaxText runs it (splash attention, XLA "
+                   "dots; whole compile), and with splash's blocks tuned in TRIALS trials "
+                   "(0: MaxText's blocks only)")
+    p.add_argument("--check-whole", nargs="*", default=None, choices=list(step.SETTINGS),
+                   help="also compile these settings' layer whole, to check the composition")
+    p.add_argument("--add-upstream", metavar="ROWS_JSON",
+                   help="add the --upstream figures to the rows of an earlier --rows-out "
+                   "(written back), then render them")
     p.add_argument("--rows-out")
     p.add_argument("--combine", nargs="*")
     p.add_argument("--missing", nargs="*", default=[], help="notes on rows not run")
     p.add_argument("--out", default=bench.result("step_tuning.md"))
     a = p.parse_args()
     globals()["T"] = a.tokens  # The layers' argument shapes read it.
-    if a.combine:
+    if a.add_upstream:
+        with open(a.add_upstream, encoding="utf-8") as f:
+            part = json.load(f)
+        for r in part["rows"]:
+            if r["layer"] in upstream.LAYERS and r.get("method") == "composed":
+                r["upstream"] = upstream.rows(r["layer"], r, r["tokens"], a.upstream or 0,
+                                              a.memory_gb)
+        part["command"] += f"; then {bench.command(__file__)}"
+        with open(a.add_upstream, "w", encoding="utf-8") as f:
+            json.dump(part, f, indent=1, default=str)
+        text = render(part["rows"], [part["command"]], a.missing)
+    elif a.combine:
         parts = []
         for path in a.combine:
             with open(path, encoding="utf-8") as f:
@@ -308,7 +411,8 @@ def main() -> None:
         rows = []
         for name in a.only:
             print(f"== {name}", flush=True)
-            rows.append(run(name, a.trials, a.settings, a.memory_gb, a.method))
+            rows.append(run(name, a.trials, a.settings, a.memory_gb, a.method, a.upstream,
+                            a.check_whole))
             print(json.dumps(rows[-1]["step_ms"]), rows[-1]["tuning_wall_s"], flush=True)
             if a.rows_out:  # Each layer as it finishes.
                 with open(a.rows_out, "w", encoding="utf-8") as f:

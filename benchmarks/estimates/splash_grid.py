@@ -1,0 +1,91 @@
+"""Splash attention's blocks, a small grid estimated on its stand-in (v6e compiler ESTIMATES).
+
+pallas-tune's Bayesian tuner thrashed on splash at 8192 tokens on this 2-core, 24 GB host (its
+workers, two at a time beside a step compile, died of memory and were restarted for half an
+hour without a trial), so splash's blocks were searched here by hand: forwards at six configs
+around MaxText's (every block 512), and the backward adapter (splash's forward at the dK/dV
+blocks, then its VJP) at five. Splash's training cost at a pair = forward(forward config) +
+adapter(backward config) - forward(its dK/dV blocks).
+
+    python benchmarks/estimates/splash_grid.py TOKENS Q_HEADS KV_HEADS OUT.json [maxtext]
+"""
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_tune.measure.estimate import Estimator, cycles_to_ms
+from pallas_tune.kernels import upstream as up
+
+t = int(sys.argv[1])
+hq, hk = int(sys.argv[2]), int(sys.argv[3])
+out = sys.argv[4]
+S = jax.ShapeDtypeStruct
+bf = jnp.bfloat16
+q = S((1, hq, t, 128), bf)
+k = S((1, hk, t, 128), bf)
+F = [
+    (1024, 1024, 512),
+    (2048, 1024, 512),
+    (2048, 2048, 512),
+    (1024, 1024, 1024),
+    (4096, 2048, 512),
+    (2048, 1024, 1024),
+]
+B = [
+    (1024, 1024, 512, 1024, 1024, False),
+    (2048, 1024, 512, 2048, 1024, False),
+    (1024, 1024, 1024, 1024, 1024, False),
+    (2048, 2048, 512, 2048, 2048, False),
+    (1024, 1024, 512, 1024, 1024, True),
+]
+if sys.argv[5:] == ["maxtext"]:  # MaxText's blocks alone: every block 512, unfused backward.
+    F, B = [(512, 512, 512)], [(512, 512, 512, 512, 512, False)]
+rows = []
+with Estimator(1, memory_limit_bytes=14 << 30) as est:
+    for f in F:
+        cfg = dict(block_q=f[0], block_kv=f[1], block_kv_compute=f[2])
+        t0 = time.time()
+        r = est.map(
+            up.splash_attention, [q, k, k], {"causal": True}, [cfg], "tpu_v6e", standin=True
+        )[0]
+        rows.append(
+            {
+                "kind": "forward",
+                "config": cfg,
+                "ms": cycles_to_ms(r.cycles, 1.75e9) if r.ok and r.cycles else None,
+                "scale": r.scale,
+                "error": None if r.ok else r.message[:200],
+                "wall_s": round(time.time() - t0, 1),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+        json.dump(rows, open(out, "w"), indent=1)
+    for b in B:
+        cfg = dict(
+            block_q_dkv=b[0],
+            block_kv_dkv=b[1],
+            block_kv_dkv_compute=b[2],
+            block_q_dq=b[3],
+            block_kv_dq=b[4],
+            use_fused_bwd_kernel=b[5],
+        )
+        t0 = time.time()
+        r = est.map(
+            up.splash_attention_bwd, [q, k, k, q], {"causal": True}, [cfg], "tpu_v6e", standin=True
+        )[0]
+        rows.append(
+            {
+                "kind": "adapter (forward at dK/dV blocks + backward)",
+                "config": cfg,
+                "ms": cycles_to_ms(r.cycles, 1.75e9) if r.ok and r.cycles else None,
+                "scale": r.scale,
+                "error": None if r.ok else r.message[:200],
+                "wall_s": round(time.time() - t0, 1),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+        json.dump(rows, open(out, "w"), indent=1)

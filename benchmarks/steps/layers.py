@@ -1,0 +1,111 @@
+"""The layers ``step_tuning.py`` estimates, each written once over its ops (pallas-tune's
+tunable kernels by default).
+
+Shapes are per chip. Llama-3.1-70B is the tensor-parallel shard of 8 chips (Megatron style:
+8 of 64 query heads, 1 of 8 KV heads, 3584 of 28672 MLP columns); the two all-reduces a TP
+layer does are not part of any figure (one chip's compute only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from pallas_tune.kernels.flash_attention import flash_attention
+from pallas_tune.kernels.grouped_matmul import grouped_matmul
+from pallas_tune.kernels.matmul import matmul
+from pallas_tune.kernels.rms_norm import rms_norm
+
+S = jax.ShapeDtypeStruct
+BF = jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """What a layer calls for its matmuls, norms, causal attention and grouped matmuls."""
+    mm: Callable[..., Any] = matmul
+    norm: Callable[..., Any] = rms_norm
+    attn: Callable[..., Any] = lambda q, k, v: flash_attention(q, k, v, causal=True)
+    gmm: Callable[..., Any] = grouped_matmul
+
+
+def _rope(x):  # x (heads, T, 128): rotary embedding in plain JAX.
+    half = x.shape[-1] // 2
+    freq = 1.0 / (500000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    ang = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freq[None]
+    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+    a, b = x[..., :half], x[..., half:]
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+def _heads(qkv, t, start, n):  # (T, cols) -> (1, n, T, 128), columns [start, start + n*128).
+    return qkv[:, start:start + n * 128].reshape(t, n, 128).transpose(1, 0, 2)[None]
+
+
+def llama8b(x, n1, wqkv, wo, n2, wg, wu, wd, ops: Ops = Ops()):
+    """One Llama-3.1-8B decoder layer on x (T, 4096): 32 query / 8 KV heads of 128, MLP 14336."""
+    t = x.shape[0]
+    h = ops.norm(x, n1, eps=1e-5)
+    qkv = ops.mm(h, wqkv)
+    q, k, v = (_rope(_heads(qkv, t, 0, 32)[0])[None], _rope(_heads(qkv, t, 4096, 8)[0])[None],
+               _heads(qkv, t, 5120, 8))
+    a = ops.attn(q, k, v)[0].transpose(1, 0, 2).reshape(t, 4096)
+    x = x + ops.mm(a, wo)
+    h = ops.norm(x, n2, eps=1e-5)
+    return x + ops.mm(jax.nn.silu(ops.mm(h, wg)) * ops.mm(h, wu), wd)
+
+
+def llama8b_args(t: int):
+    d, f = 4096, 14336
+    return (S((t, d), BF), S((d,), BF), S((d, 6144), BF), S((d, d), BF), S((d,), BF),
+            S((d, f), BF), S((d, f), BF), S((f, d), BF))
+
+
+def llama70b_tp8(x, n1, wqkv, wo, n2, wgu, wd, ops: Ops = Ops()):
+    """One chip's shard of a Llama-3.1-70B decoder layer under 8-way tensor parallelism, on x
+    (T, 8192): 8 query / 1 KV head of 128, fused gate|up of 2 x 3584 columns."""
+    t = x.shape[0]
+    h = ops.norm(x, n1, eps=1e-5)
+    qkv = ops.mm(h, wqkv)
+    q, k, v = (_rope(_heads(qkv, t, 0, 8)[0])[None], _rope(_heads(qkv, t, 1024, 1)[0])[None],
+               _heads(qkv, t, 1152, 1))
+    a = ops.attn(q, k, v)[0].transpose(1, 0, 2).reshape(t, 1024)
+    x = x + ops.mm(a, wo)  # An all-reduce over the 8 chips here (not in the figure).
+    h = ops.norm(x, n2, eps=1e-5)
+    gu = ops.mm(h, wgu)
+    return x + ops.mm(jax.nn.silu(gu[:, :3584]) * gu[:, 3584:], wd)  # And here.
+
+
+def llama70b_tp8_args(t: int):
+    d = 8192
+    return (S((t, d), BF), S((d,), BF), S((d, 1280), BF), S((1024, d), BF), S((d,), BF),
+            S((d, 7168), BF), S((3584, d), BF))
+
+
+def moe(x, router, wg, wu, wd, ops: Ops = Ops()):
+    """A Mixtral-8x7B MoE MLP on x (T, 4096): top-2 of 8 experts; rows sorted by expert."""
+    t, e = x.shape[0], router.shape[1]
+    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits), 2)
+    order = jnp.argsort(experts.reshape(-1))
+    rows = x[order // 2]  # Each token twice, grouped by expert (balanced sizes assumed here).
+    sizes = jnp.full((e,), 2 * t // e, jnp.int32)
+    h = jax.nn.silu(ops.gmm(rows, wg, sizes)) * ops.gmm(rows, wu, sizes)
+    out = ops.gmm(h, wd, sizes) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    return jnp.zeros_like(x).at[order // 2].add(out)
+
+
+def moe_args(t: int):
+    d, f, e = 4096, 14336, 8
+    return (S((t, d), BF), S((d, e), BF), S((e, d, f), BF), S((e, d, f), BF), S((e, f, d), BF))
+
+
+def train(layer: Callable[..., Any], ops: Ops = Ops()) -> Callable[..., Any]:
+    """jax.grad of the layer's output sum, over the input and every weight."""
+    def step(x, *weights):
+        loss = lambda *a: layer(*a, ops=ops).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=tuple(range(1 + len(weights))))(x, *weights)
+    return step

@@ -1,0 +1,143 @@
+"""The upstream-Pallas figures of ``step_tuning.py``: each layer as a MaxText user runs it (XLA
+dots and norms, JAX's splash attention at MaxText's block sizes), and with splash's blocks tuned
+by pallas-tune (a fair comparison tunes both).
+
+Composed like the other settings: the layer's glue plus each call's figure, where every call but
+attention is the all-XLA setting's (MaxText's dots and norms are XLA) and attention is splash's
+estimate. libtpu cannot read splash past one block (its mask tables are taken as 0), so splash
+is estimated on its stand-in (``kernels/_splash.py``: no tables, one KV head, scaled; checked on
+flash attention in ``benchmarks/results/splash_standin.md``, where it leans in splash's favour).
+
+Splash's training cost is its forward plus its backward: the backward adapter's program is
+upstream's forward (at the dK/dV blocks) and VJP, so the total is forward(forward blocks) +
+adapter(backward blocks) - forward(dK/dV blocks). Every figure is a v6e compiler ESTIMATE.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from pallas_tune.kernels import upstream as adapters
+
+from pallas_tune.measure.estimate import Estimator, cycles_to_ms
+
+CLOCK = 1.75e9
+MAXTEXT_FWD = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
+MAXTEXT_BWD = {"block_q_dkv": 512, "block_kv_dkv": 512, "block_kv_dkv_compute": 512,
+               "block_q_dq": 512, "block_kv_dq": 512, "use_fused_bwd_kernel": False}
+
+# Per layer: whether the step is jax.grad of it, and attention's (q, k) shapes at T tokens.
+LAYERS = {
+    "llama_fwd": (False, lambda t: ((1, 32, t, 128), (1, 8, t, 128))),
+    "llama_fwd_bwd": (True, lambda t: ((1, 32, t, 128), (1, 8, t, 128))),
+    "llama70b_fwd_bwd": (True, lambda t: ((1, 8, t, 128), (1, 1, t, 128))),
+}
+
+
+def _specs(q_shape, k_shape):
+    q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+    k = jax.ShapeDtypeStruct(k_shape, jnp.bfloat16)
+    return q, k
+
+
+def splash_cost(q_shape, k_shape, grad: bool, fwd: dict, bwd: dict | None,
+                memory_gb: float) -> dict[str, Any]:
+    """Splash's estimated cost (ms) in a step: its forward at ``fwd``, and where ``grad`` its
+    backward at ``bwd`` (the adapter's figure less its forward at the dK/dV blocks)."""
+    q, k = _specs(q_shape, k_shape)
+    out: dict[str, Any] = {"forward_blocks": fwd, "backward_blocks": bwd}
+    with Estimator(1, memory_limit_bytes=int(memory_gb * (1 << 30))) as est:
+        def ms(kernel, args, config):
+            r = est.map(kernel, args, {"causal": True}, [config], "tpu_v6e", standin=True)[0]
+            if not r.ok or not r.cycles:
+                raise RuntimeError(f"{kernel.name} {config}: {r.message[:300] or r.kind}")
+            return cycles_to_ms(r.cycles, CLOCK)
+
+        out["forward_ms"] = ms(adapters.splash_attention, [q, k, k], fwd)
+        out["ms"] = out["forward_ms"]
+        if grad:
+            at_dkv = {"block_q": bwd["block_q_dkv"], "block_kv": bwd["block_kv_dkv"],
+                      "block_kv_compute": bwd["block_kv_dkv_compute"]}
+            out["adapter_ms"] = ms(adapters.splash_attention_bwd, [q, k, k, q], bwd)
+            out["forward_at_dkv_ms"] = (out["forward_ms"] if at_dkv == fwd
+                                        else ms(adapters.splash_attention, [q, k, k], at_dkv))
+            out["backward_ms"] = out["adapter_ms"] - out["forward_at_dkv_ms"]
+            out["ms"] = out["forward_ms"] + out["backward_ms"]
+    return out
+
+
+def tune_splash(q_shape, k_shape, grad: bool, trials: int) -> dict[str, Any]:
+    """Splash's blocks tuned by v6e estimate (on its stand-in): the forward's by
+    ``splash_attention``, the backward's by ``splash_attention_bwd`` (forward + VJP)."""
+    import warnings
+
+    from pallas_tune import chips
+
+    q, k = _specs(q_shape, k_shape)
+    opts = {"timer": "tpu-estimate", "chip": "v6e", "trials": trials, "seed": 0}
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"forward": None, "backward": None, "from_cache": []}
+    for name, kernel, args in (("forward", adapters.splash_attention, [q, k, k]),
+                               ("backward", adapters.splash_attention_bwd, [q, k, k, q])):
+        if name == "backward" and not grad:
+            continue
+        with chips.target("v6e"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cached = kernel.config_for(*args, causal=True)
+        if cached.source == "cache":  # Tuned before (this cache): not again.
+            out[name] = dict(cached)
+            out["from_cache"].append(name)
+        else:
+            out[name] = dict(kernel.tune(*args, causal=True, **opts).best)
+    out["tuning_wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _attention_index(row: dict) -> int:
+    for i, c in enumerate(row["step_detail"]["calls"]):
+        if c["kernel"].endswith("flash_attention.flash_attention"):
+            return i
+    raise ValueError(f"{row['layer']}: no flash_attention call")
+
+
+def compose(row: dict, splash_ms: float) -> tuple[float | None, str]:
+    """The layer's upstream figure: the glue, every call but attention at the all-XLA setting's
+    figure (XLA dots and norms), attention at splash's cost. None where a call has none."""
+    d = row["step_detail"]
+    if "ms" not in d.get("glue", {}) or "xla" not in d:
+        return None, "no glue or all-XLA figures to compose with"
+    att = _attention_index(row)
+    total = d["glue"]["ms"]
+    for i, c in enumerate(d["xla"]["calls"]):
+        if i == att or c.get("absorbed"):
+            continue  # Attention (and what its XLA form absorbed) is splash's, below.
+        if "ms" not in c:
+            return None, f"call {i} has no all-XLA figure: {c.get('error', '?')[:120]}"
+        total += c["live"] * c["ms"]
+    return total + splash_ms, ""
+
+
+def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float) -> dict[str, Any]:
+    """MaxText's and the tuned-splash upstream figures of one composed layer row."""
+    grad, shapes = LAYERS[name]
+    q_shape, k_shape = shapes(tokens)
+    out: dict[str, Any] = {}
+    runs = [("maxtext", MAXTEXT_FWD, MAXTEXT_BWD if grad else None)]
+    if trials:
+        tuned = tune_splash(q_shape, k_shape, grad, trials)
+        runs.append(("tuned", tuned["forward"], tuned["backward"]))
+    for label, fwd, bwd in runs:
+        try:
+            cost = splash_cost(q_shape, k_shape, grad, fwd, bwd, memory_gb)
+        except RuntimeError as e:
+            out[label] = {"ms": None, "detail": {"error": str(e)}}
+            continue
+        ms, why = compose(row, cost["ms"])
+        out[label] = {"ms": ms, "splash": cost, "detail": {"error": why} if why else {}}
+    return out
+
+
+__all__ = ["LAYERS", "compose", "rows", "splash_cost", "tune_splash"]
