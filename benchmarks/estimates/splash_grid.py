@@ -7,7 +7,7 @@ around MaxText's (every block 512), and the backward adapter (splash's forward a
 blocks, then its VJP) at five. Splash's training cost at a pair = forward(forward config) +
 adapter(backward config) - forward(its dK/dV blocks).
 
-    python benchmarks/estimates/splash_grid.py TOKENS Q_HEADS KV_HEADS OUT.json [maxtext]
+    python benchmarks/estimates/splash_grid.py TOKENS Q_HEADS KV_HEADS OUT.json [maxtext|best8b]
 """
 
 import json
@@ -44,6 +44,8 @@ B = [
 ]
 if sys.argv[5:] == ["maxtext"]:  # MaxText's blocks alone: every block 512, unfused backward.
     F, B = [(512, 512, 512)], [(512, 512, 512, 512, 512, False)]
+elif sys.argv[5:] == ["best8b"]:  # The best of the grid at Llama-3.1-8B's 8192-token shape.
+    F, B = [(1024, 1024, 512)], [(1024, 1024, 512, 1024, 1024, True)]
 rows = []
 with Estimator(1, memory_limit_bytes=14 << 30) as est:
     for f in F:
