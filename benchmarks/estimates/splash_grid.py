@@ -1,8 +1,8 @@
 """Splash attention's blocks, a small grid estimated on its stand-in (v6e compiler ESTIMATES).
 
 pallas-tune's Bayesian tuner thrashed on splash at 8192 tokens on this 2-core, 24 GB host (its
-workers, two at a time beside a step compile, died of memory and were restarted for half an
-hour without a trial), so splash's blocks were searched here by hand: forwards at six configs
+workers, two at a time beside a step compile, were replaced again and again for half an hour
+without recording a trial; memory the likely cause, not confirmed), so splash's blocks were searched here by hand: forwards at six configs
 around MaxText's (every block 512), and the backward adapter (splash's forward at the dK/dV
 blocks, then its VJP) at five. Splash's training cost at a pair = forward(forward config) +
 adapter(backward config) - forward(its dK/dV blocks).
