@@ -47,47 +47,28 @@ if sys.argv[5:] == ["maxtext"]:  # MaxText's blocks alone: every block 512, unfu
 elif sys.argv[5:] == ["best8b"]:  # The best of the grid at Llama-3.1-8B's 8192-token shape.
     F, B = [(1024, 1024, 512)], [(1024, 1024, 512, 1024, 1024, True)]
 rows = []
+
+
+def _row(est, kind, kernel, args, cfg):
+    """One config's stand-in estimate, as a row (its error where it has none)."""
+    t0 = time.time()
+    r = est.map(kernel, args, {"causal": True}, [cfg], "tpu_v6e", standin=True)[0]
+    return {"kind": kind, "config": cfg,
+            "ms": cycles_to_ms(r.cycles, 1.75e9) if r.ok and r.cycles else None,
+            "scale": r.scale, "error": None if r.ok else r.message[:200],
+            "wall_s": round(time.time() - t0, 1)}
+
+
+FWD_KEYS = ("block_q", "block_kv", "block_kv_compute")
+BWD_KEYS = ("block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute", "block_q_dq", "block_kv_dq",
+            "use_fused_bwd_kernel")
+runs = [("forward", up.splash_attention, [q, k, k], dict(zip(FWD_KEYS, f, strict=True)))
+        for f in F]
+runs += [("adapter (forward at dK/dV blocks + backward)", up.splash_attention_bwd, [q, k, k, q],
+          dict(zip(BWD_KEYS, b, strict=True))) for b in B]
 with Estimator(1, memory_limit_bytes=14 << 30) as est:
-    for f in F:
-        cfg = dict(block_q=f[0], block_kv=f[1], block_kv_compute=f[2])
-        t0 = time.time()
-        r = est.map(
-            up.splash_attention, [q, k, k], {"causal": True}, [cfg], "tpu_v6e", standin=True
-        )[0]
-        rows.append(
-            {
-                "kind": "forward",
-                "config": cfg,
-                "ms": cycles_to_ms(r.cycles, 1.75e9) if r.ok and r.cycles else None,
-                "scale": r.scale,
-                "error": None if r.ok else r.message[:200],
-                "wall_s": round(time.time() - t0, 1),
-            }
-        )
+    for kind, kernel, args, cfg in runs:
+        rows.append(_row(est, kind, kernel, args, cfg))
         print(json.dumps(rows[-1]), flush=True)
-        json.dump(rows, open(out, "w"), indent=1)
-    for b in B:
-        cfg = dict(
-            block_q_dkv=b[0],
-            block_kv_dkv=b[1],
-            block_kv_dkv_compute=b[2],
-            block_q_dq=b[3],
-            block_kv_dq=b[4],
-            use_fused_bwd_kernel=b[5],
-        )
-        t0 = time.time()
-        r = est.map(
-            up.splash_attention_bwd, [q, k, k, q], {"causal": True}, [cfg], "tpu_v6e", standin=True
-        )[0]
-        rows.append(
-            {
-                "kind": "adapter (forward at dK/dV blocks + backward)",
-                "config": cfg,
-                "ms": cycles_to_ms(r.cycles, 1.75e9) if r.ok and r.cycles else None,
-                "scale": r.scale,
-                "error": None if r.ok else r.message[:200],
-                "wall_s": round(time.time() - t0, 1),
-            }
-        )
-        print(json.dumps(rows[-1]), flush=True)
-        json.dump(rows, open(out, "w"), indent=1)
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(rows, fh, indent=1)

@@ -45,15 +45,19 @@ def _heads(qkv, t, start, n):  # (T, cols) -> (1, n, T, 128), columns [start, st
     return qkv[:, start:start + n * 128].reshape(t, n, 128).transpose(1, 0, 2)[None]
 
 
+def _attention_block(x, n1, wqkv, wo, q_heads: int, kv_heads: int, ops: Ops):
+    """x plus causal GQA self-attention of its norm (heads of 128, RoPE on q and k)."""
+    t, nq = x.shape[0], q_heads * 128
+    qkv = ops.mm(ops.norm(x, n1, eps=1e-5), wqkv)
+    q = _rope(_heads(qkv, t, 0, q_heads)[0])[None]
+    k = _rope(_heads(qkv, t, nq, kv_heads)[0])[None]
+    v = _heads(qkv, t, nq + kv_heads * 128, kv_heads)
+    return x + ops.mm(ops.attn(q, k, v)[0].transpose(1, 0, 2).reshape(t, nq), wo)
+
+
 def llama8b(x, n1, wqkv, wo, n2, wg, wu, wd, ops: Ops = Ops()):
     """One Llama-3.1-8B decoder layer on x (T, 4096): 32 query / 8 KV heads of 128, MLP 14336."""
-    t = x.shape[0]
-    h = ops.norm(x, n1, eps=1e-5)
-    qkv = ops.mm(h, wqkv)
-    q, k, v = (_rope(_heads(qkv, t, 0, 32)[0])[None], _rope(_heads(qkv, t, 4096, 8)[0])[None],
-               _heads(qkv, t, 5120, 8))
-    a = ops.attn(q, k, v)[0].transpose(1, 0, 2).reshape(t, 4096)
-    x = x + ops.mm(a, wo)
+    x = _attention_block(x, n1, wqkv, wo, 32, 8, ops)
     h = ops.norm(x, n2, eps=1e-5)
     return x + ops.mm(jax.nn.silu(ops.mm(h, wg)) * ops.mm(h, wu), wd)
 
@@ -67,13 +71,7 @@ def llama8b_args(t: int):
 def llama70b_tp8(x, n1, wqkv, wo, n2, wgu, wd, ops: Ops = Ops()):
     """One chip's shard of a Llama-3.1-70B decoder layer under 8-way tensor parallelism, on x
     (T, 8192): 8 query / 1 KV head of 128, fused gate|up of 2 x 3584 columns."""
-    t = x.shape[0]
-    h = ops.norm(x, n1, eps=1e-5)
-    qkv = ops.mm(h, wqkv)
-    q, k, v = (_rope(_heads(qkv, t, 0, 8)[0])[None], _rope(_heads(qkv, t, 1024, 1)[0])[None],
-               _heads(qkv, t, 1152, 1))
-    a = ops.attn(q, k, v)[0].transpose(1, 0, 2).reshape(t, 1024)
-    x = x + ops.mm(a, wo)  # An all-reduce over the 8 chips here (not in the figure).
+    x = _attention_block(x, n1, wqkv, wo, 8, 1, ops)  # An all-reduce after (not counted).
     h = ops.norm(x, n2, eps=1e-5)
     gu = ops.mm(h, wgu)
     return x + ops.mm(jax.nn.silu(gu[:, :3584]) * gu[:, 3584:], wd)  # And here.
