@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 __all__ = ["TABLES", "Blocks", "Masks", "SegmentIds", "kv_clamp", "masks_of", "pallas_call",
-           "q_clamp", "segment_tables", "standin_kwargs", "visible"]
+           "q_clamp", "segment_tables", "some_query_block_blind", "standin_kwargs", "visible"]
 
 TABLES = 6  # SMEM tables of a call with segment ids: q_lo, q_hi, k_lo, k_hi, first, last.
 
@@ -177,6 +177,20 @@ def _span(first_pos: Any, last_pos: Any, before: int | None, after: int | None, 
     return lo, hi
 
 
+def some_query_block_blind(masks: Masks, bq: int) -> bool:
+    """Whether a query block may see no key at all (statically: always with segment ids; with
+    a window only, whether some block's reach misses every key)."""
+    if masks.segments:
+        return True
+    for q0 in range(0, masks.sq, bq):
+        q1 = min(q0 + bq, masks.sq) - 1
+        lo = 0 if masks.left is None else max(q0 - masks.left, 0)
+        hi = masks.sk - 1 if masks.right is None else min(q1 + masks.right, masks.sk - 1)
+        if lo > hi:
+            return True
+    return False
+
+
 def kv_clamp(masks: Masks, bq: int, bkv: int, bi: Any, i: Any, j: Any,
              tables: tuple[Any, ...] = ()) -> Any:
     """For index maps: step ``j`` clamped to the KV blocks that query block ``i`` can see, so
@@ -209,6 +223,7 @@ class Blocks:
     def __init__(self, masks: Masks, bq: int, bkv: int, bi: Any, i: Any, j: Any,
                  tables: tuple[Any, ...] = (), ids: tuple[Any, ...] = ()):
         self.m, self.bq, self.bkv, self.i, self.j, self.ids = masks, bq, bkv, i, j, ids
+        self.bi, self.tables = bi, tables
         self.q0, self.k0 = i * bq, j * bkv
         self.q1 = jnp.minimum(self.q0 + bq - 1, masks.sq - 1)
         self.k1 = jnp.minimum(self.k0 + bkv - 1, masks.sk - 1)
@@ -216,6 +231,11 @@ class Blocks:
         if tables:
             qr, kr = bi * pl.cdiv(masks.sq, bq) + i, bi * pl.cdiv(masks.sk, bkv) + j
             self.seg = tuple(t[r] for t, r in zip(tables[:4], (qr, qr, kr, kr), strict=True))
+
+    def q_block(self) -> Any:
+        """The query block this step's query index map reads (:func:`q_clamp`, for a grid
+        whose KV axis is outer): ``i`` itself where the pair runs."""
+        return q_clamp(self.m, self.bq, self.bkv, self.bi, self.j, self.i, self.tables)
 
     def run(self) -> Any:
         """Some query of the pair sees some key (else it is skipped)."""

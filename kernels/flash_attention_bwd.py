@@ -10,15 +10,24 @@ computed once beforehand (in XLA: an element-wise product and a sum), and runs t
 - dQ: grid (batch, q_heads, cdiv(q_len, bq_dq), cdiv(kv_len, bkv_dq)), the KV axis last and
   "arbitrary": dq += ds k.
 
+``fused=True`` runs the dK/dV pass alone and has it accumulate dq too, from the ds it already
+has: five score-sized matmuls per block pair instead of the two passes' seven (the dQ pass
+recomputes s and dO vᵀ). The dq of every query block of the KV head's group is accumulated in
+f32 VMEM, (group · q_len · head_dim · 4 bytes: 16 MiB for Llama-3.1-8B at 8192 tokens), so the
+KV axis turns "arbitrary" and the call raises its VMEM limit by that much; a query block's dq is
+written out at its last visit (its output block is written back at every step, so each block's
+last write is the one that stays). Where that does not fit the chip, the feasibility check
+refuses the config and the two passes run. bq_dq and bkv_dq do not matter then.
+
 Both work on transposed scores sᵀ = k qᵀ (keys, queries), as the forward does, so that lse and
 delta are rows that broadcast down sublanes, and both cut a block into column strips of
-``_STRIP`` queries, software-pipelined (``_pipelined``): a (bkv, bq) block is never live whole.
+``STRIP`` queries, software-pipelined (``_flash_bwd``): a (bkv, bq) block is never live whole.
 The dQ pass accumulates dqᵀ = kᵀ ds (head_dim, bq), transposing only k, never a score block.
 With ``causal=True`` (queries and keys aligned at position 0) blocks wholly above the diagonal
 are skipped, with no compute and no DMA (their index map repeats a needed block); where one
 block size divides the other, a block on the diagonal runs as a staircase, each strip against
-only the keys its last query sees (``_strips``), so a causal backward computes about half the
-scores however large its blocks; otherwise straddling blocks are masked by position.
+only the keys its last query sees, so a causal backward computes about half the scores however
+large its blocks; otherwise straddling blocks are masked by position.
 
 With ``local_window_size`` or ``segment_ids`` (``_masks``) both passes skip the block pairs no
 query sees (no compute; where the index map can tell, no DMA: the window's by program ids, the
@@ -27,9 +36,9 @@ sees whole and mask the rest by position and id, as the forward does; a query th
 (lse -inf) gets zero gradients. Without them the passes are the programs they always were.
 
 Any q_len and kv_len: a ragged last block along the axis a pass reduces over (q rows in dK/dV, KV
-rows in dQ) has its out-of-bounds rows zeroed and its scores masked on that step only (``0 * NaN``
-would poison the sums); along the other axis the rows are independent and dropped on store. The
-masking is emitted only for ragged lengths.
+rows in dQ and in the fused pass) has its out-of-bounds rows zeroed and its scores masked on that
+step only (``0 * NaN`` would poison the sums); along the other axis the rows are independent and
+dropped on store. The masking is emitted only for ragged lengths.
 """
 
 from __future__ import annotations
@@ -43,34 +52,31 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-
 import pallas_tune as pt
-from pallas_tune.kernels import _masks, _ragged
-from pallas_tune.kernels._attention import (MASK_VALUE, check_qkv, flash_attention_reference,
-                                            reference_lse)
+from pallas_tune.kernels import _flash_bwd, _masks, _ragged
+from pallas_tune.kernels._attention import check_qkv, flash_attention_reference, reference_lse
 
 __all__ = ["flash_attention_bwd", "flash_attention_bwd_args", "flash_attention_bwd_reference"]
 
 _LOG2E = math.log2(math.e)
-_STRIP = 256  # Query columns per strip of a block (v6e estimate, 8B GQA group at 4096 tokens,
-#               causal, 2048 blocks: dK/dV 0.0905 / 0.0929 / 0.0909 ms at 256 / 512 / 128,
-#               dQ 0.0664 / 0.0657 / 0.0808; see _strips).
-_LAG = 1  # Strips between a strip's two score-sized matmuls and its softmax-gradient part in
-#           program order (same shape: dQ 0.0664 ms at 0, 0.0607 at 1, 0.0606 at 2).
+_MiB = 1 << 20
+_SCOPED_VMEM = 32 * _MiB  # What the unfused dK/dV pass compiles within (the default limit).
+_MAX_VMEM = 100 * _MiB  # The fused pass's limit at most: below v6e's and v5e's 128 MiB.
 
 
 # The public entry; registered as a tunable kernel (search_spaces/flash_attention_bwd.toml) at
 # the end of the file, once its reference, inputs and stand-in exist.
 def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool = False,
                         sm_scale: float | None = None, local_window_size=None, segment_ids=None,
-                        bq_dq: int, bkv_dq: int, bq_dkv: int, bkv_dkv: int):
+                        bq_dq: int, bkv_dq: int, bq_dkv: int, bkv_dkv: int, fused: bool):
     """(dq, dk, dv) of ``flash_attention(q, k, v, causal=, sm_scale=, local_window_size=,
     segment_ids=)`` for the cotangent ``do``.
 
     o is the forward's output and lse, (batch, q_heads, q_len) float32, the log-sum-exp of each
     query row's scaled scores (the forward saves both when differentiated). dq has q's dtype, dk
     and dv k's; dk and dv sum over the q heads that share a KV head. Any sequence lengths and
-    head dim; block sizes larger than a sequence are clamped to it.
+    head dim; block sizes larger than a sequence are clamped to it. ``fused``: one pass
+    computes all three (see the module docstring); bq_dq and bkv_dq are then unused.
 
     Raises:
       ValueError: shapes or dtypes that ``flash_attention`` would refuse, or o, do, lse not of
@@ -91,6 +97,15 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool = False,
         lse2 = jnp.where(lse2 == -jnp.inf, jnp.inf, lse2)
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).reshape(b, hq, 1, sq)
     mask_kw = dict(masks=masks, segment_ids=segment_ids) if masks is not None else {}
+    if fused:
+        dk, dv, dq = _dkv_call(q, k, v, do, lse2, delta, scale=scale, causal=causal,
+                               bq=min(bq_dkv, sq), bkv=min(bkv_dkv, k.shape[2]), fused=True,
+                               **mask_kw)
+        if masks is not None and _masks.some_query_block_blind(masks, min(bq_dkv, sq)):
+            # A query block no key reaches is never a step's block: its dq is never written.
+            # Its queries' lse is -inf (no key seen), and their dq is 0.
+            dq = jnp.where(lse[..., None] == -jnp.inf, jnp.zeros((), dq.dtype), dq)
+        return dq, dk, dv
     dk, dv = _dkv_call(q, k, v, do, lse2, delta, scale=scale, causal=causal,
                        bq=min(bq_dkv, sq), bkv=min(bkv_dkv, k.shape[2]), **mask_kw)
     dq = _dq_call(q, k, v, do, lse2, delta, scale=scale, causal=causal,
@@ -98,7 +113,7 @@ def flash_attention_bwd(q, k, v, o, lse, do, *, causal: bool = False,
     return dq, dk, dv
 
 
-def _dkv_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv, masks=None,
+def _dkv_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv, fused=False, masks=None,
               segment_ids=None):
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -123,40 +138,76 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv, masks=None,
     kv_spec = pl.BlockSpec((None, None, bkv, d), kv_index)
     kernel = functools.partial(_dkv_kernel, c=scale * _LOG2E, scale=scale, causal=causal, bq=bq,
                                bkv=bkv, q_tail=sq % bq)
-    call = dict(
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        out_specs=[kv_spec, kv_spec],
-        scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")))
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    scratch = [pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)]
+    params = dict(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary",
+                                       "arbitrary"))
+    name = f"flash_attention_dkv{'_masked' if masks is not None else ''}_{bq}x{bkv}"
+    if fused:  # dq of the whole group in VMEM: the KV axis accumulates into it.
+        kernel = functools.partial(kernel, fused=True, kv_tail=sk % bkv, sq=sq, nq=nq,
+                                   nk=pl.cdiv(sk, bkv))
+        out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+        scratch += [pltpu.VMEM((group * nq, d, bq), jnp.float32), pltpu.VMEM((d, bkv), k.dtype)]
+        params = dict(dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary",
+                                           "arbitrary"),
+                      vmem_limit_bytes=_fused_vmem_limit(group * nq, d, bq, bkv, q.dtype))
+        name = name.replace("dkv", "fused")
+    call = dict(out_shape=out_shape, out_specs=[kv_spec, kv_spec] + [q_spec] * fused,
+                scratch_shapes=scratch, compiler_params=pltpu.CompilerParams(**params))
     grid = (b, hkv, pl.cdiv(sk, bkv), group, nq)
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     if masks is not None:
         return _masks.pallas_call(kernel, masks, segment_ids, (0, 4, 2), per="kv", grid=grid,
                                   in_specs=in_specs, operands=[q, k, v, do, lse2, delta],
                                   q_block=lambda bi, h, j, g, i, *t: (bi, q_block(j, i, bi, t)),
-                                  kv_block=lambda bi, h, j, g, i, *_: (bi, j),
-                                  name=f"flash_attention_dkv_masked_{bq}x{bkv}", **call)
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs,
-                          name=f"flash_attention_dkv_{bq}x{bkv}", **call,
+                                  kv_block=lambda bi, h, j, g, i, *_: (bi, j), name=name, **call)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, name=name, **call,
                           )(q, k, v, do, lse2, delta)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc,
-                *, c, scale, causal, bq, bkv, q_tail, blocks=None):
+def _fused_vmem_limit(rows, d, bq, bkv, dtype):
+    """The fused pass's VMEM limit: the unfused pass's, plus its dq accumulator (f32, rows of
+    (d, bq) padded to (8, 128) tiles), kᵀ and its dq output's two buffers; at most _MAX_VMEM."""
+    pad = lambda n, m: -(-n // m) * m  # noqa: E731
+    item = jnp.dtype(dtype).itemsize
+    need = (rows * pad(d, 8) * pad(bq, 128) * 4 + pad(d, 16) * pad(bkv, 128) * item
+            + 2 * pad(bq, 16) * pad(d, 128) * item)
+    return min(_MAX_VMEM, pad(_SCOPED_VMEM + need, _MiB))
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, c, scale, causal, bq,
+                bkv, q_tail, fused=False, kv_tail=0, sq=0, nq=0, nk=0, blocks=None):
     """One KV block against one q head's query block, strip by strip (transposed scores):
-    dv += pᵀ dO, dk += dsᵀ q over the keys each strip sees."""
+    dv += pᵀ dO, dk += dsᵀ q over the keys each strip sees; ``fused``: also dqᵀ += kᵀ ds, into
+    the accumulator row of (q head in the group, query block)."""
+    if fused:
+        dk_ref, dv_ref, dq_ref, dk_acc, dv_acc, dq_acc, kt_ref = refs
+    else:
+        (dk_ref, dv_ref, dk_acc, dv_acc), dq_ref = refs, None
     j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
     first = jnp.logical_and(g == 0, i == 0)
     last = jnp.logical_and(g == pl.num_programs(3) - 1, i == pl.num_programs(4) - 1)
+    is_kv_tail = j == nk - 1 if fused else None
 
     @pl.when(first)
     def _init():
         dk_acc[...] = jnp.zeros_like(dk_acc)
         dv_acc[...] = jnp.zeros_like(dv_acc)
+        if fused:  # kᵀ once per KV block, for every step's dq (rows past kv_len zeroed).
+            k = k_ref[...]
+            if kv_tail:
+                k = jnp.where(is_kv_tail, _ragged.fill_tail(k, kv_tail, axis=0), k)
+            kt_ref[...] = k.T
 
-    def body(strips, mask=False, tail=0):
+    if fused:
+        row = g * nq + i
+        _init_dq(dq_acc, row, j, blocks)
+
+    def body(strips, mask=False, tail=0, kv_valid=0):
         k, v = k_ref[...], v_ref[...]
+        if fused and kv_tail:  # Past kv_len: zeros (0 * NaN is not 0 in dq).
+            k = jnp.where(is_kv_tail, _ragged.fill_tail(k, kv_tail, axis=0), k)
+            v = jnp.where(is_kv_tail, _ragged.fill_tail(v, kv_tail, axis=0), v)
 
         def front(lo, hi, rows, tri):
             q, do = q_ref[lo:hi, :], do_ref[lo:hi, :]
@@ -165,9 +216,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                 q, do = _ragged.fill_tail(q, tail - lo, 0), _ragged.fill_tail(do, tail - lo, 0)
                 lse = _ragged.fill_tail(lse, tail - lo, 1)
                 delta = _ragged.fill_tail(delta, tail - lo, 1)
-            s = _scores(k[:rows], q, c, tri=tri, mask=mask, causal=causal, q0=i * bq + lo,
-                        k0=j * bkv, q_valid=tail - lo if tail and hi > tail else 0,
-                        blocks=blocks, lo=lo)
+            s = _flash_bwd.scores(k[:rows], q, c, tri=tri, mask=mask, causal=causal,
+                                  q0=i * bq + lo, k0=j * bkv,
+                                  q_valid=tail - lo if tail and hi > tail else 0,
+                                  k_valid=kv_valid, blocks=blocks, lo=lo)
             dp = lax.dot_general(v[:rows], do, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
             return q, do, lse, delta, s, dp
@@ -177,17 +229,70 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
             dv_acc[:rows, :] += jnp.dot(p.astype(do.dtype), do,
                                         preferred_element_type=jnp.float32)
             ds = p * (dp - delta)
+            if fused:  # Cast once, for dk and dq (the unfused pass casts inside its dot).
+                ds = ds.astype(q.dtype)
             dk_acc[:rows, :] += jnp.dot(ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            if fused:
+                dq_acc[row, :, lo:hi] += jnp.dot(kt_ref[:, :rows], ds,
+                                                 preferred_element_type=jnp.float32)
 
-        _pipelined([st for st in strips if not (tail and st[0] >= tail)], front, back)
+        _flash_bwd.pipelined([st for st in strips if not (tail and st[0] >= tail)], front, back)
 
-    _dispatch(body, causal=causal, i=i, j=j, bq=bq, bkv=bkv, tail=q_tail,
-              is_tail=i == pl.num_programs(4) - 1, blocks=blocks)
+    is_q_tail = i == pl.num_programs(4) - 1
+    run = functools.partial(_flash_bwd.dispatch, body, causal=causal, i=i, j=j, bq=bq, bkv=bkv,
+                            tail=q_tail, is_tail=is_q_tail, blocks=blocks)
+    if not (fused and kv_tail):
+        run()
+    elif blocks is not None:  # The masks mask keys past kv_len; never unmasked there.
+        run(masked=is_kv_tail)
+    else:
+        pl.when(jnp.logical_not(is_kv_tail))(run)
+        pl.when(is_kv_tail)(lambda: _flash_bwd.dispatch_kv_tail(
+            body, causal=causal, i=i, j=j, bq=bq, bkv=bkv, q_tail=q_tail, is_q_tail=is_q_tail,
+            kv_tail=kv_tail))
 
     @pl.when(last)
     def _write():
         dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+    if fused:
+        pl.when(_dq_final(causal, i, j, bq=bq, bkv=bkv, sq=sq, nk=nk, blocks=blocks))(
+            lambda: _write_dq(dq_ref, dq_acc, row, scale))
+
+
+def _init_dq(dq_acc, row, j, blocks):
+    """Zeroes the fused pass's dq accumulator before its first use: a row at KV block 0, which
+    every query block sees without masks; with masks, every row at the KV head's first step."""
+    if blocks is None:
+        @pl.when(j == 0)
+        def _zero_row():
+            dq_acc[row] = jnp.zeros(dq_acc.shape[1:], jnp.float32)
+        return
+    def zero(r, carry):
+        dq_acc[r] = jnp.zeros(dq_acc.shape[1:], jnp.float32)
+        return carry
+
+    @pl.when(jnp.logical_and(j == 0, row == 0))
+    def _zero_all():
+        lax.fori_loop(0, dq_acc.shape[0], zero, 0)
+
+
+def _dq_final(causal, i, j, *, bq, bkv, sq, nk, blocks):
+    """When the fused pass writes a query block's dq: plain and causal, at its last KV block
+    (then no later step adds to it); with masks, at every step whose dq block is its own (not
+    a skipped step's repeat of a neighbour's), so that the last write-back of each block holds
+    its whole sum wherever the tables put its last visit."""
+    if blocks is not None:
+        return blocks.q_block() == i
+    final = j == nk - 1
+    if causal:  # The next KV block starts after this query block's last query.
+        final = jnp.logical_or(final, (j + 1) * bkv > jnp.minimum(i * bq + bq - 1, sq - 1))
+    return final
+
+
+def _write_dq(dq_ref, dq_acc, row, scale):
+    dq_ref[...] = (dq_acc[row].T * scale).astype(dq_ref.dtype)
 
 
 def _dq_call(q, k, v, do, lse2, delta, *, scale, causal, bq, bkv, masks=None,
@@ -246,7 +351,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
 
         def front(lo, hi, rows, tri):
             q, do = q_ref[lo:hi, :], do_ref[lo:hi, :]
-            s = _scores(k[:rows], q, c, tri=tri, mask=mask, causal=causal, q0=i * bq + lo,
+            s = _flash_bwd.scores(k[:rows], q, c, tri=tri, mask=mask, causal=causal, q0=i * bq + lo,
                         k0=j * bkv, k_valid=tail, blocks=blocks, lo=lo)
             dp = lax.dot_general(v[:rows], do, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
@@ -257,119 +362,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
             ds = (p * (dp - delta_ref[:, lo:hi])).astype(k.dtype)
             dq_acc[:, lo:hi] += jnp.dot(kt[:, :rows], ds, preferred_element_type=jnp.float32)
 
-        _pipelined(strips, front, back)
+        _flash_bwd.pipelined(strips, front, back)
 
-    _dispatch(body, causal=causal, i=i, j=j, bq=bq, bkv=bkv, tail=kv_tail,
+    _flash_bwd.dispatch(body, causal=causal, i=i, j=j, bq=bq, bkv=bkv, tail=kv_tail,
               is_tail=j == pl.num_programs(3) - 1, blocks=blocks)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _write():
         dq_ref[...] = (dq_acc[...].T * scale).astype(dq_ref.dtype)
-
-
-def _scores(k, q, c, *, tri, mask, causal, q0, k0, q_valid=0, k_valid=0, blocks=None, lo=0):
-    """sᵀ = k (c q)ᵀ, (keys, queries), in log2 units (c = sm_scale · log2 e, as in the
-    forward). tri: the static triangle key - column <= tri; mask: the causal mask by absolute
-    positions (first query q0, first key k0) and the valid columns or rows of a ragged block,
-    or with ``blocks`` (a window or segment ids) theirs, from column ``lo`` of the block."""
-    qs = (q.astype(jnp.float32) * c).astype(q.dtype)
-    s = lax.dot_general(k, qs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    if mask and blocks is not None:
-        return blocks.mask(s, lo)
-    if tri is None and not mask:
-        return s
-    row = lax.broadcasted_iota(jnp.int32, s.shape, 0)
-    col = lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    if tri is not None:
-        ok = row - col <= tri
-    elif causal:
-        ok = q0 + col >= k0 + row
-    else:
-        ok = jnp.ones(s.shape, jnp.bool_)
-    if q_valid:
-        ok = jnp.logical_and(ok, col < q_valid)
-    if k_valid:
-        ok = jnp.logical_and(ok, row < k_valid)
-    return jnp.where(ok, s, MASK_VALUE)
-
-
-def _pipelined(strips, front, back):
-    """``back(*strip, *front(*strip))`` for each strip, software-pipelined in program order:
-    each strip's ``front`` (its two score-sized matmuls) is emitted ``_LAG`` strips ahead of its
-    ``back`` (exp, the element-wise gradient and the accumulating matmuls), so that the MXU has
-    the next strip's work while the VPU does this one's (as the forward does)."""
-    pending = {}
-    for t in range(len(strips) + _LAG):
-        if t < len(strips):
-            pending[t] = front(*strips[t])
-        if t >= _LAG:
-            back(*strips[t - _LAG], *pending.pop(t - _LAG))
-
-
-def _strips(bq, bkv, diagonal=None):
-    """A (bkv keys, bq queries) block as column strips ``(lo, hi, rows, tri)``: queries
-    [lo, hi) against keys [0, rows), masked by the static triangle ``key - column <= tri``
-    (column counted from lo) where tri is not None. ``diagonal=D``: the causal block whose first
-    query is D positions after its first key (key r visible to column c when r <= D + c);
-    strips that see no key are left out, and each strip goes only as far as its last query
-    sees. None: every key visible."""
-    width = _STRIP if bq % _STRIP == 0 else bq
-    out = []
-    for lo in range(0, bq, width):
-        hi = lo + width
-        if diagonal is None:
-            out.append((lo, hi, bkv, None))
-            continue
-        rows = min(bkv, diagonal + hi)
-        if rows > 0:
-            out.append((lo, hi, rows, diagonal + lo if rows - 1 > diagonal + lo else None))
-    return out
-
-
-def _diagonals(bq, bkv):
-    """The offsets D (first query minus first key) of the blocks that straddle the causal
-    diagonal when one block size divides the other (then D is a multiple of the smaller); None
-    otherwise."""
-    if (bq % bkv and bkv % bq) or min(bq, bkv) % 128:
-        return None
-    m = min(bq, bkv)
-    return list(range(-(bq - m), bkv - 1, m))
-
-
-def _dispatch(body, *, causal, i, j, bq, bkv, tail, is_tail, blocks=None):
-    """Runs ``body(strips, mask=, tail=)`` where a block is needed: whole below the causal
-    diagonal, as a staircase of static triangles on it (one branch per offset, when the block
-    sizes divide one another), masked by position otherwise; the ragged last block along the
-    reduced axis (static ``tail`` valid positions; 0: none) masked by position. With
-    ``blocks`` (a window or segment ids): skipped where no query sees a key, whole where every
-    query sees every key, masked otherwise."""
-    whole = _strips(bq, bkv)
-    if not (causal or tail) and blocks is None:
-        return body(whole)
-    first_key, first_query = j * bkv, i * bq
-    not_tail = jnp.logical_not(is_tail) if tail else jnp.bool_(True)
-    if blocks is not None:
-        run, full = blocks.run(), jnp.logical_and(blocks.whole(), not_tail)
-        pl.when(jnp.logical_and(run, full))(lambda: body(whole))
-        straddle = jnp.logical_and(jnp.logical_and(run, jnp.logical_not(full)), not_tail)
-        pl.when(straddle)(lambda: body(whole, mask=True))
-    elif causal:
-        below = first_key + bkv - 1 <= first_query  # Every key visible to every query.
-        run = first_key <= first_query + bq - 1  # Some key visible.
-        pl.when(jnp.logical_and(below, not_tail))(lambda: body(whole))
-        straddle = jnp.logical_and(jnp.logical_and(run, jnp.logical_not(below)), not_tail)
-        diagonals = _diagonals(bq, bkv)
-        if diagonals is None:
-            pl.when(straddle)(lambda: body(whole, mask=True))
-        else:  # Plain comparisons of program ids (see flash_attention._dispatch_diagonal).
-            for d in diagonals:
-                pl.when(jnp.logical_and(first_query == first_key + d, not_tail))(
-                    functools.partial(body, _strips(bq, bkv, d)))
-    else:
-        run = jnp.bool_(True)
-        pl.when(not_tail)(lambda: body(whole))
-    if tail:
-        pl.when(jnp.logical_and(run, is_tail))(lambda: body(whole, mask=True, tail=tail))
 
 
 def flash_attention_bwd_reference(q, k, v, o, lse, do, *, causal: bool = False,

@@ -23,7 +23,8 @@ from pallas_tune.kernels.flash_attention_bwd import (flash_attention_bwd,
                                                      flash_attention_bwd_args,
                                                      flash_attention_bwd_reference)
 
-SMALL = dict(bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=128)
+SMALL = dict(bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=128, fused=False)
+FUSED = {**SMALL, "fused": True}  # One pass: dK/dV with dq accumulated (dQ blocks unused).
 
 
 def _qkv(hq, hkv, sq, sk, d, dtype, seed=0, b=1):
@@ -51,6 +52,7 @@ def _assert_grads_close(grads, ref, dtype):
         np.testing.assert_allclose(g32, r32, atol=tol, rtol=0, err_msg=name)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype,causal,hq,hkv,sq,sk", [
     (jnp.float32, False, 4, 2, 200, 77),
     (jnp.float32, True, 4, 2, 200, 77),
@@ -59,14 +61,16 @@ def _assert_grads_close(grads, ref, dtype):
     (jnp.bfloat16, True, 2, 2, 77, 300),   # q_len < kv_len: KV blocks no query sees.
     (jnp.bfloat16, True, 4, 2, 300, 200),  # q_len > kv_len.
 ])
-def test_backward_matches_reference_grads(dtype, causal, hq, hkv, sq, sk):
+def test_backward_matches_reference_grads(dtype, causal, hq, hkv, sq, sk, fused):
     """Blocks of 128: several query and KV blocks, ragged last blocks along both axes, causal
-    blocks skipped, straddling and wholly below the diagonal; GQA groups of 2 and 4."""
+    blocks skipped, straddling and wholly below the diagonal; GQA groups of 2 and 4; the two
+    passes and the fused one (its dq summed over KV blocks in VMEM, keys past kv_len masked)."""
     args, kwargs = flash_attention_bwd_args(_qkv(hq, hkv, sq, sk, 64, dtype), {"causal": causal})
-    grads = flash_attention_bwd(*args, **kwargs, **SMALL)
+    grads = flash_attention_bwd(*args, **kwargs, **(FUSED if fused else SMALL))
     _assert_grads_close(grads, _f32_reference_grads(args, causal), dtype)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("sq,sk,config", [
     (1100, 1100, dict(bq_dq=512, bkv_dq=512, bq_dkv=512, bkv_dkv=512)),
     (1100, 1100, dict(bq_dq=1024, bkv_dq=256, bq_dkv=256, bkv_dkv=1024)),
@@ -74,12 +78,13 @@ def test_backward_matches_reference_grads(dtype, causal, hq, hkv, sq, sk):
     (600, 1100, dict(bq_dq=512, bkv_dq=1024, bq_dkv=512, bkv_dkv=256)),
     (1100, 700, dict(bq_dq=512, bkv_dq=1024, bq_dkv=1024, bkv_dkv=512)),  # bkv clamped: 700.
 ])
-def test_backward_strips_and_staircases(sq, sk, config):
+def test_backward_strips_and_staircases(sq, sk, config, fused):
     """Blocks of 512-1024 queries: several column strips per block, the causal staircase on
     diagonal blocks with either block size the larger (each strip against only the keys it
-    sees), blocks no size divides (masked by position), ragged last blocks, q_len != kv_len."""
+    sees), blocks no size divides (masked by position), ragged last blocks, q_len != kv_len;
+    fused, a query block's dq written at its last KV block, before the grid's end."""
     args, kwargs = flash_attention_bwd_args(_qkv(2, 1, sq, sk, 32, jnp.float32), {"causal": True})
-    grads = flash_attention_bwd(*args, **kwargs, **config)
+    grads = flash_attention_bwd(*args, **kwargs, **config, fused=fused)
     _assert_grads_close(grads, _f32_reference_grads(args, True), jnp.float32)
 
 
@@ -154,6 +159,55 @@ def test_forward_without_grad_is_one_kernel_without_lse():
     assert [n.split("_")[2] for n in names] == ["dkv", "dq", "lse"], names
 
 
+def test_fused_backward_is_one_pass_with_the_two_passes_results():
+    """fused=True: one pallas_call makes dq, dk and dv (no dQ pass), with the two passes' dk
+    and dv to rounding and their dq to the f32 reference; its VMEM limit rises by the dq
+    accumulator (group x q_len x head_dim f32) above the default 32 MiB."""
+    args, kwargs = flash_attention_bwd_args(_qkv(4, 2, 384, 384, 64, jnp.float32),
+                                            {"causal": True})
+    from pallas_tune.feasibility.inspect import find_pallas_calls
+
+    calls = find_pallas_calls(flash_attention_bwd.fn, args, {**kwargs, **FUSED})
+    assert [c.name.split("_")[2] for c in calls] == ["fused"], [c.name for c in calls]
+    # 33 MiB: 32 + 2 heads x 384 x 64 x 4 bytes of dq, kᵀ and dq's output buffers, rounded up.
+    assert calls[0].vmem_limit_bytes == 33 * 2**20
+    assert calls[0].dimension_semantics[2] == "arbitrary"  # dq sums over the KV blocks.
+    two = find_pallas_calls(flash_attention_bwd.fn, args, {**kwargs, **SMALL})
+    assert [c.name.split("_")[2] for c in two] == ["dkv", "dq"]
+    assert two[0].vmem_limit_bytes is None and two[0].dimension_semantics[2] == "parallel"
+    fused = flash_attention_bwd(*args, **kwargs, **FUSED)
+    two = flash_attention_bwd(*args, **kwargs, **SMALL)
+    for name, a, b in zip(("dq", "dk", "dv"), fused, two, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(np.abs(b).max())),
+                                   err_msg=name)
+    _assert_grads_close(fused, _f32_reference_grads(args, True), jnp.float32)
+
+
+def test_fused_pass_is_refused_where_its_dq_accumulator_does_not_fit():
+    """The feasibility check sees the fused pass's VMEM (its raised limit, its accumulator):
+    Llama-3.1-8B at 8192 tokens fits v6e and 7x; one chip of Llama-3.1-70B under 8-way
+    tensor parallelism (8 query heads per KV head) at 32768 tokens needs a 128 MiB
+    accumulator and is refused, naming the fused call, so that tuning keeps the two passes."""
+    from pallas_tune.feasibility.model import check_feasible
+
+    def args(hq, hkv, s):
+        q = jax.ShapeDtypeStruct((1, hq, s, 128), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, hkv, s, 128), jnp.bfloat16)
+        return [q, kv, kv, q, jax.ShapeDtypeStruct((1, hq, s), jnp.float32), q]
+
+    tiles = dict(causal=True, bq_dq=128, bkv_dq=128, bq_dkv=1024, bkv_dkv=2048)
+    for chip in ("v6e", "7x"):
+        ok = check_feasible(flash_attention_bwd, *args(32, 8, 8192), chip=chip, fused=True,
+                            **tiles)
+        assert ok.ok and ok.limit_bytes > 32 * 2**20, (chip, ok.reason)
+        big = check_feasible(flash_attention_bwd, *args(8, 1, 32768), chip=chip, fused=True,
+                             **tiles)
+        assert not big.ok and "flash_attention_fused" in big.reason, (chip, big.reason)
+        two = check_feasible(flash_attention_bwd, *args(8, 1, 32768), chip=chip, fused=False,
+                             **tiles)
+        assert two.status != "infeasible", (chip, two.reason)
+
+
 def _equations(jaxpr):
     """Every equation of a jaxpr and of the jaxprs in its equations' parameters."""
     for eqn in jaxpr.eqns:
@@ -179,16 +233,20 @@ def _cases(draw):
     kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     shape = (kv_heads * group, kv_heads, draw(st.integers(1, 300)), draw(st.integers(1, 300)),
              draw(st.sampled_from([8, 32, 80, 128])))
-    config = {name: draw(st.sampled_from([128, 256])) for name in SMALL}
+    config = {name: draw(st.sampled_from([128, 256])) for name in SMALL if name != "fused"}
+    config["fused"] = draw(st.booleans())
     return shape, config, draw(st.booleans()), draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
 
 
 @given(case=_cases())
 @example(case=((2, 1, 1, 1, 8), SMALL, True, jnp.float32))
-@example(case=((4, 2, 257, 129, 80), dict(bq_dq=256, bkv_dq=128, bq_dkv=128, bkv_dkv=256), True,
-               jnp.bfloat16))
+@example(case=((4, 2, 257, 129, 80), dict(bq_dq=256, bkv_dq=128, bq_dkv=128, bkv_dkv=256,
+                                          fused=False), True, jnp.bfloat16))
+@example(case=((4, 2, 257, 129, 80), dict(bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=256,
+                                          fused=True), False, jnp.bfloat16))
 def test_backward_property(case):
-    """Any lengths (one block or several, ragged or not), head dims and blocks of the space."""
+    """Any lengths (one block or several, ragged or not), head dims, blocks of the space, the
+    two passes or the fused one."""
     shape, config, causal, dtype = case
     args, kwargs = flash_attention_bwd_args(_qkv(*shape, dtype, seed=sum(shape)),
                                             {"causal": causal})
@@ -238,7 +296,8 @@ def test_tuned_backward_is_looked_up_when_the_gradient_is_traced(cache_dir, monk
 @pytest.mark.libtpu
 def test_backward_compiles_for_tpu_at_ragged_and_llama_shapes():
     """Deviceless v6e compiles (the real Mosaic kernels): a ragged GQA shape in bf16 at a few
-    block combinations, and Llama-3.1-8B's attention at 2048 tokens with the default blocks."""
+    block combinations, two passes and fused, and Llama-3.1-8B's attention at 2048 tokens with
+    the default blocks, two passes and fused."""
     from pallas_tune.feasibility.compile import compile_deviceless
 
     def structs(hq, hkv, s, dtype=jnp.bfloat16):
@@ -246,9 +305,13 @@ def test_backward_compiles_for_tpu_at_ragged_and_llama_shapes():
         kv = jax.ShapeDtypeStruct((1, hkv, s, 128), dtype)
         return [q, kv, kv, q, jax.ShapeDtypeStruct((1, hq, s), jnp.float32), q]
 
-    cases = [(structs(4, 2, 1000), causal, dict(bq_dq=bq, bkv_dq=bkv, bq_dkv=bkv, bkv_dkv=bq))
-             for causal in (False, True) for bq, bkv in ((256, 128), (512, 1024))]
+    cases = [(structs(4, 2, 1000), causal, dict(bq_dq=bq, bkv_dq=bkv, bq_dkv=bkv, bkv_dkv=bq,
+                                                fused=fused))
+             for causal in (False, True) for bq, bkv in ((256, 128), (512, 1024))
+             for fused in (False, True)]
     cases.append((structs(32, 8, 2048), True, dict(flash_attention_bwd.space.default)))
+    cases.append((structs(32, 8, 2048), True, {**flash_attention_bwd.space.default,
+                                               "bq_dq": 128, "bkv_dq": 128, "fused": True}))
     for args, causal, config in cases:
         res = compile_deviceless(flash_attention_bwd.fn, args, dict(causal=causal, **config),
                                  chip="v6e")

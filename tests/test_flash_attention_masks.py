@@ -19,13 +19,14 @@ from hypothesis import strategies as st
 
 import pallas_tune as pt
 from pallas_tune.kernels import flash_attention as fa_module
-from pallas_tune.kernels import flash_attention_bwd as bwd_module
+from pallas_tune.kernels import _flash_bwd
 from pallas_tune.kernels._attention import reference_lse
 from pallas_tune.kernels.flash_attention import (SegmentIds, flash_attention,
                                                  flash_attention_reference)
 from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd
 
-SMALL = dict(bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=128)
+SMALL = dict(bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=128, fused=False)
+FUSED = {**SMALL, "fused": True}  # One pass: dK/dV with dq accumulated.
 
 
 def _qkv(hq, hkv, sq, sk, d, dtype=jnp.float32, seed=0, b=1):
@@ -127,22 +128,27 @@ def _check(q, k, v, do, *, causal, window, segments, fwd, bwd):
     (2, 1, 300, 300, False, (30, 30), [120, 60, 120]),  # Both, not causal.
     (2, 1, 200, 300, False, None, ([80, 70, 50], [100, 0, 150, 50])),  # Cross: doc 1 has no key.
 ])
-def test_masks_match_float64_at_ragged_lengths(hq, hkv, sq, sk, causal, window, docs):
-    """Blocks of 128 (several per axis, ragged last blocks both ways), GQA groups of 1-2."""
+@pytest.mark.parametrize("fused", [False, True], ids=["two_passes", "fused"])
+def test_masks_match_float64_at_ragged_lengths(hq, hkv, sq, sk, causal, window, docs, fused):
+    """Blocks of 128 (several per axis, ragged last blocks both ways), GQA groups of 1-2; the
+    backward's two passes and its fused one (whose dq of a query block no key reaches is never
+    a step's block: zero, from its lse)."""
     segments = None
     if docs is not None:
         q_docs, kv_docs = docs if isinstance(docs, tuple) else (docs, docs)
         segments = (_docs(q_docs), _docs(kv_docs))
     q, k, v, do = _qkv(hq, hkv, sq, sk, 32, seed=sq + sk)
     _check(q, k, v, do, causal=causal, window=window, segments=segments,
-           fwd=dict(bq=128, bkv=128), bwd=SMALL)
+           fwd=dict(bq=128, bkv=128), bwd=FUSED if fused else SMALL)
 
 
 @pytest.mark.parametrize("window,docs,fwd,bwd", [
     ((200, 0), None, dict(bq=512, bkv=256),
-     dict(bq_dq=512, bkv_dq=256, bq_dkv=256, bkv_dkv=512)),
+     dict(bq_dq=512, bkv_dq=256, bq_dkv=256, bkv_dkv=512, fused=False)),
     (None, [300, 5, 395], dict(bq=256, bkv=512),
-     dict(bq_dq=256, bkv_dq=512, bq_dkv=512, bkv_dkv=256)),
+     dict(bq_dq=256, bkv_dq=512, bq_dkv=512, bkv_dkv=256, fused=False)),
+    (None, [300, 5, 395], dict(bq=256, bkv=512),
+     dict(bq_dq=128, bkv_dq=128, bq_dkv=512, bkv_dkv=256, fused=True)),
 ])
 def test_masked_strips_of_large_blocks(window, docs, fwd, bwd):
     """Blocks of 512: masked blocks cut into column strips (the mask read from each strip's
@@ -214,13 +220,15 @@ def test_blocks_no_query_sees_are_not_computed(monkeypatch, sq, sk, causal, wind
         return wrapped
 
     monkeypatch.setattr(fa_module, "_dispatch_masked", counting(fa_module._dispatch_masked, "f"))
-    monkeypatch.setattr(bwd_module, "_dispatch", counting(bwd_module._dispatch, "b"))
+    monkeypatch.setattr(_flash_bwd, "dispatch", counting(_flash_bwd.dispatch, "b"))
     q, k, v, do = _qkv(1, 1, sq, sk, 16, seed=1)
     masks = _masks(window, segments)
     with pt.chips.interpret_mode():
         o, (*_, lse) = fa_module._residuals(q, k, v, causal=causal, bq=128, bkv=128, **masks)
     flash_attention_bwd(q, k, v, o, lse, do, causal=causal, **masks, **SMALL)
-    assert sorted(ran) == ["b1", "b2", "f0"]  # The forward, then dK/dV and dQ.
+    flash_attention_bwd(q, k, v, o, lse, do, causal=causal, **masks, **FUSED)
+    # The forward, then dK/dV and dQ, then the fused pass.
+    assert sorted(ran) == ["b1", "b2", "b3", "f0"]
     for tag, steps in ran.items():
         assert len(steps) == len(set(steps)) and set(steps) == want, tag
 
@@ -241,10 +249,11 @@ def test_nan_in_skipped_blocks_never_reaches_a_result():
             o, (*_, lse) = fa_module._residuals(q, poisoned_k, poisoned_v, bq=128, bkv=128,
                                                 **masks)
         _assert_close(o, clean[0], q.dtype, "o")
-        grads = flash_attention_bwd(q, poisoned_k, poisoned_v, o, lse, do, **masks, **SMALL)
-        for name, g, w in zip(("dq", "dk", "dv"), grads, clean[1:], strict=True):
-            _assert_close(g, w, q.dtype, name)
-        assert (np.asarray(grads[1][:, :, dead]) == 0).all()
+        for bwd in (SMALL, FUSED):
+            grads = flash_attention_bwd(q, poisoned_k, poisoned_v, o, lse, do, **masks, **bwd)
+            for name, g, w in zip(("dq", "dk", "dv"), grads, clean[1:], strict=True):
+                _assert_close(g, w, q.dtype, name)
+            assert (np.asarray(grads[1][:, :, dead]) == 0).all()
 
 
 def test_gradient_through_the_custom_vjp_with_traced_segment_ids():
@@ -331,21 +340,22 @@ def _cases(draw):
                                     max_size=n - 1)))
         ids = np.searchsorted(np.array(cuts), np.arange(max(sq, sk)), side="right")
         segments = (jnp.asarray(ids[None, :sq], jnp.int32), jnp.asarray(ids[None, :sk], jnp.int32))
-    blocks = [draw(st.sampled_from([128, 256])) for _ in range(6)]
+    blocks = [draw(st.sampled_from([128, 256])) for _ in range(6)] + [draw(st.booleans())]
     return ((kv_heads * group, kv_heads, sq, sk), window, segments, draw(st.booleans()), blocks)
 
 
 @given(case=_cases())
-@example(case=((2, 1, 1, 1), (0, 0), None, True, [128] * 6))
-@example(case=((2, 1, 257, 129), (3, 200), None, False, [256, 128, 128, 256, 256, 128]))
+@example(case=((2, 1, 1, 1), (0, 0), None, True, [128] * 6 + [False]))
+@example(case=((2, 1, 257, 129), (3, 200), None, False, [256, 128, 128, 256, 256, 128, False]))
+@example(case=((2, 1, 257, 129), (3, 200), None, False, [256, 128, 128, 256, 256, 128, True]))
 def test_masks_property(case):
     """Any lengths, windows (or none), documents (or none), causal or not, blocks of the
-    space; forward and backward against float64."""
+    space, the backward's two passes or its fused one; forward and backward against float64."""
     (hq, hkv, sq, sk), window, segments, causal, b = case
     q, k, v, do = _qkv(hq, hkv, sq, sk, 8, seed=sq * 7 + sk)
     _check(q, k, v, do, causal=causal, window=window, segments=segments,
            fwd=dict(bq=b[0], bkv=b[1]), bwd=dict(bq_dq=b[2], bkv_dq=b[3], bq_dkv=b[4],
-                                                 bkv_dkv=b[5]))
+                                                 bkv_dkv=b[5], fused=b[6]))
 
 
 @pytest.mark.libtpu
@@ -370,9 +380,14 @@ def test_masked_kernels_compile_for_tpu():
         (fwd, [q, kv, kv, ids, ids], dict(causal=False, local_window_size=100, bq=256, bkv=512)),
         (flash_attention_bwd.fn, [q, kv, kv, q, lse, q],
          dict(causal=True, local_window_size=(256, 0), bq_dq=256, bkv_dq=512, bq_dkv=512,
-              bkv_dkv=256)),
+              bkv_dkv=256, fused=False)),
         (bwd, [q, kv, kv, q, lse, q, ids, ids],
-         dict(causal=True, bq_dq=512, bkv_dq=256, bq_dkv=256, bkv_dkv=512)),
+         dict(causal=True, bq_dq=512, bkv_dq=256, bq_dkv=256, bkv_dkv=512, fused=False)),
+        (flash_attention_bwd.fn, [q, kv, kv, q, lse, q],  # The fused pass, masked.
+         dict(causal=True, local_window_size=(256, 0), bq_dq=128, bkv_dq=128, bq_dkv=512,
+              bkv_dkv=256, fused=True)),
+        (bwd, [q, kv, kv, q, lse, q, ids, ids],
+         dict(causal=True, bq_dq=128, bkv_dq=128, bq_dkv=256, bkv_dkv=512, fused=True)),
     ]
     for fn, args, kwargs in cases:
         res = compile_deviceless(fn, args, kwargs, chip="v6e")

@@ -50,9 +50,13 @@ def test_a_program_of_several_kernels_splits_into_its_kernels_and_the_rest():
     q = jax.ShapeDtypeStruct((1, 4, 256, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 1, 256, 64), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((1, 4, 256), jnp.float32)
+    tiles = dict(causal=True, bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=128)
     calls, rest = kernel_calls(flash_attention_bwd.fn, [q, kv, kv, q, lse, q],
-                               dict(causal=True, bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=128))
+                               dict(tiles, fused=False))
     assert len(calls) == 2 and rest is not None
+    # Fused: one pass makes dq, dk and dv, and a program of one kernel is estimated whole.
+    assert kernel_calls(flash_attention_bwd.fn, [q, kv, kv, q, lse, q],
+                        dict(tiles, fused=True)) is None
     made = jax.eval_shape(rest[0], *rest[1])
     assert sorted(tuple(o.shape) for o in made) == [(1, 4, 1, 256)] * 2
     assert "pallas_call" not in str(jax.make_jaxpr(rest[0])(*rest[1]))
