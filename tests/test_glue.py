@@ -288,6 +288,47 @@ def test_a_call_whose_own_program_dies_too_is_estimated_on_its_stand_in(monkeypa
     assert ms["default"] == pytest.approx(detail["glue"]["ms"] + mm["ms"])
 
 
+@pytest.mark.libtpu
+def test_an_xla_call_whose_profiled_compile_dies_takes_xla_cost_model_on_the_footing(
+        monkeypatch):
+    """Under the all-XLA setting a call's program (here a matmul with its VJP, under jax.grad)
+    whose profiled compile dies (seen at 8192 tokens: Llama-3.1-8B's MLP dots and attention,
+    out of memory in a 14 GB worker) is compiled again without libtpu's profile and takes
+    XLA's cost model at the Pallas estimate's footing, labelled with the error; the step's
+    figure counts it."""
+    from pallas_tune.measure import estimate as est_mod
+    from pallas_tune.tuning.footing import PALLAS_BIAS, XLA_MODEL_BIAS
+
+    real_map, profiled = est_mod.Estimator.map, []
+
+    def failing_map(self, fn, args, kwargs, configs, chip, standin=True):
+        if fn is step.call_exported and self._profile:
+            profiled.append(fn)
+            if len(profiled) > 1:  # The glue is estimated first; the call's program dies.
+                return [est_mod.EstimateResult(
+                    ok=False, kind="worker_crashed",
+                    message="the worker died from signal SIGSEGV: mmap error: 12")]
+        return real_map(self, fn, args, kwargs, configs, chip, standin=standin)
+
+    monkeypatch.setattr(est_mod.Estimator, "map", failing_map)
+    args = (S((1024, 512), jnp.bfloat16), S((512, 1024), jnp.bfloat16))
+    step_fn = jax.grad(lambda x, w: jnp.sum(matmul(x, w).astype(F32)), argnums=(0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pt.PallasTuneWarning)
+        ms, _, detail = step.composed(step_fn, args, {}, pt.AutotuneResult([]), "v6e",
+                                      only=("xla",))
+    mm, bwd = detail["xla"]["calls"]
+    assert bwd == {"absorbed": True}, bwd  # XLA's autodiff replaced the backward kernel.
+    assert mm["model_only"] and mm["footing"] and "SIGSEGV" in mm["profile_error"], mm
+    # XLA's model of a dot is its MXU peak, so its footing (x 0.51) is below the dots' floor:
+    # the floor (the forward dot and the VJP's two at the peak) decides.
+    peak = pt.chips.chip_spec("v6e").bf16_flops
+    floor_ms = 3 * 2 * 1024 * 512 * 1024 / peak * 1e3
+    assert mm["model_ms"] * PALLAS_BIAS / XLA_MODEL_BIAS < floor_ms
+    assert mm["floored"] and mm["ms"] == pytest.approx(floor_ms, rel=1e-3), mm
+    assert ms["xla"] == pytest.approx(detail["glue"]["ms"] + mm["live"] * mm["ms"])
+
+
 def test_xla_figures_that_libtpu_leaves_partial_go_on_the_footing():
     """An XLA call whose libtpu sum has ops at 0 cycles (a lower bound: 0.18-0.28x the chip's
     time on attention) takes XLA's cost model at the Pallas estimate's footing where that is

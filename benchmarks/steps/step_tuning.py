@@ -211,7 +211,10 @@ def _composed(r: dict) -> list[str]:
             f = d.get(name, {}).get("calls", [])
             f = f[i] if i < len(f) else {}
             cells.append(_num(f["ms"]) + (" partial" if f.get("partial") else "")
-                         + (f" footing (libtpu {f['libtpu_ms']:.4f} partial)"
+                         + (" footing (XLA's cost model: its profiled compile died"
+                            + ("; raised to its dots' MXU floor)" if f.get("floored") else ")")
+                            if f.get("model_only") else
+                            f" footing (libtpu {f['libtpu_ms']:.4f} partial)"
                             if f.get("footing") else "")
                          + (" standalone" if f.get("standalone") else "")
                          + (f" stand-in x{f['standin_scale']:g}" if f.get("standin_scale")
@@ -383,6 +386,9 @@ def main() -> None:
     p.add_argument("--add-upstream", metavar="ROWS_JSON",
                    help="add the --upstream figures to the rows of an earlier --rows-out "
                    "(written back), then render them")
+    p.add_argument("--splash-recorded", nargs=2, metavar=("MAXTEXT_JSON", "GRID_JSON"),
+                   help="with --add-upstream: splash's costs from splash_grid.py records (MaxText's "
+                   "blocks; a grid, its fastest pair as 'tuned') instead of estimating again")
     p.add_argument("--rows-out")
     p.add_argument("--combine", nargs="*")
     p.add_argument("--missing", nargs="*", default=[], help="notes on rows not run")
@@ -394,8 +400,10 @@ def main() -> None:
             part = json.load(f)
         for r in part["rows"]:
             if r["layer"] in upstream.LAYERS and r.get("method") == "composed":
+                recorded = (dict(zip(("maxtext", "tuned"), a.splash_recorded, strict=True))
+                            if a.splash_recorded else None)
                 r["upstream"] = upstream.rows(r["layer"], r, r["tokens"], a.upstream or 0,
-                                              a.memory_gb)
+                                              a.memory_gb, recorded)
         part["command"] += f"; then {bench.command(__file__)}"
         with open(a.add_upstream, "w", encoding="utf-8") as f:
             json.dump(part, f, indent=1, default=str)

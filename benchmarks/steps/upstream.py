@@ -69,6 +69,44 @@ def splash_cost(q_shape, k_shape, grad: bool, fwd: dict, bwd: dict | None,
     return out
 
 
+def _dkv_forward(bwd: dict) -> dict:
+    """The forward config whose program the backward adapter runs first (its dK/dV blocks)."""
+    return {"block_q": bwd["block_q_dkv"], "block_kv": bwd["block_kv_dkv"],
+            "block_kv_compute": bwd["block_kv_dkv_compute"]}
+
+
+def recorded_cost(path: str, grad: bool) -> dict[str, Any]:
+    """Splash's cost from a ``splash_grid.py`` record (the same stand-in estimates, made
+    earlier and kept): the forward of the record's fastest forward config, and where ``grad``
+    the backward (adapter less its forward at the dK/dV blocks) of its fastest backward whose
+    dK/dV forward the record holds. A record of MaxText's blocks alone gives MaxText's cost."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        records = [r for r in json.load(f) if isinstance(r.get("ms"), float)]
+    forwards = {tuple(sorted(r["config"].items())): r["ms"] for r in records
+                if r["kind"] == "forward"}
+    if not forwards:
+        raise RuntimeError(f"{path}: no forward with a figure")
+    fwd_key = min(forwards, key=forwards.get)
+    out: dict[str, Any] = {"forward_blocks": dict(fwd_key), "forward_ms": forwards[fwd_key],
+                           "backward_blocks": None, "recorded": path}
+    out["ms"] = out["forward_ms"]
+    if grad:
+        backs = []
+        for r in records:
+            at = tuple(sorted(_dkv_forward(r["config"]).items())) if r["kind"].startswith(
+                "adapter") else None
+            if at in forwards:
+                backs.append((r["ms"] - forwards[at], r["config"], r["ms"], forwards[at]))
+        if not backs:
+            raise RuntimeError(f"{path}: no backward whose dK/dV forward has a figure")
+        back, blocks, adapter, at_dkv = min(backs, key=lambda b: b[0])
+        out.update(backward_blocks=blocks, adapter_ms=adapter, forward_at_dkv_ms=at_dkv,
+                   backward_ms=back, ms=out["forward_ms"] + back)
+    return out
+
+
 def tune_splash(q_shape, k_shape, grad: bool, trials: int) -> dict[str, Any]:
     """Splash's blocks tuned by v6e estimate (on its stand-in): the forward's by
     ``splash_attention``, the backward's by ``splash_attention_bwd`` (forward + VJP)."""
@@ -120,11 +158,19 @@ def compose(row: dict, splash_ms: float) -> tuple[float | None, str]:
     return total + splash_ms, ""
 
 
-def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float) -> dict[str, Any]:
-    """MaxText's and the tuned-splash upstream figures of one composed layer row."""
+def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float,
+         recorded: dict[str, str] | None = None) -> dict[str, Any]:
+    """MaxText's and the tuned-splash upstream figures of one composed layer row; ``recorded``:
+    {"maxtext" or "tuned": a splash_grid.py record} to compose from instead of estimating."""
     grad, shapes = LAYERS[name]
     q_shape, k_shape = shapes(tokens)
     out: dict[str, Any] = {}
+    if recorded:
+        for label, path in recorded.items():
+            cost = recorded_cost(path, grad)
+            ms, why = compose(row, cost["ms"])
+            out[label] = {"ms": ms, "splash": cost, "detail": {"error": why} if why else {}}
+        return out
     runs = [("maxtext", MAXTEXT_FWD, MAXTEXT_BWD if grad else None)]
     if trials:
         tuned = tune_splash(q_shape, k_shape, grad, trials)
@@ -140,4 +186,4 @@ def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float) -> di
     return out
 
 
-__all__ = ["LAYERS", "compose", "rows", "splash_cost", "tune_splash"]
+__all__ = ["LAYERS", "compose", "recorded_cost", "rows", "splash_cost", "tune_splash"]

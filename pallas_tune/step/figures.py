@@ -213,11 +213,13 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
         met, _ = traced(name, lambda: glue.record(flat_fn, specs, (c.kernel.name, c.key)))
         return everything - {(x.kernel.name, x.key) for x in met}
 
-    with Estimator(workers, memory_limit_bytes=memory_limit_bytes) as est:
-        def estimate(g: Callable[..., Any], g_specs: list[Any], stubs: int) -> Any:
+    with (Estimator(workers, memory_limit_bytes=memory_limit_bytes) as est,
+          Estimator(workers, memory_limit_bytes=memory_limit_bytes, profile=False) as plain):
+        def estimate(g: Callable[..., Any], g_specs: list[Any], stubs: int,
+                     profiled: bool = True) -> Any:
             blob, g_specs, loops = _export(g, g_specs, {}, chip, contextlib.nullcontext())
-            r = est.map(call_exported, g_specs, {}, [{"exported": blob}], spec.name,
-                        standin=False)[0]  # The stubs: the ops expected without an estimate.
+            r = (est if profiled else plain).map(  # The stubs: ops expected without one.
+                call_exported, g_specs, {}, [{"exported": blob}], spec.name, standin=False)[0]
             return dataclasses.replace(r, ops_without_estimate=max(
                 0, r.ops_without_estimate - stubs)) if r.ok else r, loops
 
@@ -241,7 +243,8 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
             absorbed = set().union(*gone.values())
             per = [{"absorbed": True} if (c.kernel.name, c.key) in absorbed else _alone(
                 c, n, gone[(c.kernel.name, c.key)], name, traced, (estimate, standalone),
-                spec.clock_hz, done, live_of) for c, n in zip(calls, live, strict=True)]
+                spec.clock_hz, done, live_of, spec.bf16_flops)
+                for c, n in zip(calls, live, strict=True)]
             figures = [r for r in per if "absorbed" not in r]
             detail[name] = {"calls": per, "partial": bool(
                 detail["glue"]["partial"] or any(r.get("partial") for r in figures)),
@@ -260,7 +263,8 @@ def composed(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, A
 
 def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[..., Any],
            estimators: tuple[Callable[..., Any], Callable[..., Any]], clock_hz: float,
-           done: dict[Any, Any], live_of: Mapping[Any, int]) -> dict[str, Any]:
+           done: dict[Any, Any], live_of: Mapping[Any, int], peak_flops: float = 0.0
+           ) -> dict[str, Any]:
     """One call's figure under setting ``name``, compiled alone (see :func:`composed`); a
     program compiled under another setting (the same config, or XLA twice) is not again.
 
@@ -272,7 +276,9 @@ def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[
     Where that program fails to compile (libtpu's static profile dies on some programs of
     stubs and kernels that compile and profile as a program of their own: seen, libtpu 0.0.50,
     flash_attention_bwd at 512 tokens), a call without a VJP is estimated as its own program,
-    its inputs parameters, and the figure says so (``standalone``, with the error)."""
+    its inputs parameters, and the figure says so (``standalone``, with the error). An XLA
+    program whose profiled compile dies is compiled again without the profile and takes XLA's
+    cost model at the footing (``model_only``, with the error)."""
     from pallas_tune.step import glue
 
     estimate, standalone = estimators
@@ -284,14 +290,24 @@ def _alone(call: Any, live: int, absorbs: set[Any], name: str, traced: Callable[
     mark = (call.kernel.name, call.key, xla, () if xla else tuple(sorted(config.items())),
             bool(absorbs), forward)
     if mark not in done:
-        g, g_specs, stubs = glue.alone(call, grad=bool(absorbs), forward=forward)
-        done[mark] = traced(name, lambda: estimate(g, g_specs, stubs))
+        program = glue.alone(call, grad=bool(absorbs), forward=forward)
+        done[mark] = traced(name, lambda: estimate(*program))
+        done[(*mark, "program")] = program
     r, loops = done[mark]
     row: dict[str, Any] = {"live": live, "absorbs": sorted(absorbs),
                            **({} if forward else {"forward_dead": True})}
     if r.ok and r.cycles is not None:
         return {**row, **_figure(r, loops, clock_hz, xla)}
     error = (r.message or r.kind)[:300]
+    if xla:  # Died profiled (seen: attention and the MLP dots at 8192 tokens, out of memory).
+        if (*mark, "model") not in done:
+            done[(*mark, "model")] = traced(name, lambda: estimate(
+                *done[(*mark, "program")], profiled=False))
+        plain, _ = done[(*mark, "model")]
+        if plain.model_cycles:  # Unprofiled: no cycles of libtpu's (not ok), the model's.
+            floor = traced(name, lambda: _dots_floor_cycles(done[(*mark, "program")],
+                                                            peak_flops / clock_hz))
+            return {**row, **_model_figure(plain, clock_hz, floor), "profile_error": error}
     if absorbs:
         return {**row, "error": error}
     if (*mark, "standalone") not in done:
@@ -329,6 +345,38 @@ def _figure(r: Any, census: Any, clock_hz: float, xla: bool = False) -> dict[str
                        ms=cycles_to_ms(on_footing, clock_hz), cycles=on_footing,
                        footing=True, partial=bool(census.loops or census.blind_inputs))
     return fig
+
+
+def _dots_floor_cycles(program: tuple[Any, ...], flops_per_cycle: float) -> int:
+    """The cycles of a program's dots at the MXU's peak (0 without a peak): no implementation
+    is faster (:func:`pallas_tune.tuning.footing.data_floor_ms`'s dots)."""
+    import jax
+
+    from pallas_tune.measure.loops import floor_flops
+
+    if not flops_per_cycle:
+        return 0
+    g, specs, _ = program
+    return int(floor_flops(jax.make_jaxpr(g)(*specs).jaxpr) / flops_per_cycle)
+
+
+def _model_figure(r: Any, clock_hz: float, floor_cycles: int = 0) -> dict[str, Any]:
+    """XLA's program whose profiled compile died, compiled again without libtpu's profile: its
+    cost model at the Pallas estimate's footing (:mod:`pallas_tune.tuning.footing`), the
+    figure the tuner's XLA decision uses there too, and never below its dots at the MXU's peak
+    (the footing's bias was measured on attention; on a dot the model is the peak itself);
+    labelled ``footing`` and ``model_only`` (``floored`` where the floor decides)."""
+    from pallas_tune.measure.estimate import cycles_to_ms
+    from pallas_tune.tuning.footing import PALLAS_BIAS, XLA_MODEL_BIAS
+
+    on_footing = int(round(r.model_cycles * PALLAS_BIAS / XLA_MODEL_BIAS))
+    cycles = max(on_footing, floor_cycles)
+    return {"ms": cycles_to_ms(cycles, clock_hz), "cycles": cycles,
+            "model_ms": cycles_to_ms(r.model_cycles, clock_hz), "libtpu_ms": None,
+            "footing": True, "model_only": True, "partial": False,
+            **({"floored": True, "floor_ms": cycles_to_ms(floor_cycles, clock_hz)}
+               if floor_cycles > on_footing else {}),
+            "compile_s": round(r.compile_s, 2)}
 
 
 def _unmodelled(r: Any, census: Any) -> dict[str, Any]:
