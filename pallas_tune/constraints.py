@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from pallas_tune.errors import SearchSpaceError
 
-__all__ = ["Constraint", "as_constraints"]
+__all__ = ["Constraint", "as_constraints", "config_admits"]
 
 _ATTRS: Final = frozenset({"shape", "ndim", "dtype", "itemsize", "size", "name"})
 _FUNCS: Final[dict[str, Callable[..., Any]]] = {"min": min, "max": max, "abs": abs, "len": len}
@@ -252,3 +252,21 @@ def as_constraints(value: Any) -> tuple[Constraint, ...]:
     if dup:
         raise SearchSpaceError(f"constraints named more than once: {dup}.")
     return tuple(out)
+
+
+def config_admits(constraints: tuple[Constraint, ...], config: Mapping[str, Any]) -> bool:
+    """Whether every constraint that reads only ``config``'s own names holds for it: a rule
+    between tuned parameters (``not fused or bq_dq == 128``), which samplers and warm starts
+    apply to their candidates before any is proposed. Constraints that read a call's arguments
+    are not judged here, nor one that raises (the call's own check records why)."""
+    for c in constraints:
+        reads = c.reads
+        if reads is None or not reads <= config.keys():
+            continue
+        try:
+            if not c.holds(config):
+                return False
+        except Exception:  # noqa: BLE001 - left to the call's check, which says why.
+            continue
+    return True
+

@@ -383,8 +383,10 @@ def test_the_tuner_never_measures_what_the_declared_constraints_refuse(cache_dir
 
     from pallas_tune.kernels.matmul import matmul
 
+    # It reads the call's x, so the sampler cannot apply it beforehand (a rule between tuned
+    # parameters alone it does: test_a_rule_between_parameters_is_never_proposed).
     constrained = pt.tunable(matmul.fn, space=matmul.space, name="tests.constrained_matmul",
-                             constraints={"square_tiles": "bm == bn"})
+                             constraints={"square_tiles": "bm == bn or x.shape[0] > 4096"})
     x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
     result = constrained.tune(x, x, trials=4, repeats=1, retime_top=0, write=False)
     refused = [r for r in result.records if r.detail == "constraint"]
@@ -393,6 +395,11 @@ def test_the_tuner_never_measures_what_the_declared_constraints_refuse(cache_dir
     assert all("square_tiles" in r.error for r in refused)
     assert all(r.config["bm"] == r.config["bn"] for r in result.records if r.outcome.timed)
     assert result.best["bm"] == result.best["bn"]
+    rule = pt.tunable(matmul.fn, space=matmul.space, name="tests.rule_matmul",
+                      constraints={"square_tiles": "bm == bn"})
+    result = rule.tune(x, x, trials=4, repeats=1, retime_top=0, write=False)
+    assert not [r for r in result.records if r.detail == "constraint"]  # Never proposed.
+    assert all(r.config["bm"] == r.config["bn"] for r in result.records)
 
 
 def test_a_retune_warm_starts_from_the_entry_it_may_replace(cache_dir):
@@ -576,3 +583,40 @@ def test_tune_learns_from_trials_at_a_neighbour_shape(cache_dir):
             else:
                 assert "prior" not in res.provenance
     assert max(found[True]) <= 10 and np.mean(found[True]) < np.mean(found[False]), found
+
+
+def test_a_rule_between_parameters_is_never_proposed(cache_dir):
+    """A declared constraint that reads only tuned parameters (flash_attention_bwd's "not fused
+    or (bq_dq == 128 and bkv_dq == 128)": the dQ blocks do not matter when fused, so one config
+    per program) is applied to the GP's candidates before any is proposed, and to the warm
+    starts: a sweep of the 8192-token backward spent 2 of its 10 trials on fused configs the
+    rule refuses, the roofline's ties (one program under several dQ blocks), as 'infeasible'.
+    The baseline (the default) is kept whatever it is."""
+    from pallas_tune.constraints import config_admits
+    from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd
+    from pallas_tune.tuning.study import ParamCodec, _sampler
+    from pallas_tune.tuning.warm import warm_start_configs
+
+    space = flash_attention_bwd.space
+    assert not config_admits(space.constraints, {**space.default, "fused": True})
+    assert config_admits(space.constraints, {**space.default, "bq_dq": 128, "bkv_dq": 128,
+                                             "fused": True})
+    codec = ParamCodec(space)
+    sampler = _sampler(space, codec, "gp", 0, 10)
+    proposed = [dict(zip(codec.distributions, c, strict=True)) for c in sampler._bo.candidates]
+    assert len(proposed) == 5 ** 4 + 5 ** 2  # Unfused: every dQ block; fused: 128 only.
+    assert all(config_admits(space.constraints, codec.decode(c)) for c in proposed)
+
+    q = jax.ShapeDtypeStruct((1, 4, 1024, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1, 1024, 128), jnp.bfloat16)
+    args = (q, kv, kv, q, jax.ShapeDtypeStruct((1, 4, 1024), jnp.float32), q)
+
+    def refused_first(configs, chip):  # A roofline that ranks what the rule refuses first.
+        return [0.0 if not config_admits(space.constraints, c) else 1.0 + i
+                for i, c in enumerate(configs)]
+
+    picks = warm_start_configs(flash_attention_bwd, args, {"causal": True}, "tpu_v6e",
+                               flash_attention_bwd.cache_key(*args, causal=True), limit=4,
+                               rank=refused_first)
+    assert picks[0] == dict(space.default) and len(picks) == 4
+    assert all(config_admits(space.constraints, p) for p in picks), picks

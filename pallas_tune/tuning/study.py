@@ -394,7 +394,10 @@ def _sampler(space: Any, codec: ParamCodec, strategy: str, seed: int | None, tri
     if strategy == "gp":
         from pallas_tune.search.gp import CandidateSampler
 
-        configs = list(space)
+        from pallas_tune.constraints import config_admits
+
+        # Not the points a rule between parameters refuses (they would only fail as trials).
+        configs = [c for c in space if config_admits(space.constraints, c)] or list(space)
         scores = None
         if prior is not None:  # Scored on the real values, aligned with the candidates.
             names = list(codec.distributions)

@@ -20,7 +20,9 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
     """Configs worth measuring first: the declared default, the winners of the nearest tuned
     shapes (same kernel and chip, by key distance; only those valid here; the key's own entry
     first, so that a re-tune measures the config it may replace), then for TPU chips
-    the roofline model's best picks. Deduplicated, at most ``limit``.
+    the roofline model's best picks. Deduplicated, at most ``limit``; the winners and the
+    picks only where the kernel's declared constraints hold for the call (a rule between
+    parameters would make the model's ties, one program under several names, fail as trials).
 
     ``rank(configs, chip)`` gives each config's roofline time, None where it is invalid here
     (the tuner passes its evaluator's, which traces inside the isolation boundary; default:
@@ -36,13 +38,18 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
     dims = effective.clamp_dims(space, effective.call_env(kernel.signature, args, kwargs))
     out: list[dict[str, Any]] = []
 
-    def add(config: Mapping[str, Any]) -> None:
+    declared = getattr(kernel, "declared_problems", None)
+
+    def admitted(c: Mapping[str, Any]) -> bool:  # The kernel's declared constraints hold.
+        return declared is None or not declared(c, args, kwargs)
+
+    def add(config: Mapping[str, Any], check: bool = True) -> None:
         # A winner of another shape, as the point of this call's space that runs like it.
         c = effective.representative({k: config[k] for k in space.names}, space, dims)
-        if c not in out and c in space and len(out) < limit:
+        if c not in out and c in space and len(out) < limit and (not check or admitted(c)):
             out.append(c)
 
-    add(next(space.ordered_candidates()))
+    add(next(space.ordered_candidates()), check=False)  # The baseline, whatever it is.
     near = []
     if kernel.key_fn is None:
         for other, entry, _ in kernel.cache.entries(chip, kernel.name):
@@ -64,7 +71,7 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
     except ValueError:
         tpu = False
     if tpu and len(out) < limit and space.size <= ROOFLINE_MAX_SPACE:
-        configs = list(space)
+        configs = [c for c in space if admitted(c)]
         times = rank(configs, chip)
         ranked = sorted((t, i) for i, t in enumerate(times) if t is not None)
         for _, i in ranked:
