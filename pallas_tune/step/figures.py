@@ -349,15 +349,20 @@ def _figure(r: Any, census: Any, clock_hz: float, xla: bool = False) -> dict[str
 
 def _dots_floor_cycles(program: tuple[Any, ...], flops_per_cycle: float) -> int:
     """The cycles of a program's dots at the MXU's peak (0 without a peak): no implementation
-    is faster (:func:`pallas_tune.tuning.footing.data_floor_ms`'s dots)."""
+    is faster (:func:`pallas_tune.tuning.footing.data_floor_ms`'s dots). Only the dots its
+    results need: a dead forward's dot (the last matmul under ``jax.grad``, whose VJP needs
+    only its inputs and the cotangent) is left out, as XLA leaves it out."""
     import jax
+    from jax._src.interpreters import partial_eval as pe
 
     from pallas_tune.measure.loops import floor_flops
 
     if not flops_per_cycle:
         return 0
     g, specs, _ = program
-    return int(floor_flops(jax.make_jaxpr(g)(*specs).jaxpr) / flops_per_cycle)
+    jaxpr = jax.make_jaxpr(g)(*specs).jaxpr
+    live, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return int(floor_flops(live) / flops_per_cycle)
 
 
 def _model_figure(r: Any, clock_hz: float, floor_cycles: int = 0) -> dict[str, Any]:
