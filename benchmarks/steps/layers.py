@@ -101,9 +101,20 @@ def moe_args(t: int):
     return (S((t, d), BF), S((d, e), BF), S((e, d, f), BF), S((e, d, f), BF), S((e, f, d), BF))
 
 
-def train(layer: Callable[..., Any], ops: Ops = Ops()) -> Callable[..., Any]:
-    """jax.grad of the layer's output sum, over the input and every weight."""
+REMAT = {"none": None, "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+         "dots_saveable": jax.checkpoint_policies.dots_saveable}
+
+
+def train(layer: Callable[..., Any], ops: Ops = Ops(), remat: str = "none"
+          ) -> Callable[..., Any]:
+    """jax.grad of the layer's output sum, over the input and every weight; ``remat``: the
+    layer under ``jax.checkpoint`` with that policy ("none": no checkpoint, every residual
+    kept for the backward)."""
     def step(x, *weights):
-        loss = lambda *a: layer(*a, ops=ops).astype(jnp.float32).sum()
+        def loss(*a):
+            return layer(*a, ops=ops).astype(jnp.float32).sum()
+
+        if remat != "none":
+            loss = jax.checkpoint(loss, policy=REMAT[remat])
         return jax.grad(loss, argnums=tuple(range(1 + len(weights))))(x, *weights)
     return step

@@ -107,15 +107,18 @@ def recorded_cost(path: str, grad: bool) -> dict[str, Any]:
     return out
 
 
-def tune_splash(q_shape, k_shape, grad: bool, trials: int) -> dict[str, Any]:
+def tune_splash(q_shape, k_shape, grad: bool, trials: int, memory_gb: float | None = None
+                ) -> dict[str, Any]:
     """Splash's blocks tuned by v6e estimate (on its stand-in): the forward's by
-    ``splash_attention``, the backward's by ``splash_attention_bwd`` (forward + VJP)."""
+    ``splash_attention``, the backward's by ``splash_attention_bwd`` (forward + VJP); one
+    compile worker, capped at ``memory_gb`` (two beside a step compile starved on this host)."""
     import warnings
 
     from pallas_tune import chips
 
     q, k = _specs(q_shape, k_shape)
-    opts = {"timer": "tpu-estimate", "chip": "v6e", "trials": trials, "seed": 0}
+    opts = {"timer": "tpu-estimate", "chip": "v6e", "trials": trials, "seed": 0, "workers": 1,
+            **({"worker_memory_gb": memory_gb} if memory_gb else {})}
     t0 = time.perf_counter()
     out: dict[str, Any] = {"forward": None, "backward": None, "from_cache": []}
     for name, kernel, args in (("forward", adapters.splash_attention, [q, k, k]),
@@ -173,7 +176,7 @@ def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float,
         return out
     runs = [("maxtext", MAXTEXT_FWD, MAXTEXT_BWD if grad else None)]
     if trials:
-        tuned = tune_splash(q_shape, k_shape, grad, trials)
+        tuned = tune_splash(q_shape, k_shape, grad, trials, memory_gb)
         runs.append(("tuned", tuned["forward"], tuned["backward"]))
     for label, fwd, bwd in runs:
         try:
