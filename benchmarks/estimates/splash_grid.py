@@ -8,9 +8,12 @@ blocks, then its VJP) at five. Splash's training cost at a pair = forward(forwar
 adapter(backward config) - forward(its dK/dV blocks).
 
     python benchmarks/estimates/splash_grid.py TOKENS Q_HEADS KV_HEADS OUT.json [maxtext|best8b]
+
+The compile worker's memory cap is 14 GiB (``SPLASH_GRID_MEMORY_GB`` sets another).
 """
 
 import json
+import os
 import sys
 import time
 
@@ -66,7 +69,8 @@ runs = [("forward", up.splash_attention, [q, k, k], dict(zip(FWD_KEYS, f, strict
         for f in F]
 runs += [("adapter (forward at dK/dV blocks + backward)", up.splash_attention_bwd, [q, k, k, q],
           dict(zip(BWD_KEYS, b, strict=True))) for b in B]
-with Estimator(1, memory_limit_bytes=14 << 30) as est:
+with Estimator(1, memory_limit_bytes=int(float(os.environ.get("SPLASH_GRID_MEMORY_GB", "14"))
+                                         * (1 << 30))) as est:
     for kind, kernel, args, cfg in runs:
         rows.append(_row(est, kind, kernel, args, cfg))
         print(json.dumps(rows[-1]), flush=True)
