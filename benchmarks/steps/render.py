@@ -21,7 +21,8 @@ def _ms(rows_step: dict, detail: dict, k: str) -> str:
         return "not run"
     if v is None or not math.isfinite(v):
         errors = [c["error"] for c in detail[k].get("calls", []) if "error" in c]
-        return "no estimate: " + str(detail[k].get("error") or (errors or ["?"])[0])[:80]
+        why = str(detail[k].get("error") or (errors or ["?"])[0])
+        return "no estimate: " + " ".join(why.split())[:80]  # One table cell: one line.
     n, scaled = detail.get(k, {}).get("standalone", 0), detail.get(k, {}).get("standin", 0)
     footing = detail.get(k, {}).get("footing", 0)
     return (f"{v:.3f}" + (" partial" if detail.get(k, {}).get("partial") else "")
@@ -69,7 +70,8 @@ def _composed(r: dict) -> list[str]:
                          + (f" stand-in x{f['standin_scale']:g}" if f.get("standin_scale")
                             else "") if "ms" in f
                          else "in the one above" if f.get("absorbed")
-                         else f"error: {f['error'][:60]}" if "error" in f else "-")
+                         else f"error: {' '.join(f['error'].split())[:60]}" if "error" in f
+                         else "-")
         out.append(f"| {c['kernel'].rsplit('.', 1)[-1]} | `{c['key']}` | {c['count']} | "
                    f"{t.get('source', '?')} | {t.get('implementation', '?')} | "
                    f"`{t.get('config', '?')}` | {' | '.join(cells)} |")
