@@ -35,34 +35,53 @@ def log_root(tmp_path, monkeypatch):
 
 
 def test_off_writes_no_logs_at_all(monkeypatch):
+    """Off: FATAL only, into a private scratch directory that close() removes."""
+    import tempfile
+
     monkeypatch.setenv(logs.ENV, "off")
     run = logs.RunLogs()
-    assert run.env == {"TPU_LOG_DIR": "disabled", "TPU_MIN_LOG_LEVEL": "3"}
+    scratch = run.env["TPU_LOG_DIR"]
+    assert run.env["TPU_MIN_LOG_LEVEL"] == "3" and os.path.isdir(scratch)
+    assert os.path.dirname(scratch) == tempfile.gettempdir()
+    assert oct(os.stat(scratch).st_mode & 0o777) == "0o700"
     assert run.path is None and run.note() == ""
+    run.close()
+    assert not os.path.exists(scratch)
 
 
 @pytest.mark.libtpu
-def test_off_leaves_no_glog_files_in_tmp_either(monkeypatch):
+def test_off_leaves_no_glog_files_in_tmp_either(monkeypatch, tmp_path):
     """TPU_LOG_DIR=disabled alone does not stop libtpu's glog: a deviceless compile then wrote
-    tpu_driver.*.log.INFO.<date>.<pid> to /tmp (and a profiler abort writes up to 1 GB each).
-    A process given the 'off' environment writes none there."""
+    tpu_driver.*.log.INFO.<date>.<pid> to /tmp (and a profiler abort writes up to 1 GB each);
+    with TPU_MIN_LOG_LEVEL=3 too, a profiler abort still left its four FATAL files there. A
+    process given the 'off' environment writes none there, an aborting one neither, and what
+    the abort wrote goes when the logs are closed."""
     import glob
     import subprocess
     import sys
 
     monkeypatch.setenv(logs.ENV, "off")
-    env = {**os.environ, **logs.RunLogs().env, "JAX_PLATFORMS": "cpu",
-           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    run = logs.RunLogs()
+    env = {**os.environ, **run.env, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     code = ("import os, jax, jax.numpy as jnp\n"
             "from pallas_tune.feasibility.compile import compile_deviceless\n"
             "s = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)\n"
             "r = compile_deviceless(lambda a, b: a @ b, [s, s], {}, chip='tpu_v6e')\n"
-            "print(os.getpid(), r.ok)\n")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300, check=True).stdout.split()
-    pid, ok = out[-2], out[-1]
-    assert ok == "True"
+            "print(os.getpid(), r.ok, flush=True)\n"
+            "import toy_kernels\n"  # A bf16 multiply by a constant: the profiler aborts.
+            "x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)\n"
+            "compile_deviceless(toy_kernels.scale.fn, [x], dict(factor=1.4427, br=64, bc=256,"
+            " buffering=2), chip='tpu_v6e')\n")
+    profile = f"--xla_jf_dump_static_llo_profile_to={tmp_path / 'sp'}"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**env, "LIBTPU_INIT_ARGS": profile,
+                                            "PYTHONPATH": os.path.dirname(__file__)})
+    pid, ok = done.stdout.split()[-2:]
+    assert ok == "True" and done.returncode != 0, done.stderr[-2000:]  # Compiled, then aborted.
     assert not glob.glob(f"/tmp/tpu_driver*.{pid}"), "libtpu wrote glog files to /tmp"
+    assert glob.glob(os.path.join(run.env["TPU_LOG_DIR"], "*FATAL*")), "no abort seen"
+    run.close()
+    assert not os.path.exists(run.env["TPU_LOG_DIR"])
 
 
 def test_a_run_directory_under_the_root_and_a_note_naming_it(log_root):
@@ -80,10 +99,15 @@ def test_a_root_that_is_a_link_or_a_file_gets_no_logs(tmp_path, monkeypatch):
     target.mkdir()
     os.symlink(target, tmp_path / "link")
     monkeypatch.setenv(logs.ENV, str(tmp_path / "link"))
-    assert logs.RunLogs().env == {"TPU_LOG_DIR": "disabled", "TPU_MIN_LOG_LEVEL": "3"}
+    run = logs.RunLogs()  # As off: FATAL only, into a scratch directory of ours.
+    assert run.path is None and run.env["TPU_MIN_LOG_LEVEL"] == "3"
+    assert not run.env["TPU_LOG_DIR"].startswith(str(tmp_path)) and not list(target.iterdir())
+    run.close()
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv(logs.ENV, str(tmp_path / "file"))
-    assert logs.RunLogs().path is None
+    run = logs.RunLogs()
+    assert run.path is None
+    run.close()
 
 
 def test_bad_bound_is_a_clear_error(monkeypatch):

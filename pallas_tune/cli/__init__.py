@@ -31,6 +31,7 @@ kernel shipped in pallas-tune; see :mod:`pallas_tune.cli.registry`).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
 import signal
@@ -217,7 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             # This process's own libtpu (deviceless compiles) logs in a run directory of its
             # own, set before libtpu loads; its workers' get theirs, kept within their bound.
-            os.environ.update(RunLogs().env)
+            own = RunLogs()
+            os.environ.update(own.env)
+            atexit.register(own.close)
         with _import_path(), _sigterm_as_interrupt(terminated):
             request = edge.convert(args)  # Every flag checked, once, before any work.
             return int(run(request) or 0)

@@ -12,8 +12,10 @@ output, which a crashed trial reports), then the oldest files go. Run directorie
 no longer alive are kept, newest first, within four times that bound.
 
 ``PALLAS_TUNE_TPU_LOGS``: unset, the per-user log directory (``platformdirs.user_log_path``,
-``tpu/`` in it); a directory, that one; ``off``, no log files but a fatal abort's
-(``TPU_LOG_DIR=disabled`` and ``TPU_MIN_LOG_LEVEL=3``: the first alone sends them to ``/tmp``).
+``tpu/`` in it); a directory, that one; ``off``, no log files kept: ``TPU_MIN_LOG_LEVEL=3``
+leaves only a fatal abort's (four files of about 2.6 KB), and those go to a private scratch
+directory removed when the pool closes (``TPU_LOG_DIR=disabled`` sent them to ``/tmp``, where
+they stayed, four more per abort).
 Workers also get no core files (``RLIMIT_CORE`` 0; libtpu's abort says "Dumping core").
 """
 
@@ -23,6 +25,7 @@ import itertools
 import os
 import shutil
 import stat
+import tempfile
 import time
 from typing import Final
 
@@ -82,9 +85,20 @@ class RunLogs:
                 root, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_RUNS)}")
         # No directory: TPU_LOG_DIR=disabled alone sends libtpu's glog files to /tmp instead
         # (measured, libtpu 0.0.50: tpu_driver.*.log.INFO, 18 KB a compile, up to 1 GB each
-        # where the profiler aborts); below FATAL it writes none.
-        self.env = ({"TPU_LOG_DIR": self.path} if self.path
-                    else {"TPU_LOG_DIR": "disabled", "TPU_MIN_LOG_LEVEL": "3"})
+        # where the profiler aborts); below FATAL it writes none, and a FATAL goes to a
+        # scratch directory of ours (mkdtemp: 0700, never a planted link), removed by close.
+        self._scratch: str | None = None
+        if self.path:
+            self.env = {"TPU_LOG_DIR": self.path}
+        else:
+            self._scratch = tempfile.mkdtemp(prefix="pallas-tune-nologs-")
+            self.env = {"TPU_LOG_DIR": self._scratch, "TPU_MIN_LOG_LEVEL": "3"}
+
+    def close(self) -> None:
+        """Removes the scratch directory of logs that are off (what an abort left there)."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def note(self) -> str:
         """Where a failure's logs are, for its message ("" when there are none)."""

@@ -343,6 +343,7 @@ class Pool:
             w.stop()
         self._workers = []
         self.logs.enforce()
+        self.logs.close()
 
     def __enter__(self) -> Pool:
         return self
