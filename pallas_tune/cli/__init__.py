@@ -210,18 +210,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     terminated: list[int] = []
     try:
-        from pallas_tune.chips import quiet_tpu_probe_env
-
-        os.environ.update(quiet_tpu_probe_env())  # No TPU here: no libtpu probing noise.
-        if command in _COMPILING:
-            from pallas_tune.measure.logs import RunLogs
-
-            # This process's own libtpu (deviceless compiles) logs in a run directory of its
-            # own, set before libtpu loads; its workers' get theirs, kept within their bound.
-            own = RunLogs()
-            os.environ.update(own.env)
-            atexit.register(own.close)
         with _import_path(), _sigterm_as_interrupt(terminated):
+            # Inside the guard: the probe imports jax, never the current directory's jax.py.
+            from pallas_tune.chips import quiet_tpu_probe_env
+
+            os.environ.update(quiet_tpu_probe_env())  # No TPU here: no libtpu probing noise.
+            if command in _COMPILING:
+                from pallas_tune.measure.logs import RunLogs
+
+                # This process's own libtpu (deviceless compiles) logs in a run directory of
+                # its own, set before libtpu loads; its workers' get theirs, within a bound.
+                own = RunLogs()
+                os.environ.update(own.env)
+                atexit.register(own.close)
             request = edge.convert(args)  # Every flag checked, once, before any work.
             return int(run(request) or 0)
     except KeyboardInterrupt:
