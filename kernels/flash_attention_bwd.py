@@ -269,6 +269,7 @@ def _init_dq(dq_acc, row, j, blocks):
         def _zero_row():
             dq_acc[row] = jnp.zeros(dq_acc.shape[1:], jnp.float32)
         return
+
     def zero(r, carry):
         dq_acc[r] = jnp.zeros(dq_acc.shape[1:], jnp.float32)
         return carry
@@ -351,8 +352,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
 
         def front(lo, hi, rows, tri):
             q, do = q_ref[lo:hi, :], do_ref[lo:hi, :]
-            s = _flash_bwd.scores(k[:rows], q, c, tri=tri, mask=mask, causal=causal, q0=i * bq + lo,
-                        k0=j * bkv, k_valid=tail, blocks=blocks, lo=lo)
+            s = _flash_bwd.scores(k[:rows], q, c, tri=tri, mask=mask, causal=causal,
+                                  q0=i * bq + lo, k0=j * bkv, k_valid=tail, blocks=blocks, lo=lo)
             dp = lax.dot_general(v[:rows], do, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
             return s, dp
@@ -365,7 +366,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_acc, 
         _flash_bwd.pipelined(strips, front, back)
 
     _flash_bwd.dispatch(body, causal=causal, i=i, j=j, bq=bq, bkv=bkv, tail=kv_tail,
-              is_tail=j == pl.num_programs(3) - 1, blocks=blocks)
+                        is_tail=j == pl.num_programs(3) - 1, blocks=blocks)
 
     @pl.when(j == pl.num_programs(3) - 1)
     def _write():

@@ -337,12 +337,12 @@ def _figure(r: Any, census: Any, clock_hz: float, xla: bool = False) -> dict[str
     fig = {"ms": cycles_to_ms(r.cycles, clock_hz), "cycles": r.cycles,
            "compile_s": round(r.compile_s, 2), **_unmodelled(r, census)}
     if xla and r.ops_without_estimate and r.model_cycles:
-        from pallas_tune.tuning.footing import PALLAS_BIAS, XLA_MODEL_BIAS
+        from pallas_tune.tuning.footing import on_footing
 
-        on_footing = int(round(r.model_cycles * PALLAS_BIAS / XLA_MODEL_BIAS))
-        if on_footing > r.cycles:
+        footed = int(round(on_footing(r.model_cycles)))
+        if footed > r.cycles:
             fig.update(libtpu_ms=fig["ms"], model_ms=cycles_to_ms(r.model_cycles, clock_hz),
-                       ms=cycles_to_ms(on_footing, clock_hz), cycles=on_footing,
+                       ms=cycles_to_ms(footed, clock_hz), cycles=footed,
                        footing=True, partial=bool(census.loops or census.blind_inputs))
     return fig
 
@@ -372,15 +372,15 @@ def _model_figure(r: Any, clock_hz: float, floor_cycles: int = 0) -> dict[str, A
     (the footing's bias was measured on attention; on a dot the model is the peak itself);
     labelled ``footing`` and ``model_only`` (``floored`` where the floor decides)."""
     from pallas_tune.measure.estimate import cycles_to_ms
-    from pallas_tune.tuning.footing import PALLAS_BIAS, XLA_MODEL_BIAS
+    from pallas_tune.tuning.footing import on_footing
 
-    on_footing = int(round(r.model_cycles * PALLAS_BIAS / XLA_MODEL_BIAS))
-    cycles = max(on_footing, floor_cycles)
+    footed = int(round(on_footing(r.model_cycles)))
+    cycles = max(footed, floor_cycles)
     return {"ms": cycles_to_ms(cycles, clock_hz), "cycles": cycles,
             "model_ms": cycles_to_ms(r.model_cycles, clock_hz), "libtpu_ms": None,
             "footing": True, "model_only": True, "partial": False,
             **({"floored": True, "floor_ms": cycles_to_ms(floor_cycles, clock_hz)}
-               if floor_cycles > on_footing else {}),
+               if floor_cycles > footed else {}),
             "compile_s": round(r.compile_s, 2)}
 
 

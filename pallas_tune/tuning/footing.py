@@ -36,13 +36,18 @@ import math
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["MARGIN", "PALLAS_BIAS", "XLA_MODEL_BIAS", "data_floor_ms", "xla_decision",
-           "xla_row"]
+__all__ = ["MARGIN", "PALLAS_BIAS", "XLA_MODEL_BIAS", "data_floor_ms", "on_footing",
+           "xla_decision", "xla_row"]
 
 # Figure / the chip's time, medians over benchmarks/results/xla_footing.md's keys (tpu7x).
 PALLAS_BIAS: Final = 0.48  # libtpu's static estimate of a Pallas kernel.
 XLA_MODEL_BIAS: Final = 0.94  # XLA's cost model of the reference's fusions.
 MARGIN: Final = 1.55  # XLA must win by this factor (the relative bias's spread over the keys).
+
+
+def on_footing(model: float) -> float:
+    """XLA's cost-model figure (any unit) brought to the Pallas estimate's footing."""
+    return model * PALLAS_BIAS / XLA_MODEL_BIAS
 
 
 def data_floor_ms(kernel: Any, args: Any, kwargs: Any, chip: str) -> float:
@@ -113,7 +118,7 @@ def xla_decision(xla_row: Mapping[str, Any] | None, best_ms: float) -> tuple[flo
         return math.nan, "pallas", (xla_row or {}).get("error", "")
     if "median_ms" not in xla_row:  # libtpu's compile of XLA's program gave no figure.
         model = float(xla_row["model_ms"])
-        xla_ms = model * PALLAS_BIAS / XLA_MODEL_BIAS
+        xla_ms = on_footing(model)
         how = (f"XLA's cost model ({model:.4g} ms, from a compile without libtpu's profiling "
                f"flag, as the profiled one failed) at the Pallas estimate's footing "
                f"(x{PALLAS_BIAS / XLA_MODEL_BIAS:.3g}: {xla_ms:.4g} ms)")
@@ -135,7 +140,7 @@ def xla_decision(xla_row: Mapping[str, Any] | None, best_ms: float) -> tuple[flo
                 "estimate, so it is a lower bound and cannot show that XLA wins, and XLA's "
                 "cost model gave no figure; Pallas is kept. Time both on a TPU (--xla, "
                 "--timer wallclock) to decide.")
-        xla_ms = float(model) * PALLAS_BIAS / XLA_MODEL_BIAS
+        xla_ms = on_footing(float(model))
         how = (f"XLA's cost model ({float(model):.4g} ms) at the Pallas estimate's footing "
                f"(x{PALLAS_BIAS / XLA_MODEL_BIAS:.3g}: {xla_ms:.4g} ms), as libtpu's sum is "
                f"partial ({partial} ops without an estimate)")

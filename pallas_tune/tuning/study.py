@@ -392,9 +392,8 @@ def _sampler(space: Any, codec: ParamCodec, strategy: str, seed: int | None, tri
     if strategy == "exhaustive":
         return optuna.samplers.RandomSampler(seed=seed)
     if strategy == "gp":
-        from pallas_tune.search.gp import CandidateSampler
-
         from pallas_tune.constraints import config_admits
+        from pallas_tune.search.gp import CandidateSampler
 
         # Not the points a rule between parameters refuses (they would only fail as trials).
         configs = [c for c in space if config_admits(space.constraints, c)] or list(space)
