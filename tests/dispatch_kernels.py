@@ -56,3 +56,22 @@ def picky(x, *, b, c):
     if b > x.shape[0]:
         raise pt.InvalidConfig(f"b={b} must not exceed the {x.shape[0]} rows of x")
     return x + c
+
+
+def _copy_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+
+@pt.tunable(br=[8, 64, 1024, 4096], default={"br": 4096}, name="tests.wide_copy")
+def wide_copy(x, *, br):
+    """x copied in row blocks of br full-width rows: at 8192 float32 columns the default's
+    blocks (128 MiB each, double-buffered in and out) cannot fit any TPU's VMEM."""
+    r, c = x.shape
+    return pl.pallas_call(
+        _copy_kernel,
+        out_shape=jax.ShapeDtypeStruct((r, c), x.dtype),
+        grid=(pl.cdiv(r, br),),
+        in_specs=[pl.BlockSpec((br, c), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((br, c), lambda i: (i, 0)),
+        name="wide_copy",
+    )(x)

@@ -474,3 +474,31 @@ def test_one_gradient_warns_once_per_kernel_and_points_at_the_caller(cache_dir):
     assert named == ["tests.square", "tests.square_bwd"], [str(w.message) for w in ours]
     assert {w.filename for w in ours} == {__file__}, [w.filename for w in ours]
     assert all("PALLAS_TUNE_RECORD=FILE" in str(w.message) for w in ours)
+
+
+def test_a_fallback_the_vmem_model_puts_over_a_tpus_vmem_is_not_served(cache_dir, dk):
+    """On a cache miss for a TPU, the default (and any nearest-shape or model pick) goes through
+    the VMEM model first: a default that cannot fit v6e's VMEM at this shape is refused, with the
+    reason, for the fastest config that fits. Off TPU (interpret mode) the default serves."""
+    k = dk.wide_copy
+    x = jax.ShapeDtypeStruct((4096, 8192), jnp.float32)
+    k._memo.clear()
+    with pytest.warns(pt.PallasTuneWarning, match="using the default"):
+        assert k.config_for(x).source == "default"  # cpu: interpreted, no VMEM to fit.
+    k._memo.clear()
+    k._warned.clear()
+    with pt.target("v6e"), pytest.warns(pt.PallasTuneWarning) as record:
+        cfg = k.config_for(x)
+    assert cfg.source == "model" and cfg["br"] < 4096
+    msg = " ".join(str(w.message) for w in record)
+    assert "the declared default {'br': 4096}" in msg and "VMEM model" in msg
+    # The pick fits by the same model; the default does not.
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.feasibility.inspect import find_pallas_calls
+    from pallas_tune.feasibility.model import model_verdict
+
+    def verdict(br):
+        return model_verdict(find_pallas_calls(k.fn, [x], {"br": br}), chip_spec("v6e"))
+    assert verdict(cfg["br"]).ok and not verdict(4096).ok
+    k._memo.clear()
+    k._warned.clear()

@@ -20,6 +20,11 @@ An entry tuned on other code of the kernel (its recorded ``kernel_fingerprint`` 
 kernel's :attr:`~pallas_tune.runtime.tunable.TunableKernel.fingerprint`) still serves when
 valid for the call, with one warning per (kernel, key); entries that record none serve silently.
 
+On a TPU chip, what steps 3 to 5 would serve also passes the VMEM model
+(:func:`fallback_problems`): such a config was never compiled for this call, and one the model
+puts over the chip's VMEM is refused for the next (the shipped ``rms_norm_bwd`` default of 256
+rows does not fit v6e at 8192 columns). Exact cache entries were compiled when tuned.
+
 Steps 3 to 5 warn once per (kernel, chip, fallback), naming the config used, why the others were
 refused and the command that tunes the shape; later shapes served the same way are not warned. The result is memoized per (chip, key) by the kernel.
 """
@@ -67,6 +72,36 @@ def check(kernel: Declared, config: Mapping[str, Any], args: Sequence[Any],
     except Exception as e:
         return [f"tracing failed: {type(e).__name__}: {e}"], None
     return _inspect.block_rule_violations(calls), calls
+
+
+def fallback_problems(kernel: Declared, chip: str, config: Mapping[str, Any],
+                      args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
+    """:func:`check`, and for a TPU chip the VMEM model's verdict: a config served on a cache
+    miss (nearest shape, default, model) was never compiled for this call, so one the model
+    puts over the chip's VMEM, or at its limit (uncertain, its estimate above it), is refused
+    before it reaches the compiler (an exact cache entry was compiled when it was tuned)."""
+    problems, calls = check(kernel, config, args, kwargs)
+    return problems or vmem_problems(calls, chip)
+
+
+def vmem_problems(calls: Sequence[Any] | None, chip: str) -> list[str]:
+    """Why the feasibility model says these traced calls do not fit ``chip``'s VMEM (empty:
+    they fit, the model is unsure but its estimate is under the limit, or the chip is no TPU)."""
+    from pallas_tune.chips import chip_spec
+
+    try:
+        spec = chip_spec(chip)
+    except ValueError:
+        return []
+    if not calls or spec is None or spec.platform != "tpu":
+        return []
+    from pallas_tune.feasibility.model import model_verdict
+
+    verdict = model_verdict(calls, spec)
+    if verdict.ok:
+        return []
+    return [f"the VMEM model puts it out of {spec.name}'s VMEM ({verdict.status}: "
+            f"{verdict.reason})"]
 
 
 def declared_problems(kernel: Declared, config: Mapping[str, Any], args: Sequence[Any],
@@ -202,7 +237,7 @@ def _nearest(kernel: Declared, chip: str, key: str, args: Sequence[Any],
         if len(tried) >= NEAREST_TRACES:
             break
         tried.add(marker)
-        problems, _ = check(kernel, config, args, kwargs)
+        problems = fallback_problems(kernel, chip, config, args, kwargs)
         if not problems:
             return Config(config, source="nearest", origin=hit.key)
         notes.append(f"the config of the tuned shape {hit.key!r} {config} ({problems[0]})")
@@ -234,7 +269,7 @@ def _same_shapes(kernel: Declared, chip: str, key: str, args: Sequence[Any],
         if marker in tried:
             continue
         tried.add(marker)
-        problems, _ = check(kernel, config, args, kwargs)
+        problems = fallback_problems(kernel, chip, config, args, kwargs)
         if not problems:
             return Config(config, source="nearest", origin=other)
         notes.append(f"the config of the tuned key {other!r} {config} ({problems[0]})")
@@ -246,7 +281,7 @@ def _default_or_model(kernel: Declared, chip: str, key: str, args: Sequence[Any]
     default = kernel.space.default
     complete = default is not None and set(default) == set(kernel.space.names)
     if complete:
-        problems, _ = check(kernel, default, args, kwargs)  # type: ignore[arg-type]
+        problems = fallback_problems(kernel, chip, default, args, kwargs)  # type: ignore[arg-type]
         if not problems:
             return Config(default, source="default")  # type: ignore[arg-type]
         notes.append(f"the declared default {dict(default)} ({problems[0]})")  # type: ignore[arg-type]
@@ -263,6 +298,7 @@ def _default_or_model(kernel: Declared, chip: str, key: str, args: Sequence[Any]
             continue  # The default, refused above.
         scanned += 1
         problems, calls = check(kernel, candidate, args, kwargs)
+        problems = problems or vmem_problems(calls, chip)
         if problems:
             first_problem = first_problem or problems[0]
             distinct.add(problems[0])
