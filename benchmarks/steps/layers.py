@@ -83,17 +83,42 @@ def llama70b_tp8_args(t: int):
             S((d, 7168), BF), S((3584, d), BF))
 
 
-def moe(x, router, wg, wu, wd, ops: Ops = Ops()):
-    """A Mixtral-8x7B MoE MLP on x (T, 4096): top-2 of 8 experts; rows sorted by expert."""
+def _route(x, router):
+    """Top-2 of the router's experts: (token index of each routed row, grouped by expert; the
+    rows' gate weights; the group sizes, balanced here)."""
     t, e = x.shape[0], router.shape[1]
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     weights, experts = jax.lax.top_k(jax.nn.softmax(logits), 2)
     order = jnp.argsort(experts.reshape(-1))
-    rows = x[order // 2]  # Each token twice, grouped by expert (balanced sizes assumed here).
-    sizes = jnp.full((e,), 2 * t // e, jnp.int32)
+    gate = weights.reshape(-1)[order][:, None].astype(x.dtype)
+    return order // 2, gate, jnp.full((e,), 2 * t // e, jnp.int32)
+
+
+def moe(x, router, wg, wu, wd, ops: Ops = Ops()):
+    """A Mixtral-8x7B MoE MLP on x (T, 4096): top-2 of 8 experts; rows sorted by expert."""
+    token, gate, sizes = _route(x, router)
+    rows = x[token]  # Each token twice, grouped by expert (balanced sizes assumed here).
     h = jax.nn.silu(ops.gmm(rows, wg, sizes)) * ops.gmm(rows, wu, sizes)
-    out = ops.gmm(h, wd, sizes) * weights.reshape(-1)[order][:, None].astype(x.dtype)
-    return jnp.zeros_like(x).at[order // 2].add(out)
+    return jnp.zeros_like(x).at[token].add(ops.gmm(h, wd, sizes) * gate)
+
+
+def mixtral_tp8(x, n1, wqkv, wo, n2, router, wgu, wd, ops: Ops = Ops()):
+    """One chip's shard of a Mixtral-8x7B decoder layer under 8-way tensor parallelism, on x
+    (T, 4096): 4 of 32 query heads and 1 of 8 KV heads of 128; every expert's columns split
+    8 ways (as ``search_spaces/mixtral_training_grouped_matmul.toml``: a fused w1|w3 of
+    2 x 1792 columns, 1792 rows of w2), the router replicated; top-2 of 8 experts."""
+    x = _attention_block(x, n1, wqkv, wo, 4, 1, ops)  # An all-reduce after (not counted).
+    h = ops.norm(x, n2, eps=1e-5)
+    token, gate, sizes = _route(h, router)
+    gu = ops.gmm(h[token], wgu, sizes)
+    out = ops.gmm(jax.nn.silu(gu[:, :1792]) * gu[:, 1792:], wd, sizes) * gate
+    return x + jnp.zeros_like(x).at[token].add(out)  # And here.
+
+
+def mixtral_tp8_args(t: int):
+    d, e = 4096, 8
+    return (S((t, d), BF), S((d,), BF), S((d, 768), BF), S((512, d), BF), S((d,), BF),
+            S((d, e), BF), S((e, d, 3584), BF), S((e, 1792, d), BF))
 
 
 def moe_args(t: int):

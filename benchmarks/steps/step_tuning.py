@@ -28,6 +28,10 @@ Layers (``steps/layers.py``; --tokens, bf16; RoPE, gating and residuals in plain
 - llama70b_fwd_bwd: one chip's shard of a Llama-3.1-70B decoder layer under 8-way tensor
   parallelism (d 8192, 8 of 64 query heads and 1 of 8 KV heads, fused gate|up of 2 x 3584), its
   all-reduces not counted; jax.grad as above.
+- mixtral_fwd_bwd: one chip's shard of a Mixtral-8x7B decoder layer under 8-way tensor
+  parallelism (d 4096, 4 of 32 query heads and 1 of 8 KV heads, every expert's 14336 columns
+  split 8 ways: grouped_matmul for the fused w1|w3 and for w2, top-2 routing of T tokens into
+  2T rows); jax.grad as above.
 - mixtral_moe: a Mixtral-8x7B MoE MLP (d 4096, 8 experts of 14336, top-2; the router in plain
   JAX; tokens sorted by expert with fixed group sizes: 2048 tokens x 2 = 4096 rows, 512 each):
   grouped_matmul for gate, up and down.
@@ -91,6 +95,14 @@ def llama70b_args():
     return layers.llama70b_tp8_args(T)
 
 
+def mixtral_train(*a):
+    return layers.train(layers.mixtral_tp8, remat=REMAT)(*a)
+
+
+def mixtral_args():
+    return layers.mixtral_tp8_args(T)
+
+
 def moe_layer(*a):
     return layers.moe(*a)
 
@@ -129,6 +141,8 @@ LAYERS = {
                       llama_args),
     "llama70b_fwd_bwd": ("Llama-3.1-70B decoder layer, one chip of 8-way tensor parallelism, "
                          "forward+backward (jax.grad)", llama70b_train, llama70b_args),
+    "mixtral_fwd_bwd": ("Mixtral-8x7B decoder layer, one chip of 8-way tensor parallelism, "
+                        "forward+backward (jax.grad)", mixtral_train, mixtral_args),
     "mixtral_moe": ("Mixtral-8x7B MoE MLP, forward", moe_layer, moe_args),
     "mamba2": ("Mamba-2 2.7B mixer, forward", mamba2_layer, mamba2_args),
 }

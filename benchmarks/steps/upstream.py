@@ -34,7 +34,14 @@ LAYERS = {
     "llama_fwd": (False, lambda t: ((1, 32, t, 128), (1, 8, t, 128))),
     "llama_fwd_bwd": (True, lambda t: ((1, 32, t, 128), (1, 8, t, 128))),
     "llama70b_fwd_bwd": (True, lambda t: ((1, 8, t, 128), (1, 1, t, 128))),
+    "mixtral_fwd_bwd": (True, lambda t: ((1, 4, t, 128), (1, 1, t, 128))),
 }
+# MaxText's megablox tiling (its config's tile_batch_seq 512, tile_embed_dim 1024 and
+# tile_mlp_dim 1024; clamped to the shape), which its gmm's own VJP passes unchanged to the
+# dlhs gmm and to tgmm: MaxText's grouped matmuls, forward and backward.
+MAXTEXT_GMM = {"tm": 512, "tk": 1024, "tn": 1024}
+MAXTEXT_GMM_BWD = {**MAXTEXT_GMM, "tm_t": 512, "tk_t": 1024, "tn_t": 1024}
+GMM = "pallas_tune.kernels.grouped_matmul.grouped_matmul"
 
 
 def _specs(q_shape, k_shape):
@@ -67,6 +74,40 @@ def splash_cost(q_shape, k_shape, grad: bool, fwd: dict, bwd: dict | None,
             out["backward_ms"] = out["adapter_ms"] - out["forward_at_dkv_ms"]
             out["ms"] = out["forward_ms"] + out["backward_ms"]
     return out
+
+
+def megablox_cost(key: str, grad: bool, memory_gb: float) -> dict[str, Any]:
+    """MaxText's grouped matmul for one grouped_matmul call (its cache ``key``): JAX's megablox
+    gmm at MaxText's tiling, and where ``grad`` its gradient (dlhs gmm and tgmm) at the same
+    tiling; each a v6e estimate of its own program (no stand-in: a few hundred grid steps)."""
+    shapes = dict(part.split("=") for part in key.split(","))
+    spec = {n: jax.ShapeDtypeStruct(tuple(int(d) for d in v.split(":")[0].split("x")),
+                                    jnp.dtype(v.split(":")[1])) for n, v in shapes.items()}
+    lhs, rhs, sizes = spec["lhs"], spec["rhs"], spec["group_sizes"]
+    d = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+    out: dict[str, Any] = {"tiling": MAXTEXT_GMM}
+    with Estimator(1, memory_limit_bytes=int(memory_gb * (1 << 30))) as est:
+        for part, kernel, args, config in (
+                ("forward", adapters.megablox_gmm, [lhs, rhs, sizes], MAXTEXT_GMM),
+                ("backward", adapters.megablox_gmm_bwd, [lhs, rhs, sizes, d], MAXTEXT_GMM_BWD)):
+            if part == "backward" and not grad:
+                continue
+            r = est.map(kernel, args, {}, [config], "tpu_v6e", standin=False)[0]
+            if not r.ok or not r.cycles:
+                raise RuntimeError(f"{kernel.name} {config}: {r.message[:300] or r.kind}")
+            out[f"{part}_ms"] = cycles_to_ms(r.cycles, CLOCK)
+            out[f"{part}_partial"] = bool(r.ops_without_estimate)
+    out["ms"] = out["forward_ms"] + out.get("backward_ms", 0.0)
+    return out
+
+
+def mxu_floor_ms(key: str, grad: bool, peak_flops: float) -> float:
+    """The least time any implementation of one grouped_matmul call takes on the MXU: its
+    2·m·k·n flops (three times that with the gradient's two matmuls) at ``peak_flops``."""
+    shapes = dict(part.split("=") for part in key.split(","))
+    m, k = (int(v) for v in shapes["lhs"].split(":")[0].split("x"))
+    n = int(shapes["rhs"].split(":")[0].split("x")[2])
+    return 2 * m * k * n * (3 if grad else 1) / peak_flops * 1e3
 
 
 def _dkv_forward(bwd: dict) -> dict:
@@ -144,21 +185,54 @@ def _attention_index(row: dict) -> int:
     raise ValueError(f"{row['layer']}: no flash_attention call")
 
 
-def compose(row: dict, splash_ms: float) -> tuple[float | None, str]:
-    """The layer's upstream figure: the glue, every call but attention at the all-XLA setting's
-    figure (XLA dots and norms), attention at splash's cost. None where a call has none."""
+def compose(row: dict, splash_ms: float | None, replace: dict[int, float] | None = None
+            ) -> tuple[float | None, str]:
+    """The layer's upstream figure: the glue, every call at the all-XLA setting's figure (XLA
+    dots and norms) but attention, at splash's cost (``splash_ms``; None: XLA's, as in the
+    all-XLA setting), and the calls in ``replace`` (call index: ms per occurrence, e.g.
+    megablox for a grouped matmul). None where a call has no figure."""
     d = row["step_detail"]
     if "ms" not in d.get("glue", {}) or "xla" not in d:
         return None, "no glue or all-XLA figures to compose with"
-    att = _attention_index(row)
-    total = d["glue"]["ms"]
+    att = _attention_index(row) if splash_ms is not None else None
+    replace = replace or {}
+    total = d["glue"]["ms"] + (splash_ms or 0.0)
     for i, c in enumerate(d["xla"]["calls"]):
         if i == att or c.get("absorbed"):
-            continue  # Attention (and what its XLA form absorbed) is splash's, below.
-        if "ms" not in c:
+            continue  # Attention (and what its XLA form absorbed) is splash's, above.
+        if i in replace:
+            total += c["live"] * replace[i]
+        elif "ms" not in c:
             return None, f"call {i} has no all-XLA figure: {c.get('error', '?')[:120]}"
-        total += c["live"] * c["ms"]
-    return total + splash_ms, ""
+        else:
+            total += c["live"] * c["ms"]
+    return total, ""
+
+
+def _gmm_calls(row: dict) -> list[int]:
+    return [i for i, c in enumerate(row["step_detail"]["calls"]) if c["kernel"] == GMM]
+
+
+def grouped(name: str, row: dict, memory_gb: float) -> dict[str, Any]:
+    """For a layer with grouped matmuls: MaxText's megablox cost of each (``megablox``), and
+    the all-XLA figure with each grouped matmul at its MXU floor (``xla_floor``: the kernel's
+    XLA form is a per-row gather that exceeds v6e HBM, and XLA's own lax.ragged_dot estimates
+    below its compute floor, grouped_xla.md, so no XLA figure stands; the glue, attention and
+    dots at the all-XLA setting's figures, so a lower bound on the all-XLA layer)."""
+    from pallas_tune.chips import chip_spec
+
+    grad = LAYERS[name][0]
+    calls = row["step_detail"]["calls"]
+    out: dict[str, Any] = {"megablox": {}, "floor": {}}
+    for i in _gmm_calls(row):
+        out["floor"][i] = mxu_floor_ms(calls[i]["key"], grad, chip_spec("v6e").bf16_flops)
+        try:
+            out["megablox"][i] = megablox_cost(calls[i]["key"], grad, memory_gb)
+        except RuntimeError as e:
+            out["megablox"][i] = {"error": str(e)}
+    ms, why = compose(row, None, out["floor"])
+    out["xla_floor"] = {"ms": ms, "detail": {"error": why} if why else {}}
+    return out
 
 
 def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float,
@@ -168,11 +242,26 @@ def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float,
     grad, shapes = LAYERS[name]
     q_shape, k_shape = shapes(tokens)
     out: dict[str, Any] = {}
+    if "calls" not in row["step_detail"]:  # The glue had no figure: nothing to compose with.
+        why = f"no step figures: {row['step_detail'].get('glue', {}).get('error', '?')[:300]}"
+        return {k: {"ms": None, "detail": {"error": why}} for k in ("maxtext", "tuned")}
+    gmm = grouped(name, row, memory_gb) if _gmm_calls(row) else None
+    if gmm:
+        out["xla_floor"] = gmm["xla_floor"]
+        if any("error" in m for m in gmm["megablox"].values()):
+            why = "; ".join(m["error"] for m in gmm["megablox"].values() if "error" in m)
+            return {**out, **{k: {"ms": None, "detail": {"error": f"megablox: {why}"}}
+                              for k in ("maxtext", "tuned")}}
+    replace = {i: m["ms"] for i, m in gmm["megablox"].items()} if gmm else {}
+
+    def composed(label: str, cost: dict[str, Any]) -> None:
+        ms, why = compose(row, cost["ms"], replace)
+        out[label] = {"ms": ms, "splash": cost, "detail": {"error": why} if why else {},
+                      **({"megablox": gmm["megablox"]} if gmm else {})}
+
     if recorded:
         for label, path in recorded.items():
-            cost = recorded_cost(path, grad)
-            ms, why = compose(row, cost["ms"])
-            out[label] = {"ms": ms, "splash": cost, "detail": {"error": why} if why else {}}
+            composed(label, recorded_cost(path, grad))
         return out
     runs = [("maxtext", MAXTEXT_FWD, MAXTEXT_BWD if grad else None)]
     if trials:
@@ -184,9 +273,9 @@ def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float,
         except RuntimeError as e:
             out[label] = {"ms": None, "detail": {"error": str(e)}}
             continue
-        ms, why = compose(row, cost["ms"])
-        out[label] = {"ms": ms, "splash": cost, "detail": {"error": why} if why else {}}
+        composed(label, cost)
     return out
 
 
-__all__ = ["LAYERS", "compose", "recorded_cost", "rows", "splash_cost", "tune_splash"]
+__all__ = ["LAYERS", "compose", "grouped", "megablox_cost", "mxu_floor_ms", "recorded_cost",
+           "rows", "splash_cost", "tune_splash"]

@@ -1,0 +1,76 @@
+"""benchmarks/steps' pure parts on made-up rows: the upstream figure composed with calls replaced
+(megablox for a grouped matmul), the grouped matmul's MXU floor, the all-XLA cell that falls back
+to that floor (a lower bound, marked so); and the Mixtral-8x7B TP8 layer traced under jax.grad."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+GMM = "pallas_tune.kernels.grouped_matmul.grouped_matmul"
+KEY = "lhs=8192x1792:bfloat16,rhs=8x1792x4096:bfloat16,group_sizes=8:int32"
+
+
+@pytest.fixture(scope="module")
+def steps():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        yield (importlib.import_module("steps.upstream"), importlib.import_module("steps.render"),
+               importlib.import_module("steps.layers"))
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+
+def _row(xla_calls, glue=1.0):
+    calls = [{"kernel": "pallas_tune.kernels.flash_attention.flash_attention", "key": "a"},
+             {"kernel": GMM, "key": KEY}, {"kernel": GMM + "_bwd", "key": KEY + ",d"},
+             {"kernel": "pallas_tune.kernels.matmul.matmul", "key": "m"}]
+    return {"layer": "mixtral_fwd_bwd", "step_detail": {
+        "glue": {"ms": glue}, "calls": calls, "xla": {"calls": xla_calls}}}
+
+
+def test_compose_replaces_calls_and_skips_what_they_absorbed(steps):
+    upstream, _, _ = steps
+    row = _row([{"ms": 9.0, "live": 1}, {"error": "CompileTimeHbmOom", "live": 2},
+                {"absorbed": True}, {"ms": 0.5, "live": 3}])
+    # Without a figure for the grouped matmul there is no upstream figure, and the reason says so.
+    ms, why = upstream.compose(row, 2.0)
+    assert ms is None and "call 1" in why and "CompileTimeHbmOom" in why
+    # Splash for attention (call 0), megablox for call 1 (twice), XLA's dot thrice, the glue.
+    ms, why = upstream.compose(row, 2.0, {1: 0.25})
+    assert why == "" and ms == pytest.approx(1.0 + 2.0 + 2 * 0.25 + 3 * 0.5)
+    # splash_ms None keeps XLA's attention: the all-XLA layer with the grouped matmuls replaced.
+    ms, _ = upstream.compose(row, None, {1: 0.25})
+    assert ms == pytest.approx(1.0 + 9.0 + 2 * 0.25 + 3 * 0.5)
+
+
+def test_the_mxu_floor_counts_the_gradients_two_matmuls(steps):
+    upstream, _, _ = steps
+    flops = 2 * 8192 * 1792 * 4096
+    assert upstream.mxu_floor_ms(KEY, False, 1e12) == pytest.approx(flops / 1e12 * 1e3)
+    assert upstream.mxu_floor_ms(KEY, True, 1e12) == pytest.approx(3 * flops / 1e12 * 1e3)
+
+
+def test_the_all_xla_cell_falls_back_to_the_floor_as_a_lower_bound(steps):
+    _, render, _ = steps
+    detail = {"xla": {"calls": [{"error": "RESOURCE_EXHAUSTED: CompileTimeHbmOom"}]}}
+    cell, v = render._xla_cell({"xla": None}, detail, {"xla_floor": {"ms": 3.5}})
+    assert v == 3.5 and cell.startswith(">= 3.500") and "CompileTimeHbmOom" in cell
+    # A real all-XLA figure is never replaced by the floor.
+    cell, v = render._xla_cell({"xla": 4.0}, {"xla": {"calls": []}}, {"xla_floor": {"ms": 3.5}})
+    assert v == 4.0 and not cell.startswith(">=")
+    assert render._xla_cell({"xla": None}, detail, {})[1] is None
+
+
+def test_the_mixtral_tp8_layer_differentiates_with_its_shards_shapes(steps):
+    import jax
+
+    _, _, layers = steps
+    args = layers.mixtral_tp8_args(256)
+    grads = jax.eval_shape(layers.train(layers.mixtral_tp8), *args)
+    assert [g.shape for g in grads] == [a.shape for a in args]
+    assert args[6].shape == (8, 4096, 2 * 1792) and args[7].shape == (8, 1792, 4096)
