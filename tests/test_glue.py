@@ -288,6 +288,25 @@ def test_a_call_whose_own_program_dies_too_is_estimated_on_its_stand_in(monkeypa
     assert ms["default"] == pytest.approx(detail["glue"]["ms"] + mm["ms"])
 
 
+def _profiles_die(monkeypatch, dies):
+    """Profiled estimates of exported step programs die (as out of memory) where ``dies(n)``
+    for the n-th of them (1-based); the others, and unprofiled ones, are estimated."""
+    from pallas_tune.measure import estimate as est_mod
+
+    real_map, profiled = est_mod.Estimator.map, []
+
+    def failing_map(self, fn, args, kwargs, configs, chip, standin=True):
+        if fn is step.call_exported and self._profile:
+            profiled.append(fn)
+            if dies(len(profiled)):
+                return [est_mod.EstimateResult(
+                    ok=False, kind="worker_crashed",
+                    message="the worker died from signal SIGSEGV: mmap error: 12")]
+        return real_map(self, fn, args, kwargs, configs, chip, standin=standin)
+
+    monkeypatch.setattr(est_mod.Estimator, "map", failing_map)
+
+
 @pytest.mark.libtpu
 def test_an_xla_call_whose_profiled_compile_dies_takes_xla_cost_model_on_the_footing(
         monkeypatch):
@@ -296,21 +315,9 @@ def test_an_xla_call_whose_profiled_compile_dies_takes_xla_cost_model_on_the_foo
     out of memory in a 14 GB worker) is compiled again without libtpu's profile and takes
     XLA's cost model at the Pallas estimate's footing, labelled with the error; the step's
     figure counts it."""
-    from pallas_tune.measure import estimate as est_mod
     from pallas_tune.tuning.footing import PALLAS_BIAS, XLA_MODEL_BIAS
 
-    real_map, profiled = est_mod.Estimator.map, []
-
-    def failing_map(self, fn, args, kwargs, configs, chip, standin=True):
-        if fn is step.call_exported and self._profile:
-            profiled.append(fn)
-            if len(profiled) > 1:  # The glue is estimated first; the call's program dies.
-                return [est_mod.EstimateResult(
-                    ok=False, kind="worker_crashed",
-                    message="the worker died from signal SIGSEGV: mmap error: 12")]
-        return real_map(self, fn, args, kwargs, configs, chip, standin=standin)
-
-    monkeypatch.setattr(est_mod.Estimator, "map", failing_map)
+    _profiles_die(monkeypatch, lambda n: n > 1)  # The glue is estimated first; then the call.
     args = (S((1024, 512), jnp.bfloat16), S((512, 1024), jnp.bfloat16))
     step_fn = jax.grad(lambda x, w: jnp.sum(matmul(x, w).astype(F32)), argnums=(0, 1))
     with warnings.catch_warnings():
@@ -337,21 +344,9 @@ def test_a_glue_whose_profiled_compile_dies_takes_xla_cost_model_on_the_footing(
     layer at 4096 tokens, past 24 GB in libtpu's profiler) is compiled again unprofiled and
     takes XLA's cost model at the footing, labelled with the error; every setting counts that
     one figure. Before, no setting had a figure."""
-    from pallas_tune.measure import estimate as est_mod
     from pallas_tune.tuning.footing import PALLAS_BIAS, XLA_MODEL_BIAS
 
-    real_map, profiled = est_mod.Estimator.map, []
-
-    def failing_map(self, fn, args, kwargs, configs, chip, standin=True):
-        if fn is step.call_exported and self._profile:
-            profiled.append(fn)
-            if len(profiled) == 1:  # The glue is estimated first: it dies.
-                return [est_mod.EstimateResult(
-                    ok=False, kind="worker_crashed",
-                    message="the worker died from signal SIGSEGV: mmap error: 12")]
-        return real_map(self, fn, args, kwargs, configs, chip, standin=standin)
-
-    monkeypatch.setattr(est_mod.Estimator, "map", failing_map)
+    _profiles_die(monkeypatch, lambda n: n == 1)  # The glue is estimated first: it dies.
     args = (S((1024, 512), jnp.bfloat16), S((512, 1024), jnp.bfloat16))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", pt.PallasTuneWarning)
