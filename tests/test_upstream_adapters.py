@@ -220,7 +220,11 @@ def test_adapter_gradients_lower_for_tpu():
             grad = jax.grad(lambda a, b, c: jnp.sum(fn(a, b, c, causal=True, **cfg).astype(
                 jnp.float32)), argnums=(0, 1, 2))
             text = jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("tpu",)).as_text()
-            assert text.count("tpu_custom_call") >= 3, fn.name  # Forward, dK/dV, dQ.
+            # Forward, dK/dV, dQ; splash's fused backward (which its served config may be: the
+            # nearest shipped entry) computes dQ in the dK/dV kernel.
+            fused = fn is upstream.splash_attention and upstream.splash_attention_bwd.config_for(
+                q, q, q, q, causal=True)["use_fused_bwd_kernel"]
+            assert text.count("tpu_custom_call") >= (2 if fused else 3), fn.name
         lhs = jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16)
         rhs = jax.ShapeDtypeStruct((8, 1024, 2048), jnp.bfloat16)
         grad = jax.grad(lambda a, b: jnp.sum(upstream.megablox_gmm(
