@@ -3,6 +3,7 @@ plus each call alone, for steps too large to compile whole on the host."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -358,6 +359,28 @@ def test_a_glue_whose_profiled_compile_dies_takes_xla_cost_model_on_the_footing(
         g["model_ms"] * PALLAS_BIAS / XLA_MODEL_BIAS, rel=1e-3), g
     (mm,) = detail["default"]["calls"]
     assert ms["default"] == pytest.approx(g["ms"] + mm["ms"])
+
+
+def test_a_glue_figure_from_the_cost_model_past_the_ceiling_is_refused():
+    """XLA's cost model for a glue whose profile died gave 1.3e13 ms for Mixtral's MoE glue
+    (sort, gather, scatter-add): past the ceiling the glue has no figure, with the reason,
+    rather than a step figure of thirteen trillion milliseconds."""
+    from pallas_tune.measure.estimate import EstimateResult
+
+    clock = 1.75e9
+
+    def estimate(fn, specs, stubs, profiled=True, *, model_ms):
+        if profiled:
+            return EstimateResult(ok=False, kind="worker_crashed", message="mmap error: 12"), None
+        return EstimateResult(ok=False, kind="no_profile", model_cycles=int(
+            model_ms * clock / 1e3)), None
+
+    for model_ms, credible in ((2.0, True), (2.4e13, False)):
+        fig = step._glue_figure(functools.partial(estimate, model_ms=model_ms), None, [], 0,
+                                clock)
+        assert ("ms" in fig) is credible, fig
+        assert "mmap error" in (fig.get("profile_error") or fig.get("error")), fig
+    assert "not credible" in fig["error"]
 
 
 def test_xla_figures_that_libtpu_leaves_partial_go_on_the_footing():
