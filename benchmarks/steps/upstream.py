@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from pallas_tune.kernels import upstream as adapters
 
+from pallas_tune import keys
 from pallas_tune.measure.estimate import Estimator, cycles_to_ms
 
 CLOCK = 1.75e9
@@ -80,9 +81,8 @@ def megablox_cost(key: str, grad: bool, memory_gb: float) -> dict[str, Any]:
     """MaxText's grouped matmul for one grouped_matmul call (its cache ``key``): JAX's megablox
     gmm at MaxText's tiling, and where ``grad`` its gradient (dlhs gmm and tgmm) at the same
     tiling; each a v6e estimate of its own program (no stand-in: a few hundred grid steps)."""
-    shapes = dict(part.split("=") for part in key.split(","))
-    spec = {n: jax.ShapeDtypeStruct(tuple(int(d) for d in v.split(":")[0].split("x")),
-                                    jnp.dtype(v.split(":")[1])) for n, v in shapes.items()}
+    spec = {n: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+            for n, (_, shape, dtype) in keys.parse_key(key).items()}
     lhs, rhs, sizes = spec["lhs"], spec["rhs"], spec["group_sizes"]
     d = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype)
     out: dict[str, Any] = {"tiling": MAXTEXT_GMM}
@@ -104,9 +104,8 @@ def megablox_cost(key: str, grad: bool, memory_gb: float) -> dict[str, Any]:
 def mxu_floor_ms(key: str, grad: bool, peak_flops: float) -> float:
     """The least time any implementation of one grouped_matmul call takes on the MXU: its
     2·m·k·n flops (three times that with the gradient's two matmuls) at ``peak_flops``."""
-    shapes = dict(part.split("=") for part in key.split(","))
-    m, k = (int(v) for v in shapes["lhs"].split(":")[0].split("x"))
-    n = int(shapes["rhs"].split(":")[0].split("x")[2])
+    parts = keys.parse_key(key)
+    (m, k), n = parts["lhs"][1], parts["rhs"][1][2]
     return 2 * m * k * n * (3 if grad else 1) / peak_flops * 1e3
 
 
