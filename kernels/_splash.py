@@ -6,8 +6,8 @@ neither the fetches nor the blocks splash computes, and pallas-tune's census ref
 (``pallas_tune.measure.loops``). Its stand-in (:func:`forward_standin`,
 :func:`backward_standin`) is the same kernel with the tables taken out, so that it fetches and
 computes every block in grid order (what a full mask does, without the tables' lookups), for one
-KV head and its query heads, scaled by the heads and by the share of blocks a causal mask leaves
-to compute. The masking of the diagonal blocks is
+KV head and as few of its query heads as keep 128 grid steps, scaled by the heads and by the
+share of blocks a causal mask leaves to compute. The masking of the diagonal blocks is
 not counted: the figure leans in splash's favour. The method is checked on pallas-tune's own
 flash attention, whose causal program libtpu can read (``benchmarks/estimates/splash_standin.py``).
 """
@@ -45,18 +45,24 @@ def _lengths(args):
     return q.shape[2], k.shape[2]
 
 
-def _one_kv_head(args):
-    """The arguments cut to one KV head and its query heads (batch 1), and the scale back:
-    heads and batch rows are identical independent work, and a profile of every block of every
-    head of a long sequence does not fit a compile worker (8192 tokens, 32 heads: SIGABRT)."""
+def _one_kv_head(args, steps: int, target: int = 128):
+    """The arguments cut to one KV head (batch 1) and as few of its query heads as keep
+    ``target`` grid steps, given ``steps`` per query head, and the scale back: heads and batch
+    rows are identical independent work (the dK/dV kernel's run over the group is only
+    shorter), and a profile of every block of every head of a long sequence does not fit a
+    compile worker (8192 tokens, 32 heads: SIGABRT; 32768 tokens, one group of 4: past 22 GB)."""
     import jax
 
     q, k = args[0], args[1]
-    rows = q.shape[0] * k.shape[1]
     group = q.shape[1] // k.shape[1]
-    out = [jax.ShapeDtypeStruct((1, group if a.shape[1] == q.shape[1] else 1, *a.shape[2:]),
+    heads = max(1, min(group, -(-target // max(1, steps))))
+    out = [jax.ShapeDtypeStruct((1, heads if a.shape[1] == q.shape[1] else 1, *a.shape[2:]),
                                 a.dtype) for a in args]
-    return out, float(rows)
+    return out, float(q.shape[0] * q.shape[1]) / heads
+
+
+def _steps(s_q, s_k, bq, bkv):
+    return -(-s_q // bq) * -(-s_k // bkv)
 
 
 def forward_standin(args, kwargs, config):
@@ -64,7 +70,7 @@ def forward_standin(args, kwargs, config):
     s_q, s_k = _lengths(args)
     bq, bkv = min(config["block_q"], s_q), min(config["block_kv"], s_k)
     scale = causal_fraction(s_q, s_k, bq, bkv) if kwargs.get("causal") else 1.0
-    cut, rows = _one_kv_head(args)
+    cut, rows = _one_kv_head(args, _steps(s_q, s_k, bq, bkv))
     return cut, {**kwargs, "causal": False, "tables": False}, scale * rows
 
 
@@ -79,14 +85,14 @@ def backward_standin(args, kwargs, config):
     kernel at its own, or at the dK/dV ones when fused)."""
     s_q, s_k = _lengths(args)
     scale = 1.0
+    blocks = min(config["block_q_dkv"], s_q), min(config["block_kv_dkv"], s_k)
     if kwargs.get("causal"):
-        dkv = causal_fraction(s_q, s_k, min(config["block_q_dkv"], s_q),
-                              min(config["block_kv_dkv"], s_k))
+        dkv = causal_fraction(s_q, s_k, *blocks)
         dq = dkv if config["use_fused_bwd_kernel"] else causal_fraction(
             s_q, s_k, min(config["block_q_dq"], s_q), min(config["block_kv_dq"], s_k))
         scale = (((_FWD_DOTS + _DKV_DOTS) * dkv + _DQ_DOTS * dq)
                  / (_FWD_DOTS + _DKV_DOTS + _DQ_DOTS))
-    cut, rows = _one_kv_head(args)
+    cut, rows = _one_kv_head(args, _steps(s_q, s_k, *blocks))
     return cut, {**kwargs, "causal": False, "tables": False}, scale * rows
 
 

@@ -1,0 +1,83 @@
+"""Flash attention's and splash's estimate stand-ins at long context: fewer query heads per KV
+head where one KV group is too many grid steps for libtpu's profile (issue 40's 32768 tokens);
+the fused backward keeps its group, whose dq accumulator decides whether it fits VMEM."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_tune.kernels import _splash
+from pallas_tune.kernels.flash_attention import flash_attention
+from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd
+
+BF = jnp.bfloat16
+
+
+def _llama8b(tokens):
+    q = jax.ShapeDtypeStruct((1, 32, tokens, 128), BF)
+    k = jax.ShapeDtypeStruct((1, 8, tokens, 128), BF)
+    lse = jax.ShapeDtypeStruct((1, 32, tokens), jnp.float32)
+    return q, k, lse
+
+
+def _bwd_config(block, fused):
+    return dict(bq_dq=block, bkv_dq=block, bq_dkv=block, bkv_dkv=block, fused=fused)
+
+
+def test_the_forward_standin_drops_query_heads_only_where_a_group_is_too_long():
+    q, k, _ = _llama8b(32768)
+    (q2, k2, v2), _, scale = flash_attention.standin([q, k, k], {"causal": True},
+                                                     {"bq": 2048, "bkv": 2048})
+    assert (q2.shape, k2.shape, v2.shape) == ((1, 1, 32768, 128),) + ((1, 1, 32768, 128),) * 2
+    assert scale == 32  # 16 x 16 steps for one query head: already past 128.
+    q, k, _ = _llama8b(8192)  # 8 steps per query head: 16 heads (4 KV heads' groups) kept.
+    (q2, k2, _), _, scale = flash_attention.standin([q, k, k], {"causal": True},
+                                                    {"bq": 4096, "bkv": 2048})
+    assert (q2.shape[1], k2.shape[1], scale) == (16, 4, 2)
+
+
+def test_the_unfused_backward_drops_query_heads_and_the_fused_keeps_its_group():
+    q, k, lse = _llama8b(32768)
+    args = [q, k, k, q, lse, q]
+    cut, _, scale = flash_attention_bwd.standin(args, {"causal": True}, _bwd_config(2048, False))
+    assert [a.shape[1] for a in cut] == [1, 1, 1, 1, 1, 1] and scale == 32
+    assert cut[4].shape == (1, 1, 32768)
+    cut, _, scale = flash_attention_bwd.standin(args, {"causal": True}, _bwd_config(2048, True))
+    assert [a.shape[1] for a in cut] == [4, 1, 1, 4, 4, 4] and scale == 8
+    # Both passes keep 128 steps: 4096-key dK/dV blocks give a head 64, so 2 heads stay,
+    # however many steps the dQ pass's 128 blocks take.
+    cfg = {**_bwd_config(4096, False), "bq_dq": 128, "bkv_dq": 128}
+    cut, _, scale = flash_attention_bwd.standin(args, {"causal": True}, cfg)
+    assert (cut[0].shape[1], scale) == (2, 16)
+
+
+def test_splash_standin_drops_query_heads_at_long_context():
+    q, k, _ = _llama8b(32768)
+    blocks = dict(block_q=2048, block_kv=2048, block_kv_compute=1024)
+    cut, kwargs, scale = _splash.forward_standin([q, k, k], {"causal": True}, blocks)
+    assert [a.shape[1] for a in cut] == [1, 1, 1]
+    assert scale == pytest.approx(32 * _splash.causal_fraction(32768, 32768, 2048, 2048))
+    assert kwargs == {"causal": False, "tables": False}
+
+
+@pytest.mark.libtpu
+def test_a_standin_with_fewer_query_heads_is_within_5_percent_of_the_full_compile():
+    """Where the cut group still compiles whole (4 query heads per KV head, 1024 tokens, 128
+    tiles: 64 steps a head, so the stand-in keeps 2), the scaled figure is the full one's."""
+    from pallas_tune.measure.estimate import Estimator
+
+    q = jax.ShapeDtypeStruct((1, 4, 1024, 128), BF)
+    k = jax.ShapeDtypeStruct((1, 1, 1024, 128), BF)
+    lse = jax.ShapeDtypeStruct((1, 4, 1024), jnp.float32)
+    fwd, bwd = {"bq": 128, "bkv": 128}, _bwd_config(128, False)
+    with Estimator(1) as est:
+        for kernel, args, cfg in ((flash_attention, [q, k, k], fwd),
+                                  (flash_attention_bwd, [q, k, k, q, lse, q], bwd)):
+            assert kernel.standin(args, {"causal": True}, cfg)[0][0].shape[1] == 2
+            scaled, full = (est.map(kernel, args, {"causal": True}, [cfg], "v6e",
+                                    standin=s)[0] for s in (True, False))
+            assert scaled.ok and full.ok, (scaled, full)
+            assert scaled.scale == 2
+            assert abs(scaled.cycles - full.cycles) / full.cycles < 0.05, (kernel, scaled, full)
