@@ -21,6 +21,7 @@ _OPTION_TYPES: dict[str, Any] = {
     **dict.fromkeys(("isolate", "standin", "write", "xla", "grad", "transfer",
                      "estimate_correction"), bool),
     "timeout_s": "limits",
+    "warm_configs": "configs",
 }
 _OPTION_CHOICES = {"sampler": ("gp", "tpe"), "timer": ("auto", "wallclock", "profiler", "tpu-estimate"),
                    "feasibility": ("auto", "off", "model", "compile"),
@@ -56,12 +57,27 @@ def add_tune_options(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=text)
+        elif kind == "configs":
+            group.add_argument(flag, type=_configs_arg, default=None, metavar="JSON",
+                               help=text + " A JSON object, or a list of them.")
         elif kind == "limits":
             group.add_argument(flag, type=_limits_arg, default=None, metavar="S|PHASE=S,...",
                                help=text)
         else:
             group.add_argument(flag, type=kind, default=None, choices=_OPTION_CHOICES.get(name),
                                help=text)
+
+
+def _configs_arg(text: str) -> list[Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON ({e}); give a config as an object, e.g. "
+            '\'{"bq": 512, "bkv": 512}\', or a list of them') from None
+    return [value] if isinstance(value, dict) else value
 
 
 def _limits_arg(text: str) -> float | dict[str, float]:

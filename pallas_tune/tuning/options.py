@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from pallas_tune.errors import TuneOptionError
@@ -40,6 +40,11 @@ class TuneOptions:
       warm_start: how many warm configs to try first (6): the declared default, the winners of
         the nearest tuned shapes, and for TPU chips the roofline model's picks. 0: only the
         default.
+      warm_configs: configs of your own to evaluate first, before the warm starts (they do
+        not count against ``warm_start``): the config you run today, or another library's
+        defaults, so that the tuned result is never worse than it by the run's own timer.
+        Each must be a point of the call's space (a mapping of every parameter to one of its
+        values).
       transfer: learn from the trials this kernel measured at other shapes and chips (the
         trial ledgers beside the caches): they give the GP sampler its prior mean (True).
         Estimates inform estimates; a measured run also learns from the compiler's estimates
@@ -138,6 +143,7 @@ class TuneOptions:
     seed: int | None = None
     sampler: str = "gp"
     warm_start: int = 6
+    warm_configs: tuple[Mapping[str, Any], ...] = ()
     transfer: bool = True
     confirm_top: int = 0
     patience: int | None = None
@@ -206,6 +212,7 @@ class TuneOptions:
                 raise TuneOptionError(f"callbacks holds {cb!r}, which is not callable; pass "
                                       "functions taking (record, progress).")
         object.__setattr__(self, "callbacks", callbacks)
+        object.__setattr__(self, "warm_configs", _configs(self.warm_configs))
 
     def _check_chip(self) -> None:
         from pallas_tune import chips
@@ -323,6 +330,20 @@ def _choice(o: TuneOptions, name: str, allowed: tuple[Any, ...]) -> None:
     v = getattr(o, name)
     if v not in allowed:
         raise TuneOptionError(f"{name}={v!r} must be one of {allowed}.")
+
+
+def _configs(value: Any) -> tuple[dict[str, Any], ...]:
+    """``warm_configs`` as a tuple of plain dicts (one mapping alone counts as one config).
+    Whether each is a point of the space is checked where the space is known (the tune)."""
+    configs = (value,) if isinstance(value, Mapping) else value
+    if isinstance(configs, str | bytes) or not isinstance(configs, Sequence):
+        raise TuneOptionError(f"warm_configs={value!r} must be a list of configs (mappings of "
+                              "parameter names to values), e.g. [{'bq': 512, 'bkv': 512}].")
+    for i, c in enumerate(configs):
+        if not isinstance(c, Mapping) or not c or not all(isinstance(k, str) for k in c):
+            raise TuneOptionError(f"warm_configs[{i}]={c!r} must be a non-empty mapping of "
+                                  "parameter names to values, e.g. {'bq': 512, 'bkv': 512}.")
+    return tuple(dict(c) for c in configs)
 
 
 def _limits(value: Any) -> dict[str, float]:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["warm_start_configs"]
+__all__ = ["own_configs", "warm_start_configs"]
 
 # Rank at most this many configs with the roofline model (each is one trace).
 ROOFLINE_MAX_SPACE = 4096
@@ -90,3 +90,25 @@ def _rank_here(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
         return [roofline_time(parts, args, kwargs, c, chip) for c in configs]
 
     return rank
+
+
+def own_configs(kernel: Any, space: Any, configs: Sequence[Mapping[str, Any]]
+                ) -> list[dict[str, Any]]:
+    """``TuneOptions.warm_configs`` as points of this call's space, deduplicated; a config
+    that is not one raises :class:`~pallas_tune.errors.TuneOptionError` naming what is wrong
+    with it and the values the space has."""
+    from pallas_tune.errors import TuneOptionError
+    from pallas_tune.space import _freeze
+
+    out: list[dict[str, Any]] = []
+    for i, given in enumerate(configs):
+        config = {k: _freeze(v) for k, v in given.items()}
+        problems = space.config_problems(config)  # The declared constraints: as any trial's.
+        if problems:
+            raise TuneOptionError(
+                f"warm_configs[{i}]={dict(given)!r} is not a point of {kernel.name}'s space at "
+                f"this call: {'; '.join(problems)}. Its parameters: "
+                + "; ".join(f"{p.name} in {list(p.choices)}" for p in space.params) + ".")
+        if config not in out:
+            out.append(config)
+    return out
