@@ -149,9 +149,9 @@ def recorded_cost(path: str, grad: bool) -> dict[str, Any]:
 
 def tune_splash(q_shape, k_shape, grad: bool, trials: int, memory_gb: float | None = None
                 ) -> dict[str, Any]:
-    """Splash's blocks tuned by v6e estimate (on its stand-in): the forward's by
-    ``splash_attention``, the backward's by ``splash_attention_bwd`` (forward + VJP); one
-    compile worker, capped at ``memory_gb`` (two beside a step compile starved on this host)."""
+    """Splash's blocks tuned by v6e estimate (on its stand-in), from MaxText's blocks: the
+    forward's by ``splash_attention``, the backward's by ``splash_attention_bwd`` (forward +
+    VJP); one compile worker, capped at ``memory_gb`` (two beside a step compile starved on this host)."""
     import warnings
 
     from pallas_tune import chips
@@ -161,8 +161,9 @@ def tune_splash(q_shape, k_shape, grad: bool, trials: int, memory_gb: float | No
             **({"worker_memory_gb": memory_gb} if memory_gb else {})}
     t0 = time.perf_counter()
     out: dict[str, Any] = {"forward": None, "backward": None, "from_cache": []}
-    for name, kernel, args in (("forward", adapters.splash_attention, [q, k, k]),
-                               ("backward", adapters.splash_attention_bwd, [q, k, k, q])):
+    for name, kernel, args, maxtext in (
+            ("forward", adapters.splash_attention, [q, k, k], MAXTEXT_FWD),
+            ("backward", adapters.splash_attention_bwd, [q, k, k, q], MAXTEXT_BWD)):
         if name == "backward" and not grad:
             continue
         with chips.target("v6e"), warnings.catch_warnings():
@@ -172,7 +173,9 @@ def tune_splash(q_shape, k_shape, grad: bool, trials: int, memory_gb: float | No
             out[name] = dict(cached)
             out["from_cache"].append(name)
         else:
-            out[name] = dict(kernel.tune(*args, causal=True, **opts).best)
+            # MaxText's blocks first: tuned splash is never worse than what MaxText runs.
+            out[name] = dict(kernel.tune(*args, causal=True, warm_configs=[maxtext],
+                                         **opts).best)
     out["tuning_wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 
