@@ -362,6 +362,34 @@ def test_the_standin_check_passes_over_standins_that_die_in_their_worker():
     assert use and check["unverified"] and asked == [(1, True), (4, True), (2, True)]
 
 
+def test_a_config_that_fails_on_its_standin_does_not_turn_the_standin_off():
+    """32768-row matmuls: the smallest-scale candidate failed to compile on its stand-in (its
+    own failure, not the method's), and the check had then sent every candidate to full
+    compiles, most of which died (1279 s for one call's 6 trials). The next config is tried;
+    where none completes, the stand-in is kept, labelled; a stand-in that compiles where the
+    full problem fails to (not dies) turns it off."""
+    from pallas_tune.measure.estimate import EstimateResult
+
+    ok = lambda c: EstimateResult(ok=True, kind="ok", cycles=c)  # noqa: E731
+    oom = EstimateResult(ok=False, kind="vmem_oom", message="CompileTimeScopedVmemOom")
+    died = EstimateResult(ok=False, kind="worker_crashed", message="the worker died")
+    configs = [{"t": t} for t in (1, 2, 3, 4)]
+    scales = {1: 1.5, 2: 3.0, 3: 1.0, 4: 2.0}
+    ev, asked = _checker(scales, {(1, True): oom, (4, True): ok(1000), (4, False): ok(990)})
+    use, check = ev.check_standin(configs)
+    assert use and check["trusted"] and check["config"] == {"t": 4}
+    assert check["passed_over"] == [{"config": {"t": 1}, "compile": "stand-in",
+                                     "kind": "vmem_oom", "message": "CompileTimeScopedVmemOom"}]
+    ev, asked = _checker(scales, {(1, True): oom, (4, True): died, (2, True): oom})
+    with pytest.warns(pt.PallasTuneWarning, match="stand-in compile .* UNVERIFIED"):
+        use, check = ev.check_standin(configs)
+    assert use and check["unverified"] and len(check["passed_over"]) == 3
+    ev, asked = _checker(scales, {(1, True): ok(1000), (1, False): oom})
+    use, check = ev.check_standin(configs)
+    assert not use and ev.used == [False] and check["passed_over"][0]["compile"] == "full"
+    assert asked == [(1, True), (1, False)]
+
+
 @pytest.mark.libtpu
 def test_estimate_sweeps_warm_start_from_neighbours_and_the_roofline(cache_dir, monkeypatch):
     """The estimate workers rank warm starts too: a nearby shape's winner is the first

@@ -247,6 +247,11 @@ class EstimateSession:
                         standin)
 
 
+def _failure(config: Mapping[str, Any], which: str, r: EstimateResult) -> dict[str, Any]:
+    return {"config": dict(config), "compile": which, "kind": r.kind,
+            "message": r.message[:300]}
+
+
 def _detail(r: EstimateResult) -> str:
     """How an estimate was made, where not as one whole compile of the full problem."""
     return "; ".join(([f"estimate x{r.scale:g}"] if r.scale != 1 else []) + (
@@ -366,7 +371,11 @@ class EstimateEvaluator(PoolEvaluator):
         """Estimates one candidate on the stand-in and in full; trusts the stand-in within 5%
         (else every candidate is compiled in full). Tries the configs that pass screening by
         smallest stand-in scale above 1 (the cheapest full compile that exercises the scaling),
-        up to 3 while a stand-in dies in its worker (e.g. 128 tiles beside 1024 ones)."""
+        up to 3 while a stand-in fails (dies in its worker, e.g. 128 tiles beside 1024 ones, or
+        fails to compile at that config: 32768-row matmuls, where one such config had turned
+        the stand-in off and sent every candidate to full compiles that died). Where none
+        completes a check the stand-in is kept and labelled unverified; a candidate that
+        compiles on its stand-in and fails in full turns it off."""
         if not self.has_standin:
             return False, {}
         replies = self.pool.map([("standin_scale", (dict(c),), "trace") for c in configs])
@@ -379,12 +388,31 @@ class EstimateEvaluator(PoolEvaluator):
                 ranked.append((scale, len(ranked), dict(config)))
         if not ranked:
             return self._use(True, {"note": "no candidate needed a stand-in"})
+        failed = []
         for scale, _, config in sorted(ranked)[:3]:
             scaled = self._estimate(config, True)
-            if scaled.ok or scaled.kind != "worker_crashed":
-                break
-        full = self._estimate(config, False) if scaled.ok else scaled  # None fits: skip it.
-        return self._use(*standin_verdict(config, scale, scaled, full))
+            if not scaled.ok:  # Says nothing of the method (this config, or too big): next.
+                failed.append(_failure(config, "stand-in", scaled))
+                continue
+            full = self._estimate(config, False)
+            if full.ok or full.kind in ("worker_crashed", NOT_ESTIMABLE):
+                use, check = standin_verdict(config, scale, scaled, full)
+                return self._use(use, {**check, **({"passed_over": failed} if failed else {})})
+            # Compiles on its stand-in, fails in full: the stand-in hides a failure.
+            return self._use(False, {"error": "a candidate compiled on its stand-in and failed "
+                                              "in full", "passed_over": failed
+                                     + [_failure(config, "full", full)]})
+        # No check completed (stand-ins that failed or died): kept, UNVERIFIED, as where the
+        # full problem is too big (standin_verdict).
+        from pallas_tune import errors
+
+        last = failed[-1]
+        msg = (f"the stand-in compile of {last['config']} failed ({last['kind']}: "
+               f"{last['message'][:200]}), as did {len(failed) - 1} tried before it; the "
+               "stand-in is used UNVERIFIED")
+        errors.warn(msg)
+        return self._use(True, {"config": last["config"], "scale": scale, "trusted": False,
+                                "unverified": True, "error": msg, "passed_over": failed})
 
     def _estimate(self, config: Mapping[str, Any], standin: bool) -> EstimateResult:
         reply = self.pool.call("estimate", dict(config), standin, phase="compile")
