@@ -41,7 +41,7 @@ from pallas_tune.measure.loops import (FLAG, NO_ESTIMATE, NOT_ESTIMABLE, PREFETC
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.pool import worker_memory_limit as _memory_limit
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
-from pallas_tune.measure.standin import shrink_parallel, standin_verdict
+from pallas_tune.measure.standin import shrink_parallel, standin_verdict, unverified
 from pallas_tune.measure.unprofiled import UnprofiledCheck, settle
 
 __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator",
@@ -404,15 +404,11 @@ class EstimateEvaluator(PoolEvaluator):
                                      + [_failure(config, "full", full)]})
         # No check completed (stand-ins that failed or died): kept, UNVERIFIED, as where the
         # full problem is too big (standin_verdict).
-        from pallas_tune import errors
-
         last = failed[-1]
-        msg = (f"the stand-in compile of {last['config']} failed ({last['kind']}: "
-               f"{last['message'][:200]}), as did {len(failed) - 1} tried before it; the "
-               "stand-in is used UNVERIFIED")
-        errors.warn(msg)
-        return self._use(True, {"config": last["config"], "scale": scale, "trusted": False,
-                                "unverified": True, "error": msg, "passed_over": failed})
+        use, check = unverified(last["config"], scale, (
+            f"the stand-in compile of {last['config']} failed ({last['kind']}: "
+            f"{last['message'][:200]}), as did {len(failed) - 1} tried before it"))
+        return self._use(use, {**check, "passed_over": failed})
 
     def _estimate(self, config: Mapping[str, Any], standin: bool) -> EstimateResult:
         reply = self.pool.call("estimate", dict(config), standin, phase="compile")

@@ -314,10 +314,9 @@ def _warm(evaluator: Any, kernel: Any, space: Any, args: Sequence[Any],
     given = own_configs(kernel, space, options.warm_configs)
     if space.size <= options.trials:
         return []
-    if not options.warm_start:
-        return given + [c for c in [next(space.ordered_candidates())] if c not in given]
-    found = warm_start_configs(kernel, args, kwargs, chip, key, limit=options.warm_start,
-                               rank=evaluator.roofline, space=space)
+    found = (warm_start_configs(kernel, args, kwargs, chip, key, limit=options.warm_start,
+                                rank=evaluator.roofline, space=space)
+             if options.warm_start else [next(space.ordered_candidates())])
     return given + [c for c in found if c not in given]
 
 

@@ -103,7 +103,7 @@ def own_configs(kernel: Any, space: Any, configs: Sequence[Mapping[str, Any]]
     out: list[dict[str, Any]] = []
     for i, given in enumerate(configs):
         config = {k: _freeze(v) for k, v in given.items()}
-        problems = space.config_problems(config)  # The declared constraints: as any trial's.
+        problems = space.config_problems(config)  # Constraints are checked as any trial's.
         if problems:
             raise TuneOptionError(
                 f"warm_configs[{i}]={dict(given)!r} is not a point of {kernel.name}'s space at "
