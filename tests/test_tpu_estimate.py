@@ -390,6 +390,24 @@ def test_a_config_that_fails_on_its_standin_does_not_turn_the_standin_off():
     assert asked == [(1, True), (1, False)]
 
 
+def test_the_standin_check_compiles_nothing_where_no_candidate_shrinks_or_one_raises():
+    """standin.check: no candidate with a scale other than 1 needs no check (the stand-in is
+    the problem itself); a stand-in function that raises turns the stand-in off, before any
+    compile."""
+    from pallas_tune.measure import standin
+
+    def never(config, use_standin):
+        raise AssertionError(f"compiled {config} (standin={use_standin})")
+
+    configs = [{"t": 1}, {"t": 2}]
+    assert standin.check(configs, [1, None], never) == (
+        True, {"note": "no candidate needed a stand-in"})
+    assert standin.check(configs, [2.0, "error"], never) == (False, {"error": "stand-in raised"})
+    ev, asked = _checker({1: "error", 2: 2.0}, {})
+    assert ev.check_standin(configs) == (False, {"error": "stand-in raised"})
+    assert ev.used == [False] and asked == []
+
+
 @pytest.mark.libtpu
 def test_estimate_sweeps_warm_start_from_neighbours_and_the_roofline(cache_dir, monkeypatch):
     """The estimate workers rank warm starts too: a nearby shape's winner is the first

@@ -13,7 +13,7 @@ taking the host down.
 
 Cost control: a kernel may declare ``standin=`` on ``@tunable``: a function returning a smaller
 problem with the same tiles (fewer steps along parallel grid axes) and the factor to scale its
-estimate by. The shipped kernels do; :func:`standin_verdict` decides whether to trust it, and
+estimate by. The shipped kernels do; :func:`.standin.check` decides whether to trust it, and
 benchmarks/estimates/tpu_estimate.py checks the scaled figures against full compiles.
 
 Figures are compiler estimates converted with the chip's clock, never measurements; cache entries
@@ -41,7 +41,8 @@ from pallas_tune.measure.loops import (FLAG, NO_ESTIMATE, NOT_ESTIMABLE, PREFETC
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.pool import worker_memory_limit as _memory_limit
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
-from pallas_tune.measure.standin import shrink_parallel, standin_verdict, unverified
+from pallas_tune.measure import standin
+from pallas_tune.measure.standin import shrink_parallel, standin_verdict
 from pallas_tune.measure.unprofiled import UnprofiledCheck, settle
 
 __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator",
@@ -247,11 +248,6 @@ class EstimateSession:
                         standin)
 
 
-def _failure(config: Mapping[str, Any], which: str, r: EstimateResult) -> dict[str, Any]:
-    return {"config": dict(config), "compile": which, "kind": r.kind,
-            "message": r.message[:300]}
-
-
 def _detail(r: EstimateResult) -> str:
     """How an estimate was made, where not as one whole compile of the full problem."""
     return "; ".join(([f"estimate x{r.scale:g}"] if r.scale != 1 else []) + (
@@ -368,57 +364,20 @@ class EstimateEvaluator(PoolEvaluator):
             model_cycles=plain.value.model_cycles if plain.kind == "done" else None)
 
     def check_standin(self, configs: Sequence[Mapping[str, Any]]) -> tuple[bool, dict[str, Any]]:
-        """Estimates one candidate on the stand-in and in full; trusts the stand-in within 5%
-        (else every candidate is compiled in full). Tries the configs that pass screening by
-        smallest stand-in scale above 1 (the cheapest full compile that exercises the scaling),
-        up to 3 while a stand-in fails (dies in its worker, e.g. 128 tiles beside 1024 ones, or
-        fails to compile at that config: 32768-row matmuls, where one such config had turned
-        the stand-in off and sent every candidate to full compiles that died). Where none
-        completes a check the stand-in is kept and labelled unverified; a candidate that
-        compiles on its stand-in and fails in full turns it off."""
+        """Whether the stand-in may stand in for these candidates (see standin.check)."""
         if not self.has_standin:
             return False, {}
         replies = self.pool.map([("standin_scale", (dict(c),), "trace") for c in configs])
-        ranked = []
-        for config, reply in zip(configs, replies, strict=True):
-            scale = reply.value if reply.kind == "done" else None
-            if scale == "error":
-                return self._use(False, {"error": "stand-in raised"})
-            if scale is not None and scale != 1:  # Shrunk (> 1), or transformed (splash).
-                ranked.append((scale, len(ranked), dict(config)))
-        if not ranked:
-            return self._use(True, {"note": "no candidate needed a stand-in"})
-        failed = []
-        for scale, _, config in sorted(ranked)[:3]:
-            scaled = self._estimate(config, True)
-            if not scaled.ok:  # Says nothing of the method (this config, or too big): next.
-                failed.append(_failure(config, "stand-in", scaled))
-                continue
-            full = self._estimate(config, False)
-            if full.ok or full.kind in ("worker_crashed", NOT_ESTIMABLE):
-                use, check = standin_verdict(config, scale, scaled, full)
-                return self._use(use, {**check, **({"passed_over": failed} if failed else {})})
-            # Compiles on its stand-in, fails in full: the stand-in hides a failure.
-            return self._use(False, {"error": "a candidate compiled on its stand-in and failed "
-                                              "in full", "passed_over": failed
-                                     + [_failure(config, "full", full)]})
-        # No check completed (stand-ins that failed or died): kept, UNVERIFIED, as where the
-        # full problem is too big (standin_verdict).
-        last = failed[-1]
-        use, check = unverified(last["config"], scale, (
-            f"the stand-in compile of {last['config']} failed ({last['kind']}: "
-            f"{last['message'][:200]}), as did {len(failed) - 1} tried before it"))
-        return self._use(use, {**check, "passed_over": failed})
+        use, record = standin.check(
+            configs, [r.value if r.kind == "done" else None for r in replies], self._estimate)
+        self.pool.remember("set_standin", use)
+        return use, record
 
     def _estimate(self, config: Mapping[str, Any], standin: bool) -> EstimateResult:
         reply = self.pool.call("estimate", dict(config), standin, phase="compile")
         if reply.kind == "done":
             return reply.value
         return EstimateResult(ok=False, kind="worker_crashed", message=reply.message[:500])
-
-    def _use(self, use: bool, check: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-        self.pool.remember("set_standin", use)
-        return use, check
 
     def close(self) -> None:
         self._unprofiled.close()

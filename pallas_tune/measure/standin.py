@@ -1,16 +1,66 @@
 """Stand-ins for the ``tpu-estimate`` timer: a smaller problem with the same tiles, whose
 estimate, scaled, stands for the full problem's (see :mod:`.estimate`). Kernels build theirs
-with :func:`shrink_parallel`; the tuner decides whether to trust one with
-:func:`standin_verdict`."""
+with :func:`shrink_parallel`; the tuner decides whether to trust one with :func:`check`
+(which candidates to check) and :func:`standin_verdict` (what one check says)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pallas_tune.measure.loops import NOT_ESTIMABLE
 
-__all__ = ["shrink_parallel", "standin_verdict", "unverified"]
+__all__ = ["check", "shrink_parallel", "standin_verdict", "unverified"]
+
+TRIES = 3  # Candidates whose stand-in fails before the check stops trying.
+
+
+def check(configs: Sequence[Mapping[str, Any]], scales: Sequence[Any],
+          estimate: Callable[[Mapping[str, Any], bool], Any]) -> tuple[bool, dict[str, Any]]:
+    """Whether to use the stand-in, and the record: one candidate estimated on its stand-in
+    and in full (``estimate(config, standin)``), trusted within 5% (else every candidate is
+    compiled in full). ``scales``: each config's stand-in scale (None where it has none,
+    ``"error"`` where the stand-in raised).
+
+    Tries the configs by smallest scale above 1 (the cheapest full compile that exercises the
+    scaling), up to ``TRIES`` while a stand-in fails (dies in its worker, e.g. 128 tiles beside
+    1024 ones, or fails to compile at that config: 32768-row matmuls, where one such config
+    had turned the stand-in off and sent every candidate to full compiles that died). Where
+    none completes a check the stand-in is kept and labelled unverified; a candidate that
+    compiles on its stand-in and fails in full turns it off."""
+    ranked = []
+    for config, scale in zip(configs, scales, strict=True):
+        if scale == "error":
+            return False, {"error": "stand-in raised"}
+        if scale is not None and scale != 1:  # Shrunk (> 1), or transformed (splash).
+            ranked.append((scale, len(ranked), dict(config)))
+    if not ranked:
+        return True, {"note": "no candidate needed a stand-in"}
+    failed = []
+    for scale, _, config in sorted(ranked)[:TRIES]:
+        scaled = estimate(config, True)
+        if not scaled.ok:  # Says nothing of the method (this config, or too big): next.
+            failed.append(_failure(config, "stand-in", scaled))
+            continue
+        full = estimate(config, False)
+        if full.ok or full.kind in ("worker_crashed", NOT_ESTIMABLE):
+            use, record = standin_verdict(config, scale, scaled, full)
+            return use, {**record, **({"passed_over": failed} if failed else {})}
+        # Compiles on its stand-in, fails in full: the stand-in hides a failure.
+        return False, {"error": "a candidate compiled on its stand-in and failed in full",
+                       "passed_over": failed + [_failure(config, "full", full)]}
+    # No check completed (stand-ins that failed or died): kept, UNVERIFIED, as where the full
+    # problem is too big (standin_verdict).
+    last = failed[-1]
+    use, record = unverified(last["config"], scale, (
+        f"the stand-in compile of {last['config']} failed ({last['kind']}: "
+        f"{last['message'][:200]}), as did {len(failed) - 1} tried before it"))
+    return use, {**record, "passed_over": failed}
+
+
+def _failure(config: Mapping[str, Any], which: str, r: Any) -> dict[str, Any]:
+    return {"config": dict(config), "compile": which, "kind": r.kind,
+            "message": r.message[:300]}
 
 
 def standin_verdict(config: Mapping[str, Any], scale: float, scaled: Any,
