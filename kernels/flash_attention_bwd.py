@@ -409,28 +409,35 @@ def _inputs(q, k, v, o, lse, do, **kwargs):
 
 
 def _standin(args, kwargs, config):
-    """Fewer batch rows and KV heads, and unfused also fewer query heads per KV head (identical
-    work each), same tiles (tpu-estimate). The fused pass keeps its group: its dq accumulator,
-    which decides whether it fits VMEM, holds the whole group's. Unfused, a query head's share
-    of the dK/dV pass is its run of the group axis; only the per-KV-block init and write-out do
-    not scale with it (at 32768 tokens one KV group of Llama-3.1-8B is 1024 steps at 2048
-    tiles, past 22 GB under libtpu's profile)."""
+    """Fewer batch rows, KV heads and query heads per KV head (identical work each), same tiles
+    (tpu-estimate); a query head's share of the dK/dV pass is its run of the group axis, and
+    only the per-KV-block init and write-out do not scale with it (at 32768 tokens one KV group
+    of Llama-3.1-8B is 1024 steps at 2048 tiles, past 22 GB under libtpu's profile).
+
+    Fused, the dq accumulator holds the whole group's rows, and the pass raises its VMEM limit
+    by exactly that much (``_fused_vmem_limit``), so a stand-in with fewer query heads has the
+    full problem's headroom: it fits VMEM where the full problem does (to the MiB the limit is
+    rounded to). Not where the full limit reaches ``_MAX_VMEM`` (capped): there the group is
+    kept, so that the stand-in fails where the full problem would."""
     from pallas_tune.measure.estimate import shrink_parallel
 
     q, k = args[0], args[1]
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
+    bq, bkv = min(config["bq_dkv"], sq), min(config["bkv_dkv"], sk)
 
     def steps(bq, bkv):
         return pl.cdiv(sq, min(bq, sq)) * pl.cdiv(sk, min(bkv, sk))
 
-    per_head = steps(config["bq_dkv"], config["bkv_dkv"])
-    if config.get("fused"):
+    per_head = steps(bq, bkv)
+    capped = _fused_vmem_limit(group * pl.cdiv(sq, bq), d, bq, bkv, q.dtype) == _MAX_VMEM
+    if config.get("fused") and capped:
         (nb, nh), scale = shrink_parallel([b, hkv], group * per_head)
         ng = group
     else:
-        per_head = min(per_head, steps(config["bq_dq"], config["bkv_dq"]))
+        if not config.get("fused"):
+            per_head = min(per_head, steps(config["bq_dq"], config["bkv_dq"]))
         (nb, nh, ng), scale = shrink_parallel([b, hkv, group], per_head)
     qs = jax.ShapeDtypeStruct((nb, nh * ng, sq, d), q.dtype)
     kvs = jax.ShapeDtypeStruct((nb, nh, sk, d), k.dtype)

@@ -1,6 +1,7 @@
 """Flash attention's and splash's estimate stand-ins at long context: fewer query heads per KV
 head where one KV group is too many grid steps for libtpu's profile (issue 40's 32768 tokens);
-the fused backward keeps its group, whose dq accumulator decides whether it fits VMEM."""
+the fused backward too, where its VMEM limit grows by its dq accumulator uncapped (so a stand-in
+with fewer heads has the full problem's headroom), and keeps its group where it is capped."""
 
 from __future__ import annotations
 
@@ -38,14 +39,23 @@ def test_the_forward_standin_drops_query_heads_only_where_a_group_is_too_long():
     assert (q2.shape[1], k2.shape[1], scale) == (16, 4, 2)
 
 
-def test_the_unfused_backward_drops_query_heads_and_the_fused_keeps_its_group():
+def test_the_backward_drops_query_heads_and_the_fused_keeps_its_group_where_vmem_is_capped():
     q, k, lse = _llama8b(32768)
     args = [q, k, k, q, lse, q]
     cut, _, scale = flash_attention_bwd.standin(args, {"causal": True}, _bwd_config(2048, False))
     assert [a.shape[1] for a in cut] == [1, 1, 1, 1, 1, 1] and scale == 32
     assert cut[4].shape == (1, 1, 32768)
+    # Fused at 2048 tiles: a 64 MiB dq accumulator, a 98 MiB limit (uncapped): one head too.
     cut, _, scale = flash_attention_bwd.standin(args, {"causal": True}, _bwd_config(2048, True))
-    assert [a.shape[1] for a in cut] == [4, 1, 1, 4, 4, 4] and scale == 8
+    assert [a.shape[1] for a in cut] == [1, 1, 1, 1, 1, 1] and scale == 32
+    # 70B/TP8's shard (8 query heads, 1 KV head): the group's dq wants 162 MiB, past the
+    # 100 MiB cap, so the group stays (whose compile then fails as the full problem's would).
+    q70 = jax.ShapeDtypeStruct((1, 8, 32768, 128), BF)
+    k70 = jax.ShapeDtypeStruct((1, 1, 32768, 128), BF)
+    lse70 = jax.ShapeDtypeStruct((1, 8, 32768), jnp.float32)
+    cut, _, scale = flash_attention_bwd.standin([q70, k70, k70, q70, lse70, q70],
+                                                {"causal": True}, _bwd_config(2048, True))
+    assert [a.shape[1] for a in cut] == [8, 1, 1, 8, 8, 8] and scale == 1
     # Both passes keep 128 steps: 4096-key dK/dV blocks give a head 64, so 2 heads stay,
     # however many steps the dQ pass's 128 blocks take.
     cfg = {**_bwd_config(4096, False), "bq_dq": 128, "bkv_dq": 128}
@@ -65,7 +75,8 @@ def test_splash_standin_drops_query_heads_at_long_context():
 @pytest.mark.libtpu
 def test_a_standin_with_fewer_query_heads_is_within_5_percent_of_the_full_compile():
     """Where the cut group still compiles whole (4 query heads per KV head, 1024 tokens, 128
-    tiles: 64 steps a head, so the stand-in keeps 2), the scaled figure is the full one's."""
+    tiles: 64 steps a head, so the stand-in keeps 2), the scaled figure is the full one's: the
+    forward, the two backward passes and the fused one."""
     from pallas_tune.measure.estimate import Estimator
 
     q = jax.ShapeDtypeStruct((1, 4, 1024, 128), BF)
@@ -74,7 +85,9 @@ def test_a_standin_with_fewer_query_heads_is_within_5_percent_of_the_full_compil
     fwd, bwd = {"bq": 128, "bkv": 128}, _bwd_config(128, False)
     with Estimator(1) as est:
         for kernel, args, cfg in ((flash_attention, [q, k, k], fwd),
-                                  (flash_attention_bwd, [q, k, k, q, lse, q], bwd)):
+                                  (flash_attention_bwd, [q, k, k, q, lse, q], bwd),
+                                  (flash_attention_bwd, [q, k, k, q, lse, q],
+                                   _bwd_config(128, True))):
             assert kernel.standin(args, {"causal": True}, cfg)[0][0].shape[1] == 2
             scaled, full = (est.map(kernel, args, {"causal": True}, [cfg], "v6e",
                                     standin=s)[0] for s in (True, False))

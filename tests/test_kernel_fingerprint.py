@@ -72,6 +72,67 @@ def test_comments_docstrings_and_layout_do_not_count_code_does(tmp_path, monkeyp
         assert base.fingerprint == _kernel_hash.source_fingerprint(f.read())
 
 
+_STANDIN = '''
+import pallas_tune as pt
+from m_estimate import shrink
+
+
+def _cut(n):
+    return max(1, n // {cut})
+
+
+def _standin(args, kwargs, config):
+    return [shrink(args[0], _cut(args[0].shape[0]))], kwargs, {scale}
+
+
+def _shared(x):
+    return x * {shared}
+
+
+@pt.tunable(b=[1], standin=_standin)
+def kern(x, *, b):
+    return _shared(x) + {body}
+'''
+
+
+def test_the_standin_is_not_part_of_the_fingerprint_what_the_kernel_runs_is():
+    """A stand-in decides how an estimate is made (each entry records it), not the program:
+    editing it, or the helpers only it reaches, or its imports, stales nothing; the kernel's
+    own code, and a helper the kernel also calls, still count (scheme 2). Scheme 1, which
+    entries recorded before, counted the stand-in."""
+    def fp(scheme=2, **kw):
+        src = _STANDIN.format(**{"cut": 2, "scale": 2.0, "shared": 1, "body": 0, **kw})
+        return _kernel_hash.source_fingerprint(src, scheme)
+
+    base = fp()
+    assert fp(cut=4, scale=4.0) == base
+    assert fp(body=1) != base and fp(shared=2) != base
+    plain = _STANDIN.format(cut=2, scale=2.0, shared=1, body=0)
+    plain = plain.replace(", standin=_standin", "").replace("from m_estimate import shrink\n", "")
+    plain = plain[:plain.index("def _cut")] + plain[plain.index("def _shared"):]
+    assert _kernel_hash.source_fingerprint(plain) == base  # Adding a stand-in: no change.
+    assert fp(1, cut=4) != fp(1)  # The earlier scheme saw the stand-in.
+
+
+def test_entries_recorded_under_the_earlier_scheme_stay_current(tmp_path, monkeypatch):
+    """Every cache written before scheme 2 recorded scheme 1's fingerprint: an entry whose
+    recorded value is scheme 1's of the code as it is now is current, not stale; scheme 1 of
+    other code is stale; ``version=`` kernels have no earlier scheme."""
+    standin = ", standin=lambda args, kwargs, config: (args, kwargs, 1.0)"
+    kern = _load(tmp_path, monkeypatch, "fp_scheme", extra=standin)
+    with open(tmp_path / "fp_scheme.py", encoding="utf-8") as f:
+        source = f.read()
+    old = _kernel_hash.source_fingerprint(source, 1)
+    assert old != kern.fingerprint  # The schemes differ, so the earlier one is not the same.
+    assert _kernel_hash.kernel_state(old, kern) == "current"
+    assert _kernel_hash.kernel_state(kern.fingerprint, kern) == "current"
+    other = _kernel_hash.source_fingerprint(source.replace("x * 2", "x * 3"), 1)
+    assert _kernel_hash.kernel_state(other, kern) == "stale"
+    assert _kernel_hash.kernel_state(None, kern) == "unknown"
+    versioned = _load(tmp_path, monkeypatch, "fp_scheme_v", extra=standin + ', version="1"')
+    assert _kernel_hash.kernel_state(old, versioned) == "stale"
+
+
 def test_version_overrides_the_code_and_is_validated(tmp_path, monkeypatch):
     a = _load(tmp_path, monkeypatch, "fp_va", extra=', version="2"')
     b = _load(tmp_path, monkeypatch, "fp_vb", extra=', version="2"', factor=5)
@@ -242,7 +303,8 @@ def test_sweep_records_skips_current_and_retunes_stale_in_a_new_study(cache_dir,
     # The kernel's code changes (as if toy_kernels.py were edited): the entry is stale. (The
     # file itself stays as it is: its on-disk check is test_an_edit_during_tuning_writes_nothing.)
     changed = "fedcba9876543210"
-    monkeypatch.setattr(kernel, "_fingerprint", changed)
+    monkeypatch.setattr(kernel, "_fingerprint", changed)  # Changed under every scheme:
+    monkeypatch.setattr(_kernel_hash, "earlier_fingerprints", lambda fn: frozenset())
     monkeypatch.setattr("pallas_tune.tuning.finish.source_changed", lambda fn, fp: None)
     assert main(["show", "--format", "json", "--kernel", "toy_kernels.scale",
                  "--import", "toy_kernels"]) == 0

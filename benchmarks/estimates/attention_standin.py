@@ -2,15 +2,15 @@
 
 At long context a single KV group is too much for libtpu's profile on a 24 GB host (Llama-3.1-8B
 at 32768 tokens, 2048 tiles: 1024 grid steps, past 22 GB), so the stand-ins of
-``flash_attention`` and ``flash_attention_bwd`` (unfused) also drop query heads within a group,
-down to 128 grid steps. This prints the stand-in's scaled estimate against the full compile at
+``flash_attention`` and ``flash_attention_bwd`` also drop query heads within a group, down to
+128 grid steps (the fused backward only where its VMEM limit is not capped). This prints the stand-in's scaled estimate against the full compile at
 shapes where the stand-in cuts the group and the full problem still fits (configs it does
 not cut are left out), then the stand-in's
 figures at 32768 tokens, where nothing else is readable. Every figure is a v6e compiler
 ESTIMATE, not a measurement.
 
     python benchmarks/estimates/attention_standin.py [--memory-gb 14] [--long 32768]
-        [--passes forward backward long]
+        [--passes forward backward fused long]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ CLOCK = 1.75e9
 BF = jnp.bfloat16
 FWD = [{"bq": 1024, "bkv": 1024}, {"bq": 2048, "bkv": 1024}, {"bq": 4096, "bkv": 2048}]
 BWD = [dict(bq_dq=b, bkv_dq=b, bq_dkv=b, bkv_dkv=b, fused=False) for b in (1024, 2048)]
+FUSED = [{**c, "fused": True} for c in BWD]
 # (q heads, KV heads, tokens): the 70B/TP8 shard (a group of 8) and an 8B KV group.
 CHECKED = [(8, 1, 8192), (4, 1, 8192), (8, 1, 16384)]
 
@@ -52,6 +53,10 @@ def _cut(kernel, args, cfg):
     return f"{q.shape[1]}/{k.shape[1]}", scale
 
 
+def _pass(bwd, cfg):
+    return ("backward, fused" if cfg.get("fused") else "backward") if bwd else "forward"
+
+
 def _ms(r):
     return cycles_to_ms(r.cycles, CLOCK) if r.ok and r.cycles else None
 
@@ -60,7 +65,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--memory-gb", type=float, default=14)
     p.add_argument("--long", type=int, default=32768)
-    p.add_argument("--passes", nargs="*", choices=["forward", "backward", "long"],
+    p.add_argument("--passes", nargs="*", choices=["forward", "backward", "fused", "long"],
                    default=["forward", "backward", "long"])
     p.add_argument("--out", default=bench.result("attention_standin.md"))
     p.add_argument("--append", action="store_true", help="add rows to --out's table")
@@ -77,8 +82,11 @@ def main() -> None:
         shapes = [(s, False, c) for s in CHECKED for c in FWD] * ("forward" in a.passes)
         shapes += [(s, True, c) for s in CHECKED if s[2] <= 8192  # Two passes: at most 8192.
                    for c in BWD] * ("backward" in a.passes)
+        shapes += [(s, True, c) for s in CHECKED if s[2] <= 8192
+                   for c in FUSED] * ("fused" in a.passes)
         shapes += [((hq, hkv, a.long), bwd, c) for hq, hkv in ((32, 8), (8, 1))
-                   for bwd, cs in ((False, FWD), (True, BWD)) for c in cs] * ("long" in a.passes)
+                   for bwd, cs in ((False, FWD), (True, BWD + FUSED)) for c in cs
+                   ] * ("long" in a.passes)
         for (hq, hkv, t), bwd, cfg in shapes:
             kernel, args = _specs(hq, hkv, t, bwd)
             cut, scale = _cut(kernel, args, cfg)
@@ -90,7 +98,7 @@ def main() -> None:
             s, f = _ms(scaled), full and _ms(full)
             blocks = cfg.get("bq", cfg.get("bq_dkv")), cfg.get("bkv", cfg.get("bkv_dkv"))
             lines.append(
-                f"| {'backward' if bwd else 'forward'} | {hq}/{hkv} | {t} | {blocks[0]}/"
+                f"| {_pass(bwd, cfg)} | {hq}/{hkv} | {t} | {blocks[0]}/"
                 f"{blocks[1]} | {cut} | {scale:g} | {f'{s:.4f}' if s else scaled.kind} | "
                 f"{f'{f:.4f}' if f else (full.kind if full else 'not compiled')} | "
                 f"{f'{s / f:.3f}' if s and f else '-'} |")

@@ -189,7 +189,7 @@ def _fingerprints(wf: Any, kernel: Any, path: str, counts: dict[str, int]
         if bad is not None:
             malformed.append(f"{path}: entry {key!r}: {bad}")
         state = "unchecked" if recorded is not None and current is None else \
-            _kernel_hash.state(recorded, current)
+            _kernel_hash.kernel_state(recorded, kernel)
         counts[state] = counts.get(state, 0) + 1
         if state == "stale":
             stale.append(f"{path}: entry {key!r}: stale: tuned on kernel {recorded}, now "

@@ -96,7 +96,7 @@ def space_coverage(space_names: Sequence[str], chip: str, paths: Sequence[str],
                 continue
             cov.kinds[hit.kind] = cov.kinds.get(hit.kind, 0) + 1
             recorded, _ = _kernel_hash.recorded(hit.entry.get("provenance"))
-            state = _kernel_hash.state(recorded, kernel.fingerprint)
+            state = _kernel_hash.kernel_state(recorded, kernel)
             cov.code[state] = cov.code.get(state, 0) + 1
             if state == "stale":
                 cov.stale.append(f"{hit.path}: entry {key!r}: stale (tuned on other code of "

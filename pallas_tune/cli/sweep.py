@@ -289,7 +289,7 @@ def _stale(kernel: Any, entry: dict[str, Any]) -> str | None:
     from pallas_tune import _kernel_hash
 
     recorded, _ = _kernel_hash.recorded(entry.get("provenance"))
-    if _kernel_hash.state(recorded, kernel.fingerprint if recorded else None) != "stale":
+    if _kernel_hash.kernel_state(recorded, kernel) != "stale":
         return None
     return f"stale: tuned on kernel {recorded}, now {kernel.fingerprint}"
 

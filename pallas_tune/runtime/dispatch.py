@@ -212,7 +212,7 @@ def _check_fingerprint(kernel: Declared, key: str, hit: Hit) -> None:
     if recorded is None:
         return  # Tuned before fingerprints were recorded: unknown, as before.
     current = kernel.fingerprint
-    if _kernel_hash.state(recorded, current) != "stale":
+    if _kernel_hash.kernel_state(recorded, kernel) != "stale":
         return
     kernel._warn_once(key, (
         f"pallas-tune: the cached config of {kernel.name!r} for {key!r} ({hit.path}) was tuned "
