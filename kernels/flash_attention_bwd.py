@@ -409,16 +409,11 @@ def _inputs(q, k, v, o, lse, do, **kwargs):
 
 
 def _standin(args, kwargs, config):
-    """Fewer batch rows, KV heads and query heads per KV head (identical work each), same tiles
-    (tpu-estimate); a query head's share of the dK/dV pass is its run of the group axis, and
-    only the per-KV-block init and write-out do not scale with it (at 32768 tokens one KV group
-    of Llama-3.1-8B is 1024 steps at 2048 tiles, past 22 GB under libtpu's profile).
-
-    Fused, the dq accumulator holds the whole group's rows, and the pass raises its VMEM limit
-    by exactly that much (``_fused_vmem_limit``), so a stand-in with fewer query heads has the
-    full problem's headroom: it fits VMEM where the full problem does (to the MiB the limit is
-    rounded to). Not where the full limit reaches ``_MAX_VMEM`` (capped): there the group is
-    kept, so that the stand-in fails where the full problem would."""
+    """Fewer batch rows, KV heads and query heads per KV head (identical work each; a query
+    head's share of the dK/dV pass is its run of the group axis), same tiles (tpu-estimate).
+    Fused, the dq accumulator holds the group's rows, but the pass raises its VMEM limit by
+    exactly that (``_fused_vmem_limit``): a stand-in with fewer heads has the full problem's
+    headroom (to the MiB), except where the limit is capped, where the group is kept."""
     from pallas_tune.measure.estimate import shrink_parallel
 
     q, k = args[0], args[1]
