@@ -88,3 +88,51 @@ def test_the_mixtral_tp8_layer_differentiates_with_its_shards_shapes(steps):
             k._warned.update(before)
     assert [g.shape for g in grads] == [a.shape for a in args]
     assert args[6].shape == (8, 4096, 2 * 1792) and args[7].shape == (8, 1792, 4096)
+
+
+def test_the_upstream_rows_refuse_before_tuning_where_no_all_xla_figures_exist(steps,
+                                                                               monkeypatch):
+    """A run of --settings tuned with --upstream has no all-XLA per-call figures to put splash
+    beside: refused at once, before tuning splash (half an hour at 32768 tokens)."""
+    upstream, _, _ = steps
+
+    def never(*a, **k):
+        raise AssertionError("splash tuned with nothing to compose it with")
+
+    monkeypatch.setattr(upstream, "tune_splash", never)
+    row = _row([])
+    del row["step_detail"]["xla"]
+    row["layer"] = "llama_fwd_bwd"
+    out = upstream.rows("llama_fwd_bwd", row, 512, 4, 6.0)
+    assert {k: v["ms"] for k, v in out.items()} == {"maxtext": None, "tuned": None}
+    assert "--settings xla" in out["tuned"]["detail"]["error"]
+
+
+def test_a_failing_upstream_part_keeps_the_layers_own_figures(steps, monkeypatch):
+    """Seen at 32768 tokens: splash's backward had no estimable config, tune raised after an
+    hour of the layer's compiles, and the run ended without writing the tuned figure. The row
+    is saved before the upstream part, and the failure is recorded in it."""
+    import types
+
+    import pallas_tune as pt
+
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        st = importlib.import_module("steps.step_tuning")
+    finally:
+        sys.path.remove(BENCHMARKS)
+    upstream, _, _ = steps
+    result = types.SimpleNamespace(calls=[])
+    monkeypatch.setattr(st.pt, "autotune", lambda *a, **k: result)
+    monkeypatch.setattr(st.step, "composed", lambda *a, **k: ({"tuned": 7.5}, "t", {"glue": {}}))
+
+    def no_config(*a, **k):
+        raise pt.NoFeasibleConfigError("none of 100 candidates succeeded")
+
+    monkeypatch.setattr(st.upstream, "rows", no_config)
+    monkeypatch.setattr(st, "LAYERS", {"llama_fwd_bwd": ("t", lambda: None, lambda: ())})
+    saved = []
+    row = st.run("llama_fwd_bwd", 1, ["tuned"], 1.0, "composed", 4, save=saved.append)
+    assert saved and saved[0]["step_ms"] == {"tuned": 7.5}
+    assert row["step_ms"] == {"tuned": 7.5}
+    assert "none of 100 candidates" in row["upstream"]["tuned"]["detail"]["error"]

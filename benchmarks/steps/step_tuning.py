@@ -149,7 +149,10 @@ LAYERS = {
 
 
 def run(name: str, trials: int, settings: list[str], memory_gb: float, method: str,
-        upstream_trials: int | None = None, check_whole: list[str] | None = None) -> dict:
+        upstream_trials: int | None = None, check_whole: list[str] | None = None,
+        save=lambda row: None) -> dict:
+    """One layer's row; ``save(row)`` once its own figures exist, before the upstream ones
+    (a failure there, after an hour of compiles, must not lose them)."""
     title, fn, make = LAYERS[name]
     t0 = time.perf_counter()
     result = pt.autotune(fn, *make(), timer="tpu-estimate", chip="v6e", trials=trials,
@@ -184,7 +187,13 @@ def run(name: str, trials: int, settings: list[str], memory_gb: float, method: s
                        "best_ms": c.best_ms, "xla_ms": c.xla_ms, "default_ms": c.default_ms,
                        "xla_partial": c.xla_partial} for c in result.calls]}
     if upstream_trials is not None and name in upstream.LAYERS and method == "composed":
-        row["upstream"] = upstream.rows(name, row, T, upstream_trials, memory_gb)
+        save(row)
+        try:
+            row["upstream"] = upstream.rows(name, row, T, upstream_trials, memory_gb)
+        except (pt.PallasTuneError, RuntimeError) as e:  # Seen: splash's backward at 32768
+            why = f"{type(e).__name__}: {str(e)[:600]}"  # tokens, no config estimable here.
+            row["upstream"] = {k: {"ms": None, "detail": {"error": why}}
+                               for k in ("maxtext", "tuned")}
     return row
 
 
@@ -258,15 +267,19 @@ def main() -> None:
         text = render.render(rows, [part["command"] for part in parts], a.missing)
     else:
         rows = []
+
+        def save(row: dict | None = None) -> None:  # Each layer as it finishes, or sooner.
+            if a.rows_out:
+                with open(a.rows_out, "w", encoding="utf-8") as f:
+                    json.dump({"command": bench.command(__file__),
+                               "rows": rows + ([row] if row else [])}, f, indent=1, default=str)
+
         for name in a.only:
             print(f"== {name}", flush=True)
             rows.append(run(name, a.trials, a.settings, a.memory_gb, a.method, a.upstream,
-                            a.check_whole))
+                            a.check_whole, save))
             print(json.dumps(rows[-1]["step_ms"]), rows[-1]["tuning_wall_s"], flush=True)
-            if a.rows_out:  # Each layer as it finishes.
-                with open(a.rows_out, "w", encoding="utf-8") as f:
-                    json.dump({"command": bench.command(__file__), "rows": rows}, f,
-                              indent=1, default=str)
+            save()
         text = render.render(rows, [bench.command(__file__)], a.missing)
     bench.write(a.out, text)
 

@@ -247,6 +247,10 @@ def rows(name: str, row: dict, tokens: int, trials: int, memory_gb: float,
     if "calls" not in row["step_detail"]:  # The glue had no figure: nothing to compose with.
         why = f"no step figures: {row['step_detail'].get('glue', {}).get('error', '?')[:300]}"
         return {k: {"ms": None, "detail": {"error": why}} for k in ("maxtext", "tuned")}
+    if "xla" not in row["step_detail"]:  # Before tuning splash (half an hour at 32768 tokens).
+        why = ("no all-XLA figures to compose with (the upstream layer is the all-XLA one with "
+               "splash's attention): run with --settings xla too")
+        return {k: {"ms": None, "detail": {"error": why}} for k in ("maxtext", "tuned")}
     gmm = grouped(name, row, memory_gb) if _gmm_calls(row) else None
     if gmm:
         out["xla_floor"] = gmm["xla_floor"]
