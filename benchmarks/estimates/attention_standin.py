@@ -75,9 +75,12 @@ def main() -> None:
              "", f"{bench.today()}; {bench.versions('jax', 'libtpu')}; {bench.host()}", "",
              "| pass | q/KV heads | tokens | blocks | stand-in heads (q/KV) | scale | "
              "stand-in ms | full ms | stand-in / full |", "|---|---|---|---|---|---|---|---|---|"]
+    tail: list[str] = []  # What follows the table (its notes): kept after the new rows.
     if a.append and os.path.exists(a.out):
         with open(a.out) as f:
             lines = f.read().rstrip("\n").split("\n")
+        last = max(i for i, line in enumerate(lines) if line.startswith("|"))
+        lines, tail = lines[:last + 1], lines[last + 1:]
     with Estimator(1, memory_limit_bytes=int(a.memory_gb * (1 << 30))) as est:
         shapes = [(s, False, c) for s in CHECKED for c in FWD] * ("forward" in a.passes)
         shapes += [(s, True, c) for s in CHECKED if s[2] <= 8192  # Two passes: at most 8192.
@@ -103,8 +106,8 @@ def main() -> None:
                 f"{f'{f:.4f}' if f else (full.kind if full else 'not compiled')} | "
                 f"{f'{s / f:.3f}' if s and f else '-'} |")
             print(lines[-1], flush=True)
-            bench.write(a.out, "\n".join(lines) + "\n", echo=False)  # Kept if cut short.
-    bench.write(a.out, "\n".join(lines) + "\n")
+            bench.write(a.out, "\n".join(lines + tail) + "\n", echo=False)  # Kept if cut short.
+    bench.write(a.out, "\n".join(lines + tail) + "\n")
 
 
 if __name__ == "__main__":
