@@ -425,13 +425,12 @@ def _standin(args, kwargs, config):
     def steps(bq, bkv):
         return pl.cdiv(sq, min(bq, sq)) * pl.cdiv(sk, min(bkv, sk))
 
-    per_head = steps(bq, bkv)
-    capped = _fused_vmem_limit(group * pl.cdiv(sq, bq), d, bq, bkv, q.dtype) == _MAX_VMEM
-    if config.get("fused") and capped:
-        (nb, nh), scale = shrink_parallel([b, hkv], group * per_head)
+    per_head, fused = steps(bq, bkv), config.get("fused")
+    if fused and _fused_vmem_limit(group * pl.cdiv(sq, bq), d, bq, bkv, q.dtype) == _MAX_VMEM:
+        (nb, nh), scale = shrink_parallel([b, hkv], group * per_head)  # Capped: the group.
         ng = group
     else:
-        if not config.get("fused"):
+        if not fused:
             per_head = min(per_head, steps(config["bq_dq"], config["bkv_dq"]))
         (nb, nh, ng), scale = shrink_parallel([b, hkv, group], per_head)
     qs = jax.ShapeDtypeStruct((nb, nh * ng, sq, d), q.dtype)

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from pallas_tune.measure import candidate as cand
-from pallas_tune.measure import shared
+from pallas_tune.measure import shared, standin
 from pallas_tune.measure.correction import corrected_ms
 from pallas_tune.measure.evaluate import PoolEvaluator
 from pallas_tune.measure.loops import (FLAG, NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE, Census,
@@ -41,7 +41,6 @@ from pallas_tune.measure.loops import (FLAG, NO_ESTIMATE, NOT_ESTIMABLE, PREFETC
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.pool import worker_memory_limit as _memory_limit
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
-from pallas_tune.measure import standin
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
 from pallas_tune.measure.unprofiled import UnprofiledCheck, settle
 
