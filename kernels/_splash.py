@@ -7,12 +7,21 @@ neither the fetches nor the blocks splash computes, and pallas-tune's census ref
 :func:`backward_standin`) is the same kernel with the tables taken out, so that it fetches and
 computes every block in grid order (what a full mask does, without the tables' lookups), for one
 KV head and as few of its query heads as keep 128 grid steps, scaled by the heads and by the
-share of blocks a causal mask leaves to compute. The masking of the diagonal blocks is
-not counted: the figure leans in splash's favour. The method is checked on pallas-tune's own
-flash attention, whose causal program libtpu can read (``benchmarks/estimates/splash_standin.py``).
+share of blocks a causal mask leaves to compute. The masking of the diagonal blocks is not
+counted: the figure leans in splash's favour. The method is checked on pallas-tune's own flash
+attention, whose causal program libtpu can read (``benchmarks/estimates/splash_standin.py``).
+
+Where one head is still more work than a compile worker's profile holds (past 8192 x 8192
+scores: at 32768 tokens every backward config died at 18 GB), the query sequence is cut too, to
+whole query blocks, and scaled by the cut: with no mask each query's work is the same and
+independent of the others'. The cut scales fixed costs with the rows, so it leans against
+splash: 1.02x to 1.08x of the uncut figure at 8192 tokens cut to a quarter
+(``benchmarks/estimates/splash_query_cut.py``).
 """
 
 from __future__ import annotations
+
+import math
 
 
 def strip_tables(kernel):
@@ -45,32 +54,57 @@ def _lengths(args):
     return q.shape[2], k.shape[2]
 
 
-def _one_kv_head(args, steps: int, target: int = 128):
-    """The arguments cut to one KV head (batch 1) and as few of its query heads as keep
-    ``target`` grid steps, given ``steps`` per query head, and the scale back: heads and batch
-    rows are identical independent work (the dK/dV kernel's run over the group is only
-    shorter), and a profile of every block of every head of a long sequence does not fit a
-    compile worker (8192 tokens, 32 heads: SIGABRT; 32768 tokens, one group of 4: past 22 GB)."""
+# The most scores (query rows x keys) of one head the stand-in keeps: 8192 x 8192, where every
+# config splash_grid.py estimated at 8192 tokens compiled in 18 GB and none of 100 backward
+# candidates did at 32768 (one head, 16x the scores). Shorter sequences are not cut.
+MAX_SCORES = 8192 * 8192
+
+
+def _cut(args, blocks, q_args, max_scores=MAX_SCORES, target: int = 128):
+    """The arguments cut to one KV head (batch 1), to as few of its query heads as keep
+    ``target`` grid steps, and where one head has more than ``max_scores`` scores to whole
+    multiples of every kernel's query block (the args at ``q_args`` along their sequence axis),
+    with the scale back. ``blocks``: each kernel's (block_q, block_kv), the first one's steps
+    deciding the heads.
+
+    Heads and batch rows are identical independent work (the dK/dV kernel's run over the group
+    is only shorter), and so, with every block computed unmasked, are query rows; a profile of
+    every block of every head of a long sequence does not fit a compile worker (8192 tokens, 32
+    heads: SIGABRT; 32768 tokens, one group of 4: past 22 GB). Fixed costs per KV block (the
+    dK/dV kernel's stores) are scaled with the rows, so a cut leans against splash."""
     import jax
 
     q, k = args[0], args[1]
+    s_q, s_k = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
+    keep = s_q
+    if s_q * s_k > max_scores:
+        unit = math.lcm(*(bq for bq, _ in blocks))
+        keep = min(s_q, max(unit, max_scores // s_k // unit * unit))
+    steps = _steps(keep, s_k, *blocks[0])  # The first kernel's, as before the cut existed.
     heads = max(1, min(group, -(-target // max(1, steps))))
-    out = [jax.ShapeDtypeStruct((1, heads if a.shape[1] == q.shape[1] else 1, *a.shape[2:]),
-                                a.dtype) for a in args]
-    return out, float(q.shape[0] * q.shape[1]) / heads
+    if keep < s_q:  # Cut: no more heads than keep the scores within the bound.
+        heads = max(1, min(heads, max_scores // (keep * s_k)))
+
+    def shape(i, a):
+        rows = keep if i in q_args else a.shape[2]
+        return (1, heads if a.shape[1] == q.shape[1] else 1, rows, *a.shape[3:])
+
+    out = [jax.ShapeDtypeStruct(shape(i, a), a.dtype) for i, a in enumerate(args)]
+    return out, float(q.shape[0] * q.shape[1]) / heads * (s_q / keep)
 
 
 def _steps(s_q, s_k, bq, bkv):
     return -(-s_q // bq) * -(-s_k // bkv)
 
 
-def forward_standin(args, kwargs, config):
-    """The forward's stand-in: no tables, full attention, scaled by the causal share."""
+def forward_standin(args, kwargs, config, *, max_scores: int = MAX_SCORES):
+    """The forward's stand-in: no tables, full attention, scaled by the causal share (of the
+    full lengths, whatever the cut)."""
     s_q, s_k = _lengths(args)
     bq, bkv = min(config["block_q"], s_q), min(config["block_kv"], s_k)
     scale = causal_fraction(s_q, s_k, bq, bkv) if kwargs.get("causal") else 1.0
-    cut, rows = _one_kv_head(args, _steps(s_q, s_k, bq, bkv))
+    cut, rows = _cut(args, [(bq, bkv)], {0}, max_scores)
     return cut, {**kwargs, "causal": False, "tables": False}, scale * rows
 
 
@@ -79,7 +113,7 @@ def forward_standin(args, kwargs, config):
 _FWD_DOTS, _DKV_DOTS, _DQ_DOTS = 2, 4, 3
 
 
-def backward_standin(args, kwargs, config):
+def backward_standin(args, kwargs, config, *, max_scores: int = MAX_SCORES):
     """The backward adapter's stand-in: no tables, full attention, scaled by each kernel's
     causal share weighted by its dots (the forward and dK/dV kernels at the dK/dV blocks, the dQ
     kernel at its own, or at the dK/dV ones when fused)."""
@@ -92,8 +126,12 @@ def backward_standin(args, kwargs, config):
             s_q, s_k, min(config["block_q_dq"], s_q), min(config["block_kv_dq"], s_k))
         scale = (((_FWD_DOTS + _DKV_DOTS) * dkv + _DQ_DOTS * dq)
                  / (_FWD_DOTS + _DKV_DOTS + _DQ_DOTS))
-    cut, rows = _one_kv_head(args, _steps(s_q, s_k, *blocks))
+    # The programs' kernels: the forward and dK/dV at the dK/dV blocks, the dQ one at its own.
+    kernels = [blocks, blocks]
+    if not config["use_fused_bwd_kernel"]:
+        kernels.append((min(config["block_q_dq"], s_q), min(config["block_kv_dq"], s_k)))
+    cut, rows = _cut(args, kernels, {0, 3}, max_scores)  # q and do carry the query rows.
     return cut, {**kwargs, "causal": False, "tables": False}, scale * rows
 
 
-__all__ = ["backward_standin", "causal_fraction", "forward_standin", "strip_tables"]
+__all__ = ["MAX_SCORES", "backward_standin", "causal_fraction", "forward_standin", "strip_tables"]
