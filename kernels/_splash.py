@@ -78,7 +78,9 @@ def _cut(args, blocks, q_args, max_scores=MAX_SCORES, target: int = 128):
     s_q, s_k = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
     keep = s_q
-    if s_q * s_k > max_scores:
+    # Not where a block fails to divide q_len: the kernel must refuse the config on the real
+    # length, not give a figure for a cut one it divides.
+    if s_q * s_k > max_scores and all(s_q % bq == 0 for bq, _ in blocks):
         unit = math.lcm(*(bq for bq, _ in blocks))
         keep = min(s_q, max(unit, max_scores // s_k // unit * unit))
     steps = _steps(keep, s_k, *blocks[0])  # The first kernel's, as before the cut existed.

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_tune.kernels import _splash
+import pallas_tune as pt
+from pallas_tune.kernels import _splash, upstream
 from pallas_tune.kernels.flash_attention import flash_attention
 from pallas_tune.kernels.flash_attention_bwd import flash_attention_bwd
 
@@ -126,6 +127,15 @@ def test_splash_standin_also_cuts_the_query_rows_past_8192_squared_scores():
     cut, _, _ = _splash.backward_standin([q, k, k, q], {"causal": False}, fused,
                                          max_scores=8192 * 2048)
     assert cut[0].shape[2] == 2048 and cut[1].shape[2] == 8192
+    # A query block that does not divide q_len: no cut, so that splash refuses the config on
+    # the real length instead of the stand-in giving the cut problem a figure.
+    ragged = jax.ShapeDtypeStruct((1, 32, 32768 + 512, 128), BF)
+    odd = dict(block_q=3072, block_kv=1024, block_kv_compute=512)
+    cut, _, _ = _splash.forward_standin([ragged, k, k], {"causal": False}, odd)
+    assert cut[0].shape[2] == 32768 + 512
+    with pytest.raises(pt.InvalidConfig, match="block_q=3072 must divide"):
+        jax.eval_shape(lambda *a: upstream.splash_attention(*a, causal=False, tables=False,
+                                                            **odd), *cut)
 
 
 @pytest.mark.libtpu
