@@ -135,7 +135,15 @@ def static_profile_env(prefix: str, *, bundles: bool = False) -> str:
     """Call before JAX loads: JAX on the CPU, libtpu loadable beside another process's, and
     libtpu's static LLO profile of every compile (what its cycle estimate reads) dumped to a
     fresh folder, returned; with ``bundles``, to its ``sp/``, and the final VLIW bundles of every
-    program to its ``jf/``."""
+    program to its ``jf/``. libtpu's own logs of this process go to a run directory of
+    pallas-tune's (``PALLAS_TUNE_TPU_LOGS``), as the CLI's do, not to ``/tmp/tpu_logs``."""
+    import atexit
+
+    from pallas_tune.measure.logs import RunLogs
+
+    own = RunLogs()
+    os.environ.update(own.env)
+    atexit.register(own.close)
     dump = tempfile.mkdtemp(prefix=prefix)
     os.environ["LIBTPU_INIT_ARGS"] = (
         f"{STATIC_PROFILE}={dump}/sp --xla_jf_dump_to={dump}/jf "

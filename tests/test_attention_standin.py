@@ -145,7 +145,6 @@ def test_splash_standin_with_cut_query_rows_leans_against_splash_by_under_10_per
     cut scales fixed costs (the pipeline's first fetches, the dK/dV stores) with the rows, so it
     comes out above, never below (benchmarks/results/splash_query_cut.md: 1.02x to 1.08x at
     8192 tokens cut to 2048 rows)."""
-    from pallas_tune.kernels import upstream
     from pallas_tune.measure.estimate import Estimator
 
     q = jax.ShapeDtypeStruct((1, 1, 4096, 128), BF)
