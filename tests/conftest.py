@@ -14,6 +14,16 @@ if "PALLAS_TUNE_TPU_LOGS" not in os.environ:
 
     os.environ["PALLAS_TUNE_TPU_LOGS"] = os.path.join(tempfile.gettempdir(),
                                                       f"pallas-tune-test-logs-{os.getuid()}")
+# And the test process's own libtpu (deviceless compiles in-process), as the CLI's: a run
+# directory there, not libtpu's default /tmp/tpu_logs (170 KB a full run had left there).
+if "TPU_LOG_DIR" not in os.environ:
+    import atexit
+
+    from pallas_tune.measure.logs import RunLogs
+
+    _OWN_LOGS = RunLogs()
+    os.environ.update(_OWN_LOGS.env)
+    atexit.register(_OWN_LOGS.close)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings
