@@ -10,6 +10,12 @@ A script in ``benchmarks/<group>/`` imports it with benchmarks/ put on its path 
 
 This module imports only the standard library (no JAX), so a script may import it before it
 sets what libtpu reads when it loads (:func:`static_profile_env`).
+
+Smoke mode (``PALLAS_TUNE_BENCH_SMOKE=1``, what ``tests/test_benchmarks_smoke.py`` sets): every
+script runs its whole path at the smallest size that still exercises it (:func:`smoke` picks a
+figure's tiny value), prints its table, and writes nothing under the repository:
+:func:`write` and :func:`output` send a path under ``results/``, ``landscapes/`` or ``caches/``
+to the same place under :data:`SMOKE_DIR`, a temporary folder.
 """
 
 from __future__ import annotations
@@ -30,6 +36,30 @@ RESULTS = os.path.join(BENCHMARKS, "results")  # What the scripts write; docs an
 LANDSCAPES = os.path.join(BENCHMARKS, "landscapes")
 CACHES = os.path.join(REPO, "caches")
 TESTS = os.path.join(REPO, "tests")
+
+SMOKE_ENV = "PALLAS_TUNE_BENCH_SMOKE"
+SMOKE = os.environ.get(SMOKE_ENV, "").strip() not in ("", "0")
+# Where smoke runs write what would go under the repository (a fresh temporary folder unless
+# PALLAS_TUNE_BENCH_SMOKE_DIR names one; the smoke tests give each script its tmp_path).
+SMOKE_DIR = (os.environ.get(f"{SMOKE_ENV}_DIR") or tempfile.mkdtemp(prefix="pt-bench-smoke-")
+             if SMOKE else "")
+
+
+def smoke(full: Any, tiny: Any) -> Any:
+    """``tiny`` in smoke mode (:data:`SMOKE`), else ``full``: a script's default size."""
+    return tiny if SMOKE else full
+
+
+def output(path: str) -> str:
+    """Where to write ``path``: itself, except in smoke mode, where a path inside the repository
+    (a committed result, landscape or cache) becomes the same path under :data:`SMOKE_DIR`, so
+    that a smoke run never overwrites what is committed."""
+    if not SMOKE or not path:
+        return path
+    full = os.path.abspath(path)
+    if os.path.commonpath([full, REPO]) != REPO:
+        return path
+    return os.path.join(SMOKE_DIR, os.path.relpath(full, REPO))
 
 
 def result(*parts: str) -> str:
@@ -94,8 +124,9 @@ def table(columns: Sequence[str], rows: Iterable[Any],
 
 
 def write(path: str | None, text: str, *, echo: bool = True) -> None:
-    """Writes ``text`` to ``path`` as it is (its folder made; nowhere where ``path`` is empty)
-    and, with ``echo``, prints it."""
+    """Writes ``text`` to ``path`` (:func:`output`'s, in smoke mode) as it is (its folder made;
+    nowhere where ``path`` is empty) and, with ``echo``, prints it."""
+    path = output(path) if path else path
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:

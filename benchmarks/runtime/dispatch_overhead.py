@@ -12,12 +12,14 @@ Prints, for the shipped matmul at a cached shape:
 Targets (issue 2): ≤ 5 µs per eager call, ≤ 50 µs per memoized lookup.
 
     python benchmarks/runtime/dispatch_overhead.py
+    PALLAS_TUNE_BENCH_SMOKE=1 python benchmarks/runtime/dispatch_overhead.py  # a few calls
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -28,6 +30,9 @@ os.environ.setdefault("PALLAS_TUNE_CACHE_DIR", tempfile.mkdtemp(prefix="pt-bench
 
 import pallas_tune as pt  # noqa: E402
 from pallas_tune.kernels.matmul import matmul  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as bench  # noqa: E402
 
 
 def _per_call_us(fn, n: int, rounds: int = 7) -> float:
@@ -40,14 +45,24 @@ def _per_call_us(fn, n: int, rounds: int = 7) -> float:
     return statistics.median(samples)
 
 
+def _seed(kernel, key: str, tiles: dict) -> dict:
+    """Writes a cache entry for ``key`` whose config is the kernel's declared default with
+    ``tiles`` over it (so that it names every parameter the space declares, as lookups require),
+    and returns that config; refuses, naming why, an entry the kernel would skip."""
+    config = {**(kernel.space.default or {}), **tiles}
+    entry = {"key": key, "config": config, "median_ms": 1e-3,
+             "provenance": {"kind": "measured", "timer": "benchmark seed"}}
+    problems = kernel.entry_problems(entry)
+    if problems:
+        raise SystemExit(f"the seeded entry for {kernel.name} would be skipped: {problems}")
+    kernel.cache.write(pt.current_chip(), kernel.name, key, entry)
+    return config
+
+
 def main() -> None:
     x = jnp.ones((256, 256), jnp.float32)
-    config = {"bm": 128, "bn": 128, "bk": 256, "buffering": 2,
-              "semantics": ("parallel", "parallel", "arbitrary")}
     key = matmul.cache_key(x, x)
-    matmul.cache.write(pt.current_chip(), matmul.name, key,
-                       {"key": key, "config": config, "median_ms": 0.0,
-                        "provenance": {"kind": "measured", "timer": "benchmark seed"}})
+    config = _seed(matmul, key, {"bm": 128, "bn": 128, "bk": 256})
 
     # Eager calls: jit both so the measured difference is dispatch, not retracing.
     cached = jax.jit(matmul)
@@ -68,7 +83,7 @@ def main() -> None:
                 pass
         del explicit, c
 
-    n = 20000
+    n = bench.smoke(20000, 50)
     lookup_us = _per_call_us(lookup, n)
     wrapper_us = _per_call_us(eager_wrapper_only, n)
 
@@ -79,16 +94,13 @@ def main() -> None:
     def noop(a, *, block):
         return a
 
-    noop_key = noop.cache_key(x)
-    noop.cache.write(pt.current_chip(), noop.name, noop_key,
-                     {"key": noop_key, "config": {"block": 256}, "median_ms": 0.0,
-                      "provenance": {"kind": "measured", "timer": "benchmark seed"}})
+    _seed(noop, noop.cache_key(x), {"block": 256})
     noop(x)
     decorated_us = _per_call_us(lambda: noop(x), n)
     hand_us = _per_call_us(lambda: noop.__wrapped__(x, block=256), n)
 
     # Jitted: the compiled programs are identical, so steady-state dispatch is the same.
-    m = 200
+    m = bench.smoke(200, 3)
     jit_cached = _per_call_us(lambda: jax.block_until_ready(cached(x, x)), m, rounds=5)
     with pt.interpret_mode():  # The interpret flag is part of jit's cache key: call under it.
         jit_hand = _per_call_us(lambda: jax.block_until_ready(by_hand(x, x)), m, rounds=5)
@@ -98,10 +110,11 @@ def main() -> None:
     t = time.perf_counter()
     first = matmul.config_for(x, x)
     first_us = (time.perf_counter() - t) * 1e6
-    assert first.source == "cache"
+    if first.source != "cache":
+        raise SystemExit(f"the seeded entry was not served ({first.source}): {first}")
     # A new argument signature whose cache key is already resolved: key build + per-key memo.
     samples = []
-    for _ in range(200):
+    for _ in range(bench.smoke(200, 3)):
         for k in [k for k in matmul._memo if k[0] != "key"]:
             del matmul._memo[k]
         t = time.perf_counter()
@@ -110,7 +123,7 @@ def main() -> None:
     by_key_us = statistics.median(samples)
     # A key not yet resolved, its cache file already loaded: validated (one trace).
     samples = []
-    for _ in range(50):
+    for _ in range(bench.smoke(50, 2)):
         matmul._memo.clear()
         t = time.perf_counter()
         matmul._resolve((x, x), {})
