@@ -18,6 +18,7 @@ miss costs a few traces whatever the cache size.
 
     python benchmarks/runtime/cache_scale.py                 # this tree
     python benchmarks/runtime/cache_scale.py --old /tmp/old  # and an older tree ("before")
+    PALLAS_TUNE_BENCH_SMOKE=1 python benchmarks/runtime/cache_scale.py  # 20 shapes, once
 
 ``--old`` takes a source tree of pallas-tune (e.g. ``git archive b871a4e | tar -x -C /tmp/old``);
 its ``kernels``, ``caches`` and ``search_spaces`` are linked into its package so that it imports
@@ -50,9 +51,16 @@ def _key(m: int, k: int, n: int) -> str:
 
 
 def _entry(rng: random.Random, key: str, trials: int) -> dict:
-    """A cache entry shaped like the tuner's (config, time, provenance, trials)."""
+    """A cache entry shaped like the tuner's (config, time, provenance, trials); its configs are
+    the matmul's declared default with random tiles over it, so that they name every parameter
+    of the tree's space (as lookups require)."""
+    from pallas_tune.kernels.matmul import matmul
+
+    default = {k: list(v) if isinstance(v, tuple) else v
+               for k, v in (matmul.space.default or {}).items()}
+
     def config():
-        return {"bm": 512, "bn": rng.choice([128, 256, 512, 1024]),
+        return {**default, "bm": 512, "bn": rng.choice([128, 256, 512, 1024]),
                 "bk": rng.choice([128, 256, 512, 1024]), "buffering": rng.choice([1, 2]),
                 "semantics": SEM}
 
@@ -257,10 +265,10 @@ def main() -> None:
     p.add_argument("--worker", choices=("build", "first", "write", "miss"))
     p.add_argument("--root")
     p.add_argument("--n", type=int, default=100)
-    p.add_argument("--trials", type=int, default=32)
-    p.add_argument("--sizes", default="100,1000,10000")
+    p.add_argument("--trials", type=int, default=bench.smoke(32, 2))
+    p.add_argument("--sizes", default=bench.smoke("100,1000,10000", "20"))
     p.add_argument("--old", help="an older pallas-tune source tree to measure as 'before'")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=bench.smoke(3, 1))
     p.add_argument("--miss-repeats", type=int, default=1, help="repeats of the miss at 10,000")
     args = p.parse_args()
     if args.worker:
