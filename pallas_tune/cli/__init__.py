@@ -76,17 +76,23 @@ def cmd_feasibility(request: FeasibilityRequest) -> int:
         call_args, call_kwargs = build_call(kernel, shape)
         print(f"{kernel.name} on {spec.name} for {shape} (scoped VMEM default "
               f"{spec.scoped_vmem_default_bytes / 2**20:.0f} MiB)")
-        header = f"  {'config':60s} {'model':11s} {'est MiB':>8s} {'limit':>6s} {'vreg':>5s}"
+        configs = list(kernel.space)
+        texts, fixed = _varied_texts(configs)  # Whole, never cut: only what differs.
+        if fixed:
+            print(f"  same in every config: {fixed}")
+        width = max(len("config"), *map(len, texts)) if texts else len("config")
+        header = (f"  {'config':{width}s}  {'model':11s} {'est MiB':>8s} {'limit':>6s} "
+                  f"{'vreg':>5s}")
         print(header + ("  compiler" if request.compile else ""))
         counts: dict[str, int] = {}
-        for config in kernel.space:
+        for config, text in zip(configs, texts, strict=True):
             try:
                 calls = _inspect.find_pallas_calls(kernel.fn, call_args, {**call_kwargs, **config})
             except Exception as e:
-                print(f"  {_fmt_config(config):60s} trace error: {str(e)[:80]}")
+                print(f"  {text:{width}s}  trace error: {str(e)[:80]}")
                 continue
             v = feasibility.model_verdict(calls, spec)
-            line = (f"  {_fmt_config(config)[:60]:60s} {v.status:11s} "
+            line = (f"  {text:{width}s}  {v.status:11s} "
                     f"{v.vmem_bytes / 2**20:8.2f} {v.limit_bytes / 2**20:6.0f} "
                     f"{v.vreg_pressure:5.1f}")
             key = f"model {v.status}"
@@ -100,6 +106,16 @@ def cmd_feasibility(request: FeasibilityRequest) -> int:
             print(line)
         print("  summary: " + ", ".join(f"{k}: {n}" for k, n in sorted(counts.items())))
     return 0
+
+
+def _varied_texts(configs: list[dict[str, Any]]) -> tuple[list[str], str]:
+    """Each config as text with only the parameters whose value differs across ``configs``
+    (so that no two rows read the same), and the parameters every config shares, as text."""
+    names = list(dict.fromkeys(k for c in configs for k in c))
+    same = [n for n in names if len({repr(c.get(n)) for c in configs}) == 1]
+    texts = [_fmt_config({k: v for k, v in c.items() if k not in same}) or "(the one config)"
+             for c in configs]
+    return texts, _fmt_config({n: configs[0][n] for n in same if n in configs[0]})
 
 
 
