@@ -43,6 +43,8 @@ SMOKE = os.environ.get(SMOKE_ENV, "").strip() not in ("", "0")
 # PALLAS_TUNE_BENCH_SMOKE_DIR names one; the smoke tests give each script its tmp_path).
 SMOKE_DIR = (os.environ.get(f"{SMOKE_ENV}_DIR") or tempfile.mkdtemp(prefix="pt-bench-smoke-")
              if SMOKE else "")
+if SMOKE:
+    os.environ[f"{SMOKE_ENV}_DIR"] = SMOKE_DIR  # The script's child processes write there too.
 
 
 def smoke(full: Any, tiny: Any) -> Any:

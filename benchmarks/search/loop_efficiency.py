@@ -20,6 +20,9 @@ until then. Without an accelerator these are CPU wall-clock timings of Pallas in
 they measure the tuners' overheads and search, not TPU kernel speed.
 
     python benchmarks/search/loop_efficiency.py --before /tmp/loop-before
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): matmul 256^2, 3 trials, this checkout in-process and in
+workers (and tune-jax where it is installed).
 """
 
 from __future__ import annotations
@@ -45,14 +48,24 @@ CASES = {
     "flash attention S=512": ("flash", 512),
     "flash attention S=1024": ("flash", 1024),
 }
+SMOKE_CASE = "matmul 256^2"
+CASES_ALL = {**CASES, SMOKE_CASE: ("matmul", 256)}
 TUNERS = ("before", "after", "after-workers", "tune-jax")
+TRIALS = bench.smoke(32, 3)
+
+
+def _smoke_tuners() -> str:
+    import importlib.util
+
+    return ",".join(["after", "after-workers"]
+                    + (["tune-jax"] if importlib.util.find_spec("tune_jax") else []))
 
 
 def _problem(case: str):
     import jax
     import jax.numpy as jnp
 
-    kind, n = CASES[case]
+    kind, n = CASES_ALL[case]
     key = jax.random.key(0)
     if kind == "matmul":
         from pallas_tune.kernels.matmul import matmul
@@ -89,7 +102,7 @@ def _child(tuner: str, case: str, log_path: str) -> None:
         return ask(self, *a, **k)
 
     optuna.study.Study.ask = counting_ask
-    opts = dict(trials=32, seed=0, write=False)
+    opts = dict(trials=TRIALS, seed=0, write=False)
     if tuner == "before":
         opts["verbose"] = True  # Its per-trial lines are how a stopped run is counted.
     else:
@@ -249,21 +262,23 @@ def _retime(case: str, winners: list[dict], rounds: int) -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--before", help="a checkout of b871a4e (git worktree add ... b871a4e)")
-    p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--tuners", default=",".join(TUNERS))
+    p.add_argument("--cases", default=bench.smoke(",".join(CASES), SMOKE_CASE))
+    p.add_argument("--tuners", default=bench.smoke(",".join(TUNERS), None))
     p.add_argument("--cap-min", type=float, default=15.0)
     p.add_argument("--keep", help="a folder keeping each run's result, reused when present")
     p.add_argument("--out", default=bench.result("loop_efficiency.txt"))
     a = p.parse_args()
-    tuners = [t for t in a.tuners.split(",") if t != "before" or a.before]
+    tuners = [t for t in (a.tuners or _smoke_tuners()).split(",") if t != "before" or a.before]
     rows = []
+    print(HEADER)
     for case in a.cases.split(","):
         runs = [_row(_run(t, case, a.before, a.cap_min * 60, a.keep)) for t in tuners]
         winners = []
         for r in runs:
             if r["winner"] and r["winner"] not in winners:
                 winners.append(r["winner"])
-        medians = _retime(case, winners, rounds=5 if "2048" in case else 15) if winners else []
+        rounds = bench.smoke(5 if "2048" in case else 15, 2)
+        medians = _retime(case, winners, rounds=rounds) if winners else []
         best = min(medians, default=float("nan"))
         for r in runs:
             ms = medians[winners.index(r["winner"])] if r["winner"] else float("nan")
@@ -274,6 +289,9 @@ def main() -> None:
 
 COLUMNS = ("{case:<23} {tuner:<15} {asked:>6} {evaluated:>9} {distinct:>8} {timed:>6} "
            "{wall:>9} {winner_ms:>10.4g} {vs_best:>7.3f}  {winner}")
+HEADER = COLUMNS.replace(":>10.4g", ":>10").replace(":>7.3f", ":>7").format(
+    case="case", tuner="tuner", asked="asked", evaluated="evaluated", distinct="distinct",
+    timed="timed", wall="wall s", winner_ms="winner ms", vs_best="vs best", winner="winner")
 
 
 def _fmt(r: dict) -> str:
@@ -298,13 +316,10 @@ def _write(a: argparse.Namespace, rows: list[dict]) -> None:
         "trial; distinct: distinct lowered programs among them; timed: programs timed.",
         "# wall: tuning wall time in s (* = stopped at the cap, counts up to then); winner ms: "
         "the winners re-timed together, interleaved.",
-        COLUMNS.replace(":>10.4g", ":>10").replace(":>7.3f", ":>7").format(
-            case="case", tuner="tuner", asked="asked", evaluated="evaluated",
-            distinct="distinct", timed="timed", wall="wall s", winner_ms="winner ms",
-            vs_best="vs best", winner="winner"),
+        HEADER,
     ]
     bench.write(a.out, "\n".join(header + [_fmt(r) for r in rows]) + "\n", echo=False)
-    print(f"wrote {a.out}")
+    print(f"wrote {bench.output(a.out)}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ Replays are cached per (landscape, strategy, seed, budget) under benchmarks/resu
 
     nice -n 10 python benchmarks/search/search_efficiency.py [--seeds 20] [--budget 100] [--jobs 1]
         [--strategies default,random,...] [--landscapes DIR] [--out FILE]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): one seed, 50 evaluations, a few strategies, on
+benchmarks/landscapes alone (not ../shared, so that it runs in a plain clone).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ KT = ["adaptive_tabu_greywolf", "hybrid_vndx", "dual_annealing", "firefly_algori
       "genetic_algorithm"]
 OURS = ["default", "default+prior"]  # +prior: the other devices' landscapes as its prior.
 PEERS = ["random", "tpe-mv", "cmaes", "optuna-gp"] + [f"KT:{s}" for s in KT]
+SMOKE_STRATEGIES = ["default", "default+prior", "random", "tpe-mv", "KT:pso"]
 
 
 def _available(labels: list[str]) -> tuple[list[str], list[str]]:
@@ -97,12 +101,12 @@ def _fmt(row: dict, budget: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--seeds", type=int, default=bench.smoke(20, 1))
     p.add_argument("--peer-seeds", type=int, default=None,
                    help="seeds for the peers (default: --seeds; the first ones, so shared)")
-    p.add_argument("--budget", type=int, default=100)
+    p.add_argument("--budget", type=int, default=bench.smoke(100, 50))
     p.add_argument("--jobs", type=int, default=1, help="processes (the machine is shared)")
-    p.add_argument("--strategies", default=",".join(OURS + PEERS))
+    p.add_argument("--strategies", default=",".join(bench.smoke(OURS + PEERS, SMOKE_STRATEGIES)))
     p.add_argument("--landscapes", default=None,
                    help=f"folder of Kernel Tuner files (default: ${replay.LANDSCAPES_ENV} or "
                         "../shared/landscapes)")
@@ -114,7 +118,8 @@ def main() -> None:
                    help="report only the replays already cached (rows say how many seeds)")
     a = p.parse_args()
     labels, notes = _available(h.split_labels(a.strategies))
-    paths = replay.find_landscapes(a.landscapes)
+    smoke_only = bench.SMOKE and a.landscapes is None  # A plain clone has no ../shared.
+    paths = [] if smoke_only else replay.find_landscapes(a.landscapes)
     if not paths:
         notes.append("no shared landscapes found (set --landscapes or "
                      f"${replay.LANDSCAPES_ENV}): GPU landscapes skipped")

@@ -39,7 +39,7 @@ import _common as bench  # noqa: E402
 
 from pallas_tune.search import replay  # noqa: E402
 
-CACHE = bench.result("cache", "search")
+CACHE = bench.output(bench.result("cache", "search"))  # Smoke runs: a fresh folder.
 
 
 def landscape_id(path: str) -> str:
@@ -49,6 +49,11 @@ def landscape_id(path: str) -> str:
 
 
 def kernel_of(path: str) -> str:
+    """The kernel a landscape times: its folder's name for Kernel Tuner files, the shipped
+    kernel's for the v6e estimate landscapes (benchmarks/landscapes, one folder for all)."""
+    name = os.path.basename(path).removesuffix(".gz").removesuffix(".json")
+    if name in ESTIMATE_PRIORS:
+        return ESTIMATE_PRIORS[name][0].rsplit(".", 1)[-1]
     return landscape_id(path).split("/")[0]
 
 

@@ -12,6 +12,9 @@ optimum / that mean time) after 50 evaluations) over a set of landscapes:
   constants are that variant.
 
     nice -n 10 python benchmarks/search/search_settings.py [--seeds 10] [--budget 50] [--jobs 1]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): one seed, two variants, on benchmarks/landscapes (two
+kernels, so that leaving one out still leaves one to choose on), not ../shared.
 """
 
 from __future__ import annotations
@@ -49,11 +52,12 @@ def shipped() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--seeds", type=int, default=bench.smoke(10, 1))
     p.add_argument("--budget", type=int, default=50)
     p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--variants", default=";".join(VARIANTS), help="labels, ';'-separated")
-    p.add_argument("--landscapes", default=None)
+    p.add_argument("--variants", default=";".join(bench.smoke(VARIANTS, VARIANTS[:2])),
+                   help="labels, ';'-separated")
+    p.add_argument("--landscapes", default=bench.smoke(None, bench.LANDSCAPES))
     p.add_argument("--out", default=None)
     a = p.parse_args()
     variants = [v.strip() for v in a.variants.split(";") if v.strip()]
@@ -95,8 +99,12 @@ def main() -> None:
               "best variant there (mean) |", "|---|---|---|---|---|"]
     loko: dict[str, float] = {}
     for k in sorted({h.kernel_of(q) for q in paths}):
-        held = [lid for lid in ids if lid.split("/")[0] == k]
-        v = choose([lid for lid in ids if lid not in held])
+        held = [h.landscape_id(q) for q in paths if h.kernel_of(q) == k]
+        others = [lid for lid in ids if lid not in held]
+        if not others:
+            lines.append(f"| {k} | no other kernel to choose on | | | |")
+            continue
+        v = choose(others)
         loko.update({lid: score[(lid, v)] for lid in held})
         best = choose(held)
         cells = ", ".join(f"{lid.split('/')[1]} {score[(lid, v)]:.3f}" for lid in held)
@@ -104,11 +112,12 @@ def main() -> None:
                      f"{statistics.mean(score[(lid, v)] for lid in held):.3f} | "
                      f"v{variants.index(best)} "
                      f"({statistics.mean(score[(lid, best)] for lid in held):.3f}) |")
-    lines.append(f"\nHeld-out mean over all {len(loko)} landscapes (each scored by the variant "
-                 f"chosen without its kernel): {statistics.mean(loko.values()):.3f}, worst "
-                 f"{min(loko.values()):.3f}; the previous default v0 on all: "
-                 f"{statistics.mean(score[(lid, variants[0])] for lid in ids):.3f}, worst "
-                 f"{min(score[(lid, variants[0])] for lid in ids):.3f}.")
+    if loko:
+        lines.append(f"\nHeld-out mean over all {len(loko)} landscapes (each scored by the "
+                     f"variant chosen without its kernel): {statistics.mean(loko.values()):.3f}, "
+                     f"worst {min(loko.values()):.3f}; the previous default v0 on all: "
+                     f"{statistics.mean(score[(lid, variants[0])] for lid in ids):.3f}, worst "
+                     f"{min(score[(lid, variants[0])] for lid in ids):.3f}.")
     tuning = [lid for lid in ids if lid in gp.TUNING_SET]
     if tuning:
         v = choose(tuning)

@@ -13,14 +13,16 @@ Without an accelerator these are CPU wall-clock timings of Pallas interpret mode
 the tuners' overheads and search, not TPU kernel speed.
 
     python benchmarks/search/tuning_walltime.py
+    PALLAS_TUNE_BENCH_SMOKE=1 python benchmarks/search/tuning_walltime.py  # 256^3, 8 configs
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import tempfile
 import time
-import os
 
 os.environ.setdefault("PALLAS_TUNE_CACHE_DIR", tempfile.mkdtemp(prefix="pt-walltime-"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,9 +34,15 @@ import pallas_tune as pt  # noqa: E402
 from pallas_tune.kernels.matmul import matmul  # noqa: E402
 from pallas_tune.measure.timing import retime_interleaved  # noqa: E402
 
-SPACE = dict(bm=[128, 256, 512], bn=[128, 256, 512], bk=[128, 256, 512], buffering=[1, 2],
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as bench  # noqa: E402
+
+SIZE = bench.smoke(512, 256)
+TRIALS = bench.smoke(24, 3)
+TILES = bench.smoke([128, 256, 512], [128, 256])
+SPACE = dict(bm=TILES, bn=TILES, bk=TILES, buffering=bench.smoke([1, 2], [2]),
              semantics=[("parallel", "parallel", "arbitrary"),
-                        ("arbitrary", "arbitrary", "arbitrary")])
+                        ("arbitrary", "arbitrary", "arbitrary")][:bench.smoke(2, 1)])
 mm = pt.tunable(name="walltime_matmul", **SPACE)(matmul.fn)
 
 
@@ -42,15 +50,16 @@ def main() -> None:
     import tune_jax
     from jax._src import config as jax_config
 
-    x = jax.random.normal(jax.random.key(0), (512, 512), jnp.float32)
-    y = jax.random.normal(jax.random.key(1), (512, 512), jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (SIZE, SIZE), jnp.float32)
+    y = jax.random.normal(jax.random.key(1), (SIZE, SIZE), jnp.float32)
     n = mm.space.size
     rows = []
 
     for sampler in ("gp", "tpe"):
         t = time.perf_counter()
-        res = mm.tune(x, y, trials=24, seed=0, write=False, sampler=sampler)
-        rows.append((f"pallas-tune {sampler}, 24 trials", time.perf_counter() - t, 24, res.best))
+        res = mm.tune(x, y, trials=TRIALS, seed=0, write=False, sampler=sampler)
+        rows.append((f"pallas-tune {sampler}, {TRIALS} trials", time.perf_counter() - t, TRIALS,
+                     res.best))
 
     t = time.perf_counter()
     full = mm.tune(x, y, trials=n, seed=0, write=False)
@@ -76,10 +85,11 @@ def main() -> None:
     for r in rows:
         if r[3] not in distinct:
             distinct.append(r[3])
-    times = retime_interleaved(matmul.fn, (x, y), {}, distinct, interpret=True, rounds=15)
+    times = retime_interleaved(matmul.fn, (x, y), {}, distinct, interpret=True,
+                               rounds=bench.smoke(15, 2))
     med = [statistics.median(times[distinct.index(r[3])]) for r in rows]
     best = min(med)
-    print(f"matmul 512^3 f32, space of {n}; CPU interpret-mode wall clock (no accelerator); "
+    print(f"matmul {SIZE}^3 f32, space of {n}; CPU interpret-mode wall clock (no accelerator); "
           f"jax {jax.__version__}, tune-jax {tune_jax.__version__ if hasattr(tune_jax, '__version__') else '0.8'}")
     print(f"{'tuner':38s} {'wall s':>7s} {'evals':>6s} {'winner ms':>10s} {'vs best':>8s}  winner")
     for (name, wall, evals, cfg), m in zip(rows, med, strict=True):
