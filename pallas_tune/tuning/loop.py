@@ -25,7 +25,7 @@ from pallas_tune.tuning.plan import make_plan, open_evaluator, settle_chip
 from pallas_tune.tuning.programs import ProgramClaims
 from pallas_tune.tuning.result import TuningResult
 from pallas_tune.tuning.study import Search, quiet_optuna, study_name
-from pallas_tune.tuning.warm import own_configs, warm_start_configs
+from pallas_tune.tuning.warm import own_configs, queue, warm_start_configs
 
 __all__ = ["run", "tune", "warm_start_configs"]
 
@@ -309,15 +309,15 @@ def _pruned(kernel: Any, space: Any, args: Sequence[Any], kwargs: Mapping[str, A
 def _warm(evaluator: Any, kernel: Any, space: Any, args: Sequence[Any],
           kwargs: Mapping[str, Any], chip: str, key: str, options: TuneOptions
           ) -> list[dict[str, Any]]:
-    """The warm starts, the caller's own configs first (none needed when every point is
-    evaluated anyway)."""
+    """The warm starts: the baseline, the caller's own configs, then the found ones (none
+    needed when every point is evaluated anyway; see :func:`.warm.queue`)."""
     given = own_configs(kernel, space, options.warm_configs)
     if space.size <= options.trials:
         return []
     found = (warm_start_configs(kernel, args, kwargs, chip, key, limit=options.warm_start,
                                 rank=evaluator.roofline, space=space)
-             if options.warm_start else [next(space.ordered_candidates())])
-    return given + [c for c in found if c not in given]
+             if options.warm_start else [])
+    return queue(kernel, space, given, found, options.trials)
 
 
 def _confirm(kernel: Any, space: Any, chip: str, plan: Any, options: TuneOptions,

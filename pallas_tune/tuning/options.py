@@ -40,9 +40,11 @@ class TuneOptions:
       warm_start: how many warm configs to try first (6): the declared default, the winners of
         the nearest tuned shapes, and for TPU chips the roofline model's picks. 0: only the
         default.
-      warm_configs: configs of your own to evaluate first, before the warm starts (they do
-        not count against ``warm_start``): the config you run today, or another library's
-        defaults, so that the tuned result is never worse than it by the run's own timer.
+      warm_configs: configs of your own to evaluate first, right after the declared default
+        (always evaluated first: it is the baseline of every speed-up) and before the warm
+        starts (they do not count against ``warm_start``): the config you run today, or
+        another library's defaults, so that the tuned result is never worse than it by the
+        run's own timer. More of them than ``trials - 1`` warns: the last are not evaluated.
         Each must be a point of the call's space (a mapping of every parameter to one of its
         values).
       transfer: learn from the trials this kernel measured at other shapes and chips (the

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["own_configs", "warm_start_configs"]
+__all__ = ["own_configs", "queue", "warm_start_configs"]
 
 # Rank at most this many configs with the roofline model (each is one trace).
 ROOFLINE_MAX_SPACE = 4096
@@ -112,3 +112,34 @@ def own_configs(kernel: Any, space: Any, configs: Sequence[Mapping[str, Any]]
         if config not in out:
             out.append(config)
     return out
+
+
+def queue(kernel: Any, space: Any, given: Sequence[Mapping[str, Any]],
+          found: Sequence[Mapping[str, Any]], trials: int) -> list[dict[str, Any]]:
+    """The order of the first candidates: the baseline (the declared default, else the
+    space's first point: what every speed-up is stated against and the first figure the slow
+    cut-off compares with), then the caller's ``warm_configs``, then the ``found`` warm
+    starts; each once. Where the baseline and the caller's configs are more than ``trials``,
+    the caller's last ones are not evaluated: a warning names them and the ``trials`` that
+    would."""
+    baseline = next(space.ordered_candidates())
+    out = [dict(baseline)]
+    for config in [*given, *found]:
+        if config not in out:
+            out.append(dict(config))
+    mine = [c for c in given if c != baseline]
+    left = mine[max(0, trials - 1):]
+    if left:
+        from pallas_tune import errors
+
+        errors.warn(
+            f"{kernel.name}: warm_configs has {len(given)} configs and trials={trials}; the "
+            f"declared default is evaluated first (the baseline of every speed-up), so "
+            f"the last {len(left)} of yours ({', '.join(map(_text, left))}) may not be "
+            f"(trials counts timed programs); give trials={len(mine) + 1} to evaluate them "
+            "all.")
+    return out
+
+
+def _text(config: Mapping[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}={v}" for k, v in config.items()) + "}"
