@@ -333,13 +333,29 @@ def _confirm(kernel: Any, space: Any, chip: str, plan: Any, options: TuneOptions
     configs, estimates, source = estimate_top(kernel, chip, plan.key, options.confirm_top,
                                               space, space.default)
     if not configs:
-        raise TuneOptionError(
-            f"confirm_top={options.confirm_top}: no compiler estimates of {kernel.name} are "
-            f"recorded for {chip} at {plan.key}; run the same tune with --timer tpu-estimate "
-            f"--chip {chip} first (or drop --confirm-top).")
+        raise TuneOptionError(f"confirm_top={options.confirm_top}: no compiler estimates of "
+                              f"{kernel.name} are recorded for {chip} at {plan.key}; "
+                              + _confirm_hint(chip))
     extra["confirmed"] = {"from": source, "configs": configs, "estimate_ms": estimates}
     return configs, dataclasses.replace(options, trials=len(configs), warm_start=len(configs),
                                         transfer=False)
+
+
+def _confirm_hint(chip: str) -> str:
+    """How to get estimates to confirm: the same tune under the estimate timer for this TPU
+    chip; on a host whose chip is not a TPU, there is nothing to confirm there."""
+    from pallas_tune.chips import chip_spec
+
+    try:
+        tpu = chip_spec(chip).platform == "tpu"
+    except ValueError:
+        tpu = False
+    if tpu:
+        return (f"run the same tune with --timer tpu-estimate --chip {chip} first (or drop "
+                "--confirm-top).")
+    return (f"this host's chip is {chip!r}, not a TPU, so no TPU estimate is confirmed here: "
+            "run the same tune with --timer tpu-estimate --chip v6e (or another TPU; any "
+            "host can), then --confirm-top on a host with that TPU; or drop --confirm-top.")
 
 
 def _prior(kernel: Any, space: Any, chip: str, plan: Any, options: TuneOptions,
