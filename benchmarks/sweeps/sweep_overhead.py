@@ -22,6 +22,8 @@ pgserver.
 
     python benchmarks/sweeps/sweep_overhead.py [--trials 300] [--runs 2]
         [--storages memory,sqlite,postgres]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 31 trials, one run, in memory and SQLite.
 """
 
 from __future__ import annotations
@@ -154,9 +156,9 @@ def windows(n):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trials", type=int, default=300)
-    ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--storages", default="memory,sqlite,postgres")
+    ap.add_argument("--trials", type=int, default=bench.smoke(300, 31))
+    ap.add_argument("--runs", type=int, default=bench.smoke(2, 1))
+    ap.add_argument("--storages", default=bench.smoke("memory,sqlite,postgres", "memory,sqlite"))
     args = ap.parse_args()
     import contextlib
 

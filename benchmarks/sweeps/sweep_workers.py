@@ -12,6 +12,9 @@ a traceback; the killed process excepted).
     python benchmarks/sweeps/sweep_workers.py loops --runs 10
     python benchmarks/sweeps/sweep_workers.py throughput
 
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): ``loops`` runs each scenario once, ``throughput`` one
+worker.
+
 Without an accelerator these are CPU interpret-mode wall-clock figures: they measure the sweep
 machinery (process start, storage, claims), not kernel speed.
 """
@@ -124,7 +127,7 @@ def throughput(args: argparse.Namespace) -> None:
     trials = SPACE  # Every config once: the same work for every worker count.
     rows = []
     with tempfile.TemporaryDirectory() as tmp, h.postgres_url(os.path.join(tmp, "pg")) as url:
-        for workers in (1, 2, 4):
+        for workers in bench.smoke((1, 2, 4), (1,)):
             study, cache = f"tp-{workers}", os.path.join(tmp, f"t{workers}")
             t0 = time.perf_counter()
             procs = [subprocess.Popen(_cmd(url, trials, study, shapes=TP_SHAPES),
@@ -164,7 +167,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="what", required=True)
     lp = sub.add_parser("loops")
-    lp.add_argument("--runs", type=int, default=10)
+    lp.add_argument("--runs", type=int, default=bench.smoke(10, 1))
     lp.add_argument("--out")
     lp.set_defaults(func=loops)
     tp = sub.add_parser("throughput")

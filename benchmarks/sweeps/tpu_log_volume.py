@@ -9,6 +9,7 @@ the bytes on disk under the log location every 0.2 s (the peak) and at the end.
 
     python benchmarks/sweeps/tpu_log_volume.py                      # this tree: bounded, off
     python benchmarks/sweeps/tpu_log_volume.py --tree /tmp/old-tree # another checkout: before
+    PALLAS_TUNE_BENCH_SMOKE=1 python benchmarks/sweeps/tpu_log_volume.py  # 2 candidates, 1 worker
 
 "FATAL logs seen" counts the aborts whose FATAL file the sampler saw (one per aborting
 process; none where logs are off). ``--tree`` runs another checkout's ``pallas_tune`` (e.g. ``git worktree add /tmp/old-tree
@@ -70,6 +71,9 @@ def _bytes(path: str, fatal: set[str] | None = None) -> int:
     return total
 
 
+WORKERS = bench.smoke(2, 1)
+
+
 def run(label: str, tree: str, env: dict[str, str], where: str, trials: int) -> str:
     peak, fatal = [0], set()
     done = threading.Event()
@@ -82,7 +86,7 @@ def run(label: str, tree: str, env: dict[str, str], where: str, trials: int) -> 
     cmd = [sys.executable, "-m", "pallas_tune", "sweep", "tpu_log_volume:trip",
            "--path", HERE, "--shapes", "x=512x512:bfloat16", "--timer", "tpu-estimate",
            "--chip", "v6e", "--trials", str(trials), "--no-storage", "--no-write",
-           "--no-transfer", "--workers", "2"]
+           "--no-transfer", "--workers", str(WORKERS)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, env={**os.environ, **env, "PYTHONPATH": os.pathsep.join([tree, HERE])},
                           capture_output=True, text=True)
@@ -98,7 +102,7 @@ def run(label: str, tree: str, env: dict[str, str], where: str, trials: int) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tree", help="another checkout to run (the 'before' figure)")
-    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--trials", type=int, default=bench.smoke(20, 2))
     a = p.parse_args()
     rows = []
     scratch = tempfile.mkdtemp(prefix="tpu-log-volume-")
@@ -114,7 +118,7 @@ def main() -> None:
                "TPU_LOG_DIR": os.path.join(where, "libtpu-default")}
         rows.append(run(label, bench.REPO, env, where, a.trials))
     print(f"{a.trials} candidates of tpu_log_volume.trip (x=512x512:bfloat16), --timer "
-          f"tpu-estimate --chip v6e, 2 workers; MiB on disk under the log location")
+          f"tpu-estimate --chip v6e, {WORKERS} worker(s); MiB on disk under the log location")
     print("\n".join(bench.table(["run", "peak MiB", "final MiB", "profiler aborted",
                                  "FATAL logs seen", "exit", "seconds"], [])))
     print("\n".join(rows))
