@@ -11,6 +11,9 @@ ESTIMATE, not a measurement.
 
     python benchmarks/estimates/attention_standin.py [--memory-gb 14] [--long 32768]
         [--passes forward backward fused long]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 128-blocks at 1024 tokens (8 query heads to a KV head,
+cut by the stand-in), forward and backward.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ BWD = [dict(bq_dq=b, bkv_dq=b, bq_dkv=b, bkv_dkv=b, fused=False) for b in (1024,
 FUSED = [{**c, "fused": True} for c in BWD]
 # (q heads, KV heads, tokens): the 70B/TP8 shard (a group of 8) and an 8B KV group.
 CHECKED = [(8, 1, 8192), (4, 1, 8192), (8, 1, 16384)]
+if bench.SMOKE:  # Small blocks, so that a short sequence still has the stand-in cut a group.
+    FWD, CHECKED = [{"bq": 128, "bkv": 128}], [(8, 1, 1024)]
+    BWD = [dict(bq_dq=128, bkv_dq=128, bq_dkv=128, bkv_dkv=128, fused=False)]
+    FUSED = [{**c, "fused": True} for c in BWD]
 
 
 def _specs(hq, hkv, t, backward):
@@ -66,7 +73,7 @@ def main() -> None:
     p.add_argument("--memory-gb", type=float, default=14)
     p.add_argument("--long", type=int, default=32768)
     p.add_argument("--passes", nargs="*", choices=["forward", "backward", "fused", "long"],
-                   default=["forward", "backward", "long"])
+                   default=bench.smoke(["forward", "backward", "long"], ["forward", "backward"]))
     p.add_argument("--out", default=bench.result("attention_standin.md"))
     p.add_argument("--append", action="store_true", help="add rows to --out's table")
     a = p.parse_args()

@@ -39,13 +39,17 @@ MAXTEXT_BWD = {"block_q_dkv": 512, "block_kv_dkv": 512, "block_kv_dkv_compute": 
                "block_q_dq": 512, "block_kv_dq": 512, "use_fused_bwd_kernel": False}
 
 
+if bench.SMOKE:  # One config at 1024 tokens.
+    FLASH = FLASH[:1]
+
+
 def _ms(r) -> float | None:
     return cycles_to_ms(r.cycles, CLOCK) if r.ok and r.cycles else None
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, nargs="*", default=[4096, 8192])
+    p.add_argument("--tokens", type=int, nargs="*", default=bench.smoke([4096, 8192], [1024]))
     p.add_argument("--memory-gb", type=float, default=16)
     p.add_argument("--out", default=bench.result("splash_standin.md"))
     a = p.parse_args()

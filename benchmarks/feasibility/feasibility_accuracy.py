@@ -188,6 +188,8 @@ def fill_needs(rows: list[Row]) -> None:
 
 def run_part(part: str, chips: list[str], threads: int) -> list[Row]:
     jobs = [(chip, c) for chip in chips for c in cases.CASES[part](chip)]
+    # Smoke runs: the first two candidates of the first chip, the part's whole path.
+    jobs = bench.smoke(jobs, [j for j in jobs if j[0] == chips[0]][:2])
     print(f"[{part}] compiling {len(jobs)} candidates deviceless with {threads} threads ...",
           file=sys.stderr, flush=True)
     done = [0]
