@@ -12,6 +12,8 @@ The same grid, over a few exposed-DMA fractions too, is then scored on the held-
 reported sample's dump): that is the test. Nothing is compiled; needs tpu-inference for the keys'
 operands and the table. Output: ``benchmarks/results/estimate_correction_fit.txt``.
     python benchmarks/estimates/estimate_correction_fit.py [--dump JSON] [--held-out JSON]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): each sample's first key, two step costs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from pallas_tune.measure.correction import correction_s  # noqa: E402
 
 STEP_US = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 EXPOSED = (0.0, 0.15, None, 0.5)  # None: the library's, 1 - 1/bw_eff.
+if ef.bench.SMOKE:
+    STEP_US, EXPOSED = STEP_US[:2], (None,)
 
 
 def scores(runs, table, features, spec, c, *, wider: bool):
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: {path} is missing")
             continue
         runs, meta = ef.load_dump(path, table)
+        runs = ef.bench.smoke(runs, runs[:1])
         features = {r.key: {b: [call_features(c) for c in _inspect.find_pallas_calls(
             ef.unmodified_qmm, ef.operands(r.key), ef.config(b))] for b in r.proxy_ms}
             for r in runs}

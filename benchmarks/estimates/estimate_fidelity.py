@@ -37,6 +37,9 @@ tpu-inference==0.32.0`` and libtpu; exits 2 without tpu-inference.
 
     PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimates/estimate_fidelity.py [--keys 10]
         [--seed 39]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): one cheap key, one worker; the report and dump go to the
+smoke folder.
 """
 
 from __future__ import annotations
@@ -859,10 +862,10 @@ def sample_note(keys: Sequence[Key], table: Mapping[Key, Blocks], seed: int,
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--keys", type=int, default=REPORTED_KEYS)
+    p.add_argument("--keys", type=int, default=bench.smoke(REPORTED_KEYS, 1))
     p.add_argument("--seed", type=int, default=39)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-key-cost", type=float, default=REPORTED_MAX_COST,
+    p.add_argument("--workers", type=int, default=bench.smoke(2, 1))
+    p.add_argument("--max-key-cost", type=float, default=bench.smoke(REPORTED_MAX_COST, 30.0),
                    help="draw keys only among those whose predicted proxy compiles cost at "
                         "most this many CPU seconds (predicted_cost_s; default 400)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-config compile limit")
@@ -928,6 +931,8 @@ def dump(path: str, runs: Sequence[KeyRun], meta: Mapping[str, Any]) -> None:
         d.pop("corrected"), d.pop("corrected_div")  # Recomputed on load.
         return d
 
+    path = bench.output(path)  # Smoke runs: under the smoke folder.
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"meta": dict(meta), "chip": CHIP, "runs": [plain(r) for r in runs]}, f,
                   indent=None, separators=(",", ":"))

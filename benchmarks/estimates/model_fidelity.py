@@ -13,6 +13,9 @@ measurement. Configs are only traced (never compiled): traced features are cache
 (about 4 minutes to trace 832 configs, and 5 more for the 23 fits, on 2 shared cores).
 
     python benchmarks/estimates/model_fidelity.py --out benchmarks/results/model_fidelity.md
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 3 configs of one key per kernel, features cached in the
+smoke folder.
 """
 
 from __future__ import annotations
@@ -360,10 +363,13 @@ def _g(x: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--features", default="/tmp/model_fidelity_features.json",
-                    help="traced features, cached between runs")
-    ap.add_argument("--max-trials", type=int, default=40, help="configs per key, at most")
-    ap.add_argument("--max-keys", type=int, default=40, help="keys per kernel, at most")
+    ap.add_argument("--features", help="traced features, cached between runs",
+                    default=bench.smoke("/tmp/model_fidelity_features.json",
+                                        os.path.join(bench.SMOKE_DIR, "features.json")))
+    ap.add_argument("--max-trials", type=int, default=bench.smoke(40, 3),
+                    help="configs per key, at most")
+    ap.add_argument("--max-keys", type=int, default=bench.smoke(40, 1),
+                    help="keys per kernel, at most")
     ap.add_argument("--out", help="write the markdown report here")
     ap.add_argument("--collect-only", action="store_true")
     ap.add_argument("--level-weight", type=float, default=LEVEL_WEIGHT,

@@ -13,11 +13,15 @@ measurement. The full-space estimates are also written as Kernel Tuner-format la
 benchmarks/landscapes/ for the search-efficiency benchmark.
 
     python benchmarks/estimates/tpu_estimate.py [--workers 2] [--trials 24]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): a 256^2 matmul, its first 4 configs (the default first)
+as the "space", 2 trials, one worker; the landscape goes to the smoke folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -48,6 +52,9 @@ CASES = [
      (S((1, 32, 2048, 128), jnp.bfloat16), S((1, 8, 2048, 128), jnp.bfloat16),
       S((1, 8, 2048, 128), jnp.bfloat16)), {"causal": True}),
 ]
+SPACE_LIMIT = bench.smoke(None, 4)  # Smoke runs: the first configs of the space only.
+if bench.SMOKE:
+    CASES = [("matmul_256_bf16", matmul, (S((256, 256), jnp.bfloat16),) * 2, {})]
 
 
 def _cpu_s() -> float:
@@ -85,8 +92,8 @@ def _landscape(name, kernel, key, df, spec):
         "tune_params": {p.name: [flat(c) for c in p.choices] for p in kernel.space.params},
         "objective": "time", "cache": cache,
     }
-    os.makedirs(bench.LANDSCAPES, exist_ok=True)
-    path = os.path.join(bench.LANDSCAPES, f"{name}_v6e_estimate.json")
+    path = bench.output(os.path.join(bench.LANDSCAPES, f"{name}_v6e_estimate.json"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=0)
     return path
@@ -94,9 +101,9 @@ def _landscape(name, kernel, key, df, spec):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--trials", type=int, default=24)
-    p.add_argument("--standin-checks", type=int, default=6)
+    p.add_argument("--workers", type=int, default=bench.smoke(2, 1))
+    p.add_argument("--trials", type=int, default=bench.smoke(24, 2))
+    p.add_argument("--standin-checks", type=int, default=bench.smoke(6, 1))
     a = p.parse_args()
     if not bench.have_libtpu():
         return
@@ -107,7 +114,7 @@ def main() -> None:
     for name, kernel, args, static in CASES:
         cpu0, wall0 = _cpu_s(), time.perf_counter()
         configs, rows = [], []
-        for cfg in kernel.space:
+        for cfg in itertools.islice(kernel.space.ordered_candidates(), SPACE_LIMIT):
             calls = _inspect.find_pallas_calls(kernel.fn, args, {**static, **cfg})
             v = feasibility.model_verdict(calls, spec)
             rl = roofline_calls(calls, spec)

@@ -24,6 +24,10 @@ Reads Tokamax's cache JSON straight from its wheel (``pip download --no-deps tok
 
     PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimates/xla_footing.py [--tokamax WHEEL]
         [--keys 10]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): one key; the report and its JSON go to the smoke folder
+(the smoke test re-renders the committed JSON with ``--from-json``: Tokamax's wheel is not
+there).
 """
 
 from __future__ import annotations
@@ -256,7 +260,7 @@ def report(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokamax", help="Tokamax 0.0.12's wheel or an unpacked tree")
-    p.add_argument("--keys", type=int, default=10)
+    p.add_argument("--keys", type=int, default=bench.smoke(10, 1))
     p.add_argument("--workers", type=int, default=1,
                    help="compile workers (each gets the host's memory over this many; large "
                         "keys' compiles died from SIGSEGV at 2)")
@@ -314,7 +318,7 @@ def _write(out: str, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any],
     """The report (Markdown) and its data (JSON, beside it); after each key too (``quiet``),
     so that ``--resume`` keeps what was done."""
     bench.write(out, report(rows, meta) if rows else "", echo=not quiet)
-    with open(os.path.splitext(out)[0] + ".json", "w", encoding="utf-8") as f:
+    with open(bench.output(os.path.splitext(out)[0] + ".json"), "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "footing": _footing_or_none(rows), "rows": list(rows)}, f,
                   indent=1, default=str)
 
