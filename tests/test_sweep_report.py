@@ -1,10 +1,19 @@
 """`pallas-tune report` in a real headless browser (Chromium through Selenium): the page loads
-with no script error, every plotly figure draws, and the screenshot is not blank."""
+with no script error, every plotly figure draws, and the screenshot is not blank. And what a
+report holds: the user's own entries unless --shipped, a chip and a source column, the
+default's figure from the entry where no final ranking has it, PNGs only with --png.
+
+The browser test needs selenium (the dev extra), Chromium and its driver; on Debian or Ubuntu:
+`apt-get install chromium chromium-driver`, then
+`.venv/bin/python -m pytest tests/test_sweep_report.py`."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -16,13 +25,21 @@ pytest.importorskip("plotly", reason="report needs the report extra (plotly, mat
 pytest.importorskip("matplotlib", reason="report needs the report extra (plotly, matplotlib)")
 
 
+HOW_TO_RUN = ("apt-get install chromium chromium-driver (Debian/Ubuntu; the packages that "
+              "provide chromium and chromedriver), pip install -e '.[test]' (selenium), then "
+              ".venv/bin/python -m pytest tests/test_sweep_report.py")
+
+
 def _chromium():
-    pytest.importorskip("selenium", reason="the browser test drives Chromium with selenium")
+    pytest.importorskip("selenium", reason=f"the browser test drives Chromium with selenium: "
+                                           f"{HOW_TO_RUN}")
     browser = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"),
                                 shutil.which("google-chrome")) if p), None)
     driver = shutil.which("chromedriver")
     if not browser or not driver:
-        pytest.skip("needs Chromium and chromedriver (apt-get install chromium chromium-driver)")
+        missing = " and ".join(n for n, p in (("chromium", browser), ("chromedriver", driver))
+                               if not p)
+        pytest.skip(f"the browser test needs {missing} on PATH: {HOW_TO_RUN}")
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
@@ -69,7 +86,7 @@ def test_report_renders_in_chromium(cache_dir, tmp_path):
     out = tmp_path / "report"
     r = _cli(["report", "--kernel", "scal", "--out", str(out)], cache_dir)
     assert r.returncode == 2 and "toy_kernels.scale" in r.stderr  # A name or its last part.
-    r = _cli(["report", "--kernel", "toy_kernels.scale", "--out", str(out)], cache_dir)
+    r = _cli(["report", "--kernel", "toy_kernels.scale", "--out", str(out), "--png"], cache_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     pngs = sorted(p.name for p in out.glob("*.png"))
     stem = "00_x-64x256-float32-factor-2-0"  # Figures are named by the shape they show.
@@ -118,13 +135,49 @@ def test_report_without_entries_is_a_clear_error(cache_dir, tmp_path):
     assert r.returncode == 2 and "run pallas-tune sweep first" in r.stderr, r.stderr
 
 
-def test_report_takes_a_kernel_s_short_name(cache_dir, tmp_path):
-    """`report --kernel matmul`, as `show --kernel matmul` takes it: the one kernel whose name
-    ends in it (several such: the error lists them)."""
+def _summary_rows(page):
+    """The summary table's rows as {column class: (text, data- value)}."""
+    table = page[page.index("<table class=summary>"):]
+    table = table[:table.index("</table>")]
+    rows = []
+    for row in re.findall(r"<tr>(.*?)</tr>", table)[1:]:
+        cells = re.findall(r'<td class=(\w+)(?: data-\w+="([^"]*)")?>(.*?)</td>', row)
+        rows.append({c: (html.unescape(re.sub("<[^>]+>", "", text)), value or None)
+                     for c, value, text in cells})
+    return rows
+
+
+def test_report_is_the_user_s_own_by_default(cache_dir, tmp_path):
+    """`report --kernel matmul` (a short name, as `show --kernel matmul` takes it): only the
+    user's entries, no PNGs, fast; --shipped adds the library's, told apart by the chip and
+    source columns, estimate entries with their default and speed-up from the entry."""
     r = _cli(["sweep", "pallas_tune.kernels.matmul:matmul", "--shapes",
               "x=128x128:float32,y=128x128:float32", "--trials", "2"], cache_dir)
     assert r.returncode == 0, r.stderr[-2000:]
     r = _cli(["report", "--kernel", "matmul", "--out", str(tmp_path / "r")], cache_dir)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "kernel: pallas_tune.kernels.matmul.matmul" in r.stdout
-    assert (tmp_path / "r").exists()
+    assert "(1 shape(s))" in r.stdout and "--shipped reports them too" in r.stdout, r.stdout
+    assert not list((tmp_path / "r").glob("*.png"))  # PNGs only with --png.
+    (row,) = _summary_rows((tmp_path / "r" / "index.html").read_text())
+    assert row["chip"][0] == "cpu" and row["source"][0] == "user, measured", row
+    assert row["speedup"][0].endswith("x"), row
+
+    r = _cli(["report", "--kernel", "matmul", "--shipped", "--chip", "v6e", "--out",
+              str(tmp_path / "s")], cache_dir)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = _summary_rows((tmp_path / "s" / "index.html").read_text())
+    assert rows and {(x["chip"][0], x["source"][0]) for x in rows} == {
+        ("tpu_v6e", "shipped, estimate")}
+    from pallas_tune.cache import reader
+
+    shipped = pathlib.Path(__file__).resolve().parent.parent / "caches"
+    wf = reader.read(str(shipped / "tpu_v6e" / "pallas_tune.kernels.matmul.matmul.estimate.json"))
+    recorded = {k: v["default_ms"] for k, v, problem in wf.items()
+                if problem is None and "default_ms" in v}
+    assert recorded and {x["key"][0] for x in rows} >= set(recorded)
+    for x in rows:  # Estimates are not re-ranked: the default is the entry's own default_ms.
+        if x["key"][0] in recorded:
+            tuned, default = float(x["tuned"][1]), float(x["default"][1])
+            assert default == recorded[x["key"][0]], x
+            assert x["speedup"][0] == f"{default / tuned:.2f}x", x

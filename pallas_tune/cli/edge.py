@@ -110,7 +110,8 @@ class MergeRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReportRequest:
-    """``pallas-tune report``: ``chip`` normalized (None: every chip)."""
+    """``pallas-tune report``: ``chip`` normalized (None: every chip); ``shipped``: the
+    entries shipped with installed libraries too, not only the user's; ``png``: PNGs too."""
 
     kernel: str
     chip: str | None
@@ -118,6 +119,8 @@ class ReportRequest:
     out: str
     reference: str | None
     paths: tuple[str, ...]
+    shipped: bool = False  # Also the entries shipped with installed libraries.
+    png: bool = False  # Also a PNG of each figure (matplotlib).
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,7 +245,7 @@ def report_request(args: argparse.Namespace) -> ReportRequest:
     return ReportRequest(kernel=args.kernel,
                          chip=chips.normalize_chip(args.chip) if args.chip else None,
                          key=args.key, out=args.out, reference=args.reference,
-                         paths=_many(args.path))
+                         paths=_many(args.path), shipped=args.shipped, png=args.png)
 
 
 def recheck_request(args: argparse.Namespace) -> RecheckRequest:
