@@ -8,6 +8,10 @@ Every page (README.md and docs/**/*.md) is checked the same way:
   ```bash blocks marked `<!-- test: run -->` (the line before the block) run in order, in the
   same directory (`python X.py`, `pallas-tune ...`). A block marked `<!-- test: libtpu -->`
   (it compiles for a TPU) runs only where libtpu is installed (CI installs it);
+- the tutorial is walked as a reader follows it instead: every line of its ```bash blocks, in
+  order, in one shell, each file written where the reader stands when the page gives it, with
+  no Python on PATH but the virtual environment the page makes (its install lines stood in for:
+  no network here);
 - every `pallas-tune ...` line in a ```bash block parses with the CLI's own parser;
 - every `pt.NAME` and `pallas_tune.NAME` it mentions exists, and so does every repository path
   it names in code (`examples/...`, `benchmarks/...`);
@@ -98,7 +102,11 @@ def _commands(block: Block) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("page", RUN_PAGES, ids=_rel)
+TUTORIAL = DOCS / "tutorial.md"
+WALKED = [TUTORIAL]  # Pages walked whole by test_tutorial_runs_as_written.
+
+
+@pytest.mark.parametrize("page", [p for p in RUN_PAGES if p not in WALKED], ids=_rel)
 def test_python_blocks_run_as_written(page, tmp_path):
     blocks = _blocks(page)
     libtpu = _libtpu()
@@ -133,6 +141,70 @@ def test_python_blocks_run_as_written(page, tmp_path):
             r = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                                env=env, check=False)
             assert r.returncode == 0, f"{line}\n" + r.stdout[-3000:] + r.stderr[-5000:]
+
+
+# The tutorial's install lines and what the walk runs in their place. The venv is made as the
+# page says, from this test's Python; the install makes the environment see this one's
+# packages (pallas-tune, installed editable, included) and gives it a `pallas-tune` command, as
+# `pip install -e '.[tpu]'` would: through whichever `python` the shell finds, so that an
+# environment never activated gets nothing.
+INSTALL = ("python3 -m venv .venv", "pip install -e '.[tpu]'")
+STAND_IN = """
+import os, sys, sysconfig
+with open(os.path.join(sysconfig.get_paths()["purelib"], "walk_install.pth"), "w") as f:
+    f.write("import site; " + "; ".join(f"site.addsitedir({d!r})" for d in SITES) + "\\n")
+script = os.path.join(os.path.dirname(sys.executable), "pallas-tune")
+with open(script, "w") as f:
+    f.write(f"#!{sys.executable}\\nimport sys\\nfrom pallas_tune.cli import main\\n"
+            "sys.exit(main())\\n")
+os.chmod(script, 0o755)
+"""
+
+
+def _walk(page: pathlib.Path) -> str:
+    """A bash script of the page as a reader follows it: each ```bash line as written (the
+    install lines stood in for), each titled ```python block written to its file in the
+    directory the reader is in at that point."""
+    import site
+
+    sites = [*site.getsitepackages(), site.getusersitepackages()]
+    out, installs = ["set -exo pipefail"], []
+    for b in _blocks(page):
+        if b.lang == "python":
+            assert b.title, f"{_rel(page)}: a walked page gives its Python as files"
+            out.append(f"cat > {shlex.quote(b.title)} <<'END_OF_{b.title}'\n{b.body}"
+                       f"END_OF_{b.title}")
+            continue
+        for line in _commands(b) if b.lang == "bash" else ():
+            if line in INSTALL:
+                installs.append(line)
+                code = f"SITES = {sites!r}\n{STAND_IN}"
+                line = (f"{shlex.quote(sys.executable)} -m venv --without-pip .venv"
+                        if line == INSTALL[0] else f"python -c {shlex.quote(code)}")
+            out.append(line)
+    assert installs == list(INSTALL), f"{_rel(page)}: the install lines changed: {installs}"
+    return "\n".join(out) + "\n"
+
+
+def test_tutorial_runs_as_written(tmp_path):
+    """The tutorial, literally: from a clone (here an empty directory), the venv made and
+    activated as the page says, the files written where it says, the commands run as written.
+    PATH holds no Python but the one the page's venv adds: a step that forgot to activate it
+    fails here as it does for a reader."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (tmp_path / "walk.sh").write_text(_walk(TUTORIAL))
+    env = subprocess_env(PALLAS_TUNE_CACHE_DIR=tmp_path / "cache", PATH="/usr/bin:/bin")
+    for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PALLAS_TUNE_MODE"):
+        env.pop(name, None)
+    r = subprocess.run(["bash", str(tmp_path / "walk.sh")], cwd=clone, capture_output=True,
+                       text=True, timeout=900, env=env, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    here = tmp_path / "pallas-tune-tutorial"  # Where the page says its files go.
+    assert {p.name for p in here.glob("*.py")} == {"my_kernels.py", "tune.py", "serve.py"}
+    assert (tmp_path / "cache" / "cpu" / "my_kernels.matmul.json").is_file()
+    assert "source='cache'" in r.stdout and "optuna imported: False" in r.stdout, r.stdout
+    assert "my_kernels.matmul" in r.stdout.split("optuna imported: False")[-1]  # show's table.
 
 
 def _cli_lines() -> list[tuple[str, str]]:
