@@ -12,6 +12,8 @@ fusions as 0 (none); the XLA column then says "partial" and is a lower bound, an
 reference; Pallas kernels have no such figure).
 
     python benchmarks/kernels/kernels.py [--kernels matmul rms_norm ...] [--workers 2]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): rms_norm's first shape, one worker.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ KERNELS = ["matmul", "flash_attention", "rms_norm", "linear_attention", "grouped
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--kernels", nargs="+", default=KERNELS)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--shapes-per-kernel", type=int, default=None,
+    p.add_argument("--kernels", nargs="+", default=bench.smoke(KERNELS, ["rms_norm"]))
+    p.add_argument("--workers", type=int, default=bench.smoke(2, 1))
+    p.add_argument("--shapes-per-kernel", type=int, default=bench.smoke(None, 1),
                    help="only the first N shapes of each kernel's shape sets")
     a = p.parse_args()
     if not bench.have_libtpu():

@@ -24,6 +24,8 @@ compile failure is printed as such.
 
 ``--rows-out`` saves the rows of a run (several runs over disjoint sets may then go in
 parallel); ``--combine`` renders saved rows into one table, each part's command in the header.
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): the ``matmul`` set at one small shape (SMOKE_SHAPES);
+the table printed.
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ SETS = [
     ("paged_attention", None), ("ragged_paged_attention", [0]),
     ("mamba2_ssd", None), ("hstu_attention", None),
 ]
+# Smoke runs: a set's shapes replaced by one tiny shape (a set not here keeps its first shape).
+SMOKE_SHAPES = {"matmul": {"x": "1024x1024:bfloat16", "y": "1024x1024:bfloat16"},  # Tuned.
+                "llama3_training_matmul": {"x": "256x256:bfloat16", "y": "256x256:bfloat16"}}
+
+
+def smoke_shapes(space_name: str, shapes: list) -> list:
+    """``shapes``, or in a smoke run the set's tiny shape where it has one."""
+    tiny = SMOKE_SHAPES.get(space_name)
+    return [tiny] if bench.SMOKE and tiny else shapes
+
+
 SEEDS = {
     "flash_attention": "flash attention 1.41x (Autocomp); splash 1.15-1.38x (Medusa)",
     "ragged_paged_attention": "1.10x (Autocomp)",
@@ -239,11 +252,13 @@ _UNITS = ("Times are libtpu's static cycle estimates at 1.75 GHz; roofline: 918 
           "estimates). See the module docstring for each column.")
 
 
-def add_run_arguments(p: argparse.ArgumentParser, sets_help: str) -> None:
-    """The options every estimate table's script takes (this one's and training_shapes')."""
-    p.add_argument("--only", nargs="+", help=sets_help)
+def add_run_arguments(p: argparse.ArgumentParser, sets_help: str, smoke_only: list[str]) -> None:
+    """The options every estimate table's script takes (this one's and training_shapes');
+    ``smoke_only``: the sets a smoke run (``PALLAS_TUNE_BENCH_SMOKE=1``) takes, one shape each."""
+    p.add_argument("--only", nargs="+", help=sets_help, default=bench.smoke(None, smoke_only))
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--max-shapes", type=int, default=None, help="the first N shapes of each set")
+    p.add_argument("--max-shapes", type=int, default=bench.smoke(None, 1),
+                   help="the first N shapes of each set")
     p.add_argument("--out", default=None, help="also write the table (markdown) here")
     p.add_argument("--rows-out", default=None, help="save this run's rows (JSON) here")
     p.add_argument("--skip-xla", nargs="*", default=(),
@@ -273,13 +288,13 @@ def finish(rows, a: argparse.Namespace, command: str, t0: float, title: str = TI
     elapsed = time.perf_counter() - t0
     if a.rows_out:
         save_rows(a.rows_out, rows, command, t0)
-    bench.write(a.out, render_fn(rows, run_header(title, command, elapsed)), echo=False)
+    bench.write(a.out, render_fn(rows, run_header(title, command, elapsed)), echo=bench.SMOKE)
     print(f"\n{elapsed:.0f} s")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    add_run_arguments(p, "space files of SETS (e.g. mamba2_ssd llama3_matmul)")
+    add_run_arguments(p, "space files of SETS (e.g. mamba2_ssd llama3_matmul)", ["matmul"])
     p.add_argument("--all-shapes", action="store_true",
                    help="every shape of each set, not only the picks of SETS (e.g. the 8192-token "
                         "matmuls, with --skip-xla for them)")
@@ -302,7 +317,7 @@ def main() -> None:
                 continue
             shapes = (loaded["shapes"] if picks is None or a.all_shapes
                       else [loaded["shapes"][i] for i in picks])
-            for shape in shapes[: a.max_shapes]:
+            for shape in smoke_shapes(space_name, shapes[: a.max_shapes]):
                 row = _row(est, name, kernel, cli._spec_items(shape), clock,
                            skip_xla=space_name in a.skip_xla)
                 row["set"] = space_name
@@ -316,6 +331,8 @@ def main() -> None:
 
 
 def save_rows(path, rows, command, t0) -> None:
+    path = bench.output(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"command": command, "date": bench.today(),
                    "seconds": round(time.perf_counter() - t0), "jax": jax.__version__,

@@ -269,17 +269,18 @@ def render(rows, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _shapes(loaded, a):
+def _shapes(space_name, loaded, a):
     shapes = loaded["shapes"]
     if a.indices:
         shapes = [shapes[i] for i in a.indices if i < len(shapes)]
-    return shapes[: a.max_shapes]
+    return ms.smoke_shapes(space_name, shapes[: a.max_shapes])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ms.add_run_arguments(p, "shape sets of SETS (e.g. llama3_training_matmul)")
+    ms.add_run_arguments(p, "shape sets of SETS (e.g. llama3_training_matmul)",
+                         ["llama3_training_matmul"])
     p.add_argument("--indices", nargs="+", type=int,
                    help="only these shapes (0-based, in each set's file order)")
     p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
@@ -310,7 +311,7 @@ def main() -> None:
             kernel = cli._load_kernel(loaded["kernel"])
             name = kernel.fn.__name__
             skip = skip_all or space_name in a.skip_xla
-            for shape in _shapes(loaded, a):
+            for shape in _shapes(space_name, loaded, a):
                 spec = cli._spec_items(shape)
                 for pass_ in a.passes:
                     if a.recorded:
