@@ -13,6 +13,9 @@ long context) gets its error in its column, not a figure. Prints a Markdown tabl
 
 Needs an NVIDIA GPU; on a CPU host everything runs in interpret mode and the figures are
 meaningless (the script says so and refuses unless ``--allow-cpu``).
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1, with ``--allow-cpu`` on a CPU host): the softmax at one
+small shape, 2 trials, one round.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pallas_tune.space import load_space  # noqa: E402
 
 SPACES = ("gpu_attention", "gpu_decode_attention", "gpu_paged_attention", "gpu_softmax",
           "gpu_layer_norm", "gpu_rms_norm", "gpu_attention_long")
+SMOKE_SHAPES = {"gpu_softmax": {"x": "16x256:float32"}}  # Smoke runs: a set's one tiny shape.
 
 
 def _cudnn_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None):
@@ -111,9 +115,9 @@ def _ratio(a, b) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--spaces", default=",".join(SPACES))
-    p.add_argument("--trials", type=int, default=24)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--spaces", default=bench.smoke(",".join(SPACES), "gpu_softmax"))
+    p.add_argument("--trials", type=int, default=bench.smoke(24, 2))
+    p.add_argument("--rounds", type=int, default=bench.smoke(5, 1))
     p.add_argument("--allow-cpu", action="store_true")
     args = p.parse_args(argv)
     device = jax.devices()[0]
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.spaces.split(","):
         loaded = load_space(name)
         kernel = cli._load_kernel(loaded["kernel"])
-        for shape in loaded["shapes"]:
+        tiny = SMOKE_SHAPES.get(name)
+        for shape in [tiny] if bench.SMOKE and tiny else loaded["shapes"]:
             spec = cli._spec_items(shape)
             try:
                 r = run_shape(kernel, spec, args.trials, args.rounds)

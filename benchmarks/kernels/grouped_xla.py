@@ -12,6 +12,8 @@ work on the group metadata): no ranking is claimed from it.
 
     python benchmarks/kernels/grouped_xla.py [--space mixtral_training_grouped_matmul]
         [--max-shapes N] [--memory-gb 20] [--out benchmarks/results/grouped_xla.md]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): one small shape (model_shapes.SMOKE_SHAPES).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def main() -> None:
     clock = chip_spec("v6e").clock_hz
     rows = []
     with Estimator(1, memory_limit_bytes=int(a.memory_gb * 2**30)) as est:
-        for shape in loaded["shapes"][: a.max_shapes]:
+        for shape in ms.smoke_shapes(a.space, loaded["shapes"][: a.max_shapes]):
             rows += rows_for(est, kernel, shape, clock)
     header = ["shape (forward's cache key)", "pass", "XLA lax.ragged_dot ms", "tuned ms (recorded)",
               "against ragged_dot", "compile wall"]

@@ -64,7 +64,10 @@ SETS = [
 ]
 # Smoke runs: a set's shapes replaced by one tiny shape (a set not here keeps its first shape).
 SMOKE_SHAPES = {"matmul": {"x": "1024x1024:bfloat16", "y": "1024x1024:bfloat16"},  # Tuned.
-                "llama3_training_matmul": {"x": "256x256:bfloat16", "y": "256x256:bfloat16"}}
+                "llama3_training_matmul": {"x": "256x256:bfloat16", "y": "256x256:bfloat16"},
+                "mixtral_training_grouped_matmul": {"lhs": "512x256:bfloat16",
+                                                    "rhs": "4x256x256:bfloat16",
+                                                    "group_sizes": "4:int32"}}
 
 
 def smoke_shapes(space_name: str, shapes: list) -> list:

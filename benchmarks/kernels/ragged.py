@@ -24,6 +24,8 @@ computed and dropped on store.
 Every figure is a v6e compiler ESTIMATE from a CPU host, not a measurement.
 
     python benchmarks/kernels/ragged.py [--workers 2] [--kernels matmul flash_attention ...]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): the matmul at 256^3 / 200^3, its default tiles, one worker.
 """
 
 from __future__ import annotations
@@ -166,6 +168,9 @@ CASES = [
                                                       dict(block_rows=256)])]),
 ]
 
+if bench.SMOKE:  # One small matmul: the whole path (divides, masked, padded, unmasked).
+    CASES = [("matmul", matmul, {}, [(_mm(256), _mm(200), "256^3 / 200^3", [_MM_SMALL])])]
+
 
 # ---- estimates: one deviceless compile per program, cycles per op --------------------------
 
@@ -220,7 +225,7 @@ def _specs(args):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=bench.smoke(2, 1))
     p.add_argument("--kernels", nargs="+", default=None)
     a = p.parse_args()
     if not bench.have_libtpu():
