@@ -15,6 +15,8 @@ can reach by this estimate, before any softmax work or diagonal waste.
 Every figure is a COMPILER ESTIMATE on a CPU host, not a measurement.
 
     python benchmarks/profiles/attention_mxu_floor.py
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 256x256 blocks at head_dim 128, both forms.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from pallas_tune.feasibility import compile as _compile  # noqa: E402
 
 STEPS, CLOCK, PEAK_FLOPS = 32, 1.75e9, 918e12
+BLOCKS = bench.smoke(((2048, 2048, 128), (2048, 2048, 256), (1024, 1024, 128)),
+                     ((256, 256, 128),))  # (bq, bkv, head_dim)
 _NT = (((1,), (1,)), ((), ()))  # Contract the last dims: a bᵀ.
 
 
@@ -72,7 +76,7 @@ def main() -> int:
     print(f"{'form':>10s} {'bq':>5s} {'bkv':>5s} {'d':>4s} {'cycles':>8s} {'MAC/cycle':>10s}")
     rate = {}
     for form in ("qk+pv", "qkT+vTpT"):
-        for bq, bkv, d in ((2048, 2048, 128), (2048, 2048, 256), (1024, 1024, 128)):
+        for bq, bkv, d in BLOCKS:
             f, args = _program(form, bq, bkv, d)
             r = _compile.compile_deviceless(f, args, {}, chip="tpu_v6e")
             if not r.ok or not r.estimated_cycles:

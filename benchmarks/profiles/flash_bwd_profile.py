@@ -15,6 +15,8 @@ Every figure is a COMPILER ESTIMATE on a CPU host, not a measurement.
 
 A config is ``BQxBKV:fused`` (the dK/dV blocks, the pass fused) or ``BQDQxBKVDQxBQxBKV``
 (the dQ pass's blocks, then the dK/dV pass's).
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): S=512, 2 q heads, one KV head, one fused config.
 """
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ def config(text: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--heads", type=int, default=32, help="query heads (Llama-3.1-8B: 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (Llama-3.1-8B: 8)")
+    p.add_argument("--seq", type=int, default=bench.smoke(8192, 512))
+    p.add_argument("--heads", type=int, default=bench.smoke(32, 2),
+                   help="query heads (Llama-3.1-8B: 32)")
+    p.add_argument("--kv-heads", type=int, default=bench.smoke(8, 1),
+                   help="KV heads (Llama-3.1-8B: 8)")
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--memory-gb", type=float, default=12.0, help="each worker's memory cap")
     p.add_argument("--configs", nargs="+",
-                   default=["2048x2048:fused", "1024x2048:fused", "1024x1024:fused",
-                            "2048x2048x2048x2048"])
+                   default=bench.smoke(["2048x2048:fused", "1024x2048:fused",
+                                        "1024x1024:fused", "2048x2048x2048x2048"],
+                                       ["256x256:fused"]))
     a = p.parse_args()
     if not bench.have_libtpu():
         return

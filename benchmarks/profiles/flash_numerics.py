@@ -7,6 +7,8 @@ inputs. Prints the max and mean absolute error and the NaN count per config. Cor
 no timing.
 
     python benchmarks/profiles/flash_numerics.py [--rev 18bb77e]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): S=256, scale 1, causal, 128x128 blocks.
 """
 
 from __future__ import annotations
@@ -24,9 +26,16 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llo_profile  # noqa: E402
+import _common as bench  # noqa: E402 - on the path llo_profile set.
 
 from pallas_tune.kernels.flash_attention import (  # noqa: E402
     flash_attention, flash_attention_reference)
+
+
+SEQ = bench.smoke(512, 256)
+SCALES = bench.smoke((1.0, 4.0), (1.0,))
+CAUSAL = bench.smoke((True, False), (True,))
+BLOCKS = bench.smoke(((512, 512), (512, 256), (256, 128)), ((128, 128),))
 
 
 def main() -> int:
@@ -38,16 +47,16 @@ def main() -> int:
     print(f"{'version':>14s} {'scale':>5s} {'causal':>6s} {'bq x bkv':>9s} {'max err':>8s} "
           f"{'mean err':>9s} {'NaN':>4s}")
     with pltpu.force_tpu_interpret_mode():
-        for scale in (1.0, 4.0):
-            for causal in (True, False):
+        for scale in SCALES:
+            for causal in CAUSAL:
                 keys = jax.random.split(jax.random.PRNGKey(0), 3)
-                q, k, v = (jax.random.normal(key, (1, 4, 512, 128), jnp.float32) * scale
+                q, k, v = (jax.random.normal(key, (1, 4, SEQ, 128), jnp.float32) * scale
                            for key in keys)
                 k, v = k[:, :1], v[:, :1]
                 ref = np.asarray(flash_attention_reference(q, k, v, causal=causal))
                 bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
                 for label, fn in versions:
-                    for bq, bkv in ((512, 512), (512, 256), (256, 128)):
+                    for bq, bkv in BLOCKS:
                         out = np.asarray(fn(*bf, causal=causal, bq=bq, bkv=bkv), np.float32)
                         err = np.abs(out - ref)
                         print(f"{label:>14s} {scale:5.1f} {causal!s:>6s} {bq:4d}x{bkv:<4d} "

@@ -12,6 +12,8 @@ Every figure is a COMPILER ESTIMATE on a CPU host, not a measurement.
     python benchmarks/profiles/flash_profile.py [--rev 84e6923] [--seq 2048]
         [--heads 32 --kv-heads 8]
         [--no-causal] [--configs 2048x2048 ...]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): S=256, 2 q heads, one KV head, 128x128 blocks.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ KINDS = ("vmatmul", "vpop.f32.mrf", "vld", "vst", "vadd.f32", "vmax.f32", "vmul.
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rev", help="also profile kernels/flash_attention.py at this git revision")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=32, help="query heads (Llama-3.1-8B: 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (Llama-3.1-8B: 8)")
+    p.add_argument("--seq", type=int, default=bench.smoke(2048, 256))
+    p.add_argument("--heads", type=int, default=bench.smoke(32, 2),
+                   help="query heads (Llama-3.1-8B: 32)")
+    p.add_argument("--kv-heads", type=int, default=bench.smoke(8, 1),
+                   help="KV heads (Llama-3.1-8B: 8)")
     p.add_argument("--no-causal", action="store_true", help="full attention, not causal")
-    p.add_argument("--configs", nargs="+", default=["2048x2048", "1024x2048", "1024x1024",
-                                                     "512x512"])
+    p.add_argument("--configs", nargs="+", default=bench.smoke(
+        ["2048x2048", "1024x2048", "1024x1024", "512x512"], ["128x128"]))
     a = p.parse_args()
     if not bench.have_libtpu():
         return

@@ -16,6 +16,8 @@ measurement.
 
     python benchmarks/profiles/hstu_profile.py [--rev 45f79a9] [--seqs 2048 4096]
         [--configs 2048x2048 ...]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): S=256, 128x128 blocks.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ KINDS = ("vmatmul", "vpop.f32.mrf", "vld", "vst", "vadd", "vmul", "vsel", "vpack
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rev", help="also profile kernels/hstu_attention.py at this git revision")
-    p.add_argument("--seqs", type=int, nargs="+", default=[2048])
-    p.add_argument("--configs", nargs="+", default=["2048x2048", "1024x1024", "512x512"])
+    p.add_argument("--seqs", type=int, nargs="+", default=bench.smoke([2048], [256]))
+    p.add_argument("--configs", nargs="+",
+                   default=bench.smoke(["2048x2048", "1024x1024", "512x512"], ["128x128"]))
     a = p.parse_args()
     if not bench.have_libtpu():
         return

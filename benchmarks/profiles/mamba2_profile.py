@@ -20,6 +20,8 @@ measurement.
 ``--errors`` instead runs each version in interpret mode on the CPU at a small shape (1 x 1000,
 8 heads of 64, d_state 128; ragged for every chunk) and prints the largest absolute error
 against the f32 step-by-step recurrence (``mamba2_ssd_scan``), for f32 and bf16 inputs.
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 1 x 256 tokens, chunk 128, 4 heads a block.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ def _args(b, t):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--rev", help="also profile kernels/mamba2_ssd.py at this git revision")
-    p.add_argument("--shapes", nargs="+", default=["4x2048"], help="batch x seq")
-    p.add_argument("--configs", nargs="+", default=["256x4", "128x4", "256x2"],
+    p.add_argument("--shapes", nargs="+", default=bench.smoke(["4x2048"], ["1x256"]),
+                   help="batch x seq")
+    p.add_argument("--configs", nargs="+",
+                   default=bench.smoke(["256x4", "128x4", "256x2"], ["128x4"]),
                    help="chunk x heads_per_block")
     p.add_argument("--errors", action="store_true", help="numerics instead of estimates")
     a = p.parse_args()

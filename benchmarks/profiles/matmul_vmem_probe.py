@@ -8,6 +8,8 @@ XLA's matmul beats the tuned one, and prints the static estimate of each tiling.
 a COMPILER ESTIMATE on a CPU host (deviceless libtpu), not a measurement.
 
     python benchmarks/profiles/matmul_vmem_probe.py
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 256^3, two tilings (default and a raised limit).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ SHAPES = [(2048, 4096, 14336), (2048, 8192, 7168)]  # (M, K, N); XLA: 0.2753 / 0
 TILES = [(1024, 1024, 1024, None), (2048, 1024, 1024, 100 << 20), (2048, 2048, 512, 100 << 20),
          (2048, 2048, 1024, 100 << 20), (1024, 2048, 2048, 100 << 20),
          (2048, 1024, 2048, 100 << 20)]
+if bench.SMOKE:
+    SHAPES, TILES = [(256, 256, 256)], [(128, 128, 128, None), (256, 256, 256, 100 << 20)]
 
 
 def _matmul(x, y, *, bm, bn, bk, limit):
