@@ -3,9 +3,8 @@ with no script error, every plotly figure draws, and the screenshot is not blank
 report holds: the user's own entries unless --shipped, a chip and a source column, the
 default's figure from the entry where no final ranking has it, PNGs only with --png.
 
-The browser test needs selenium (the dev extra), Chromium and its driver; on Debian or Ubuntu:
-`apt-get install chromium chromium-driver`, then
-`.venv/bin/python -m pytest tests/test_sweep_report.py`."""
+The browser test needs Chromium, its driver and selenium (tests/browser.py says how to get
+them; where they are missing it skips, saying so)."""
 
 from __future__ import annotations
 
@@ -19,38 +18,11 @@ import subprocess
 import sys
 
 import pytest
+from browser import chromium
 from conftest import subprocess_env
 
 pytest.importorskip("plotly", reason="report needs the report extra (plotly, matplotlib)")
 pytest.importorskip("matplotlib", reason="report needs the report extra (plotly, matplotlib)")
-
-
-HOW_TO_RUN = ("apt-get install chromium chromium-driver (Debian/Ubuntu; the packages that "
-              "provide chromium and chromedriver), pip install -e '.[test]' (selenium), then "
-              ".venv/bin/python -m pytest tests/test_sweep_report.py")
-
-
-def _chromium():
-    pytest.importorskip("selenium", reason=f"the browser test drives Chromium with selenium: "
-                                           f"{HOW_TO_RUN}")
-    browser = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"),
-                                shutil.which("google-chrome")) if p), None)
-    driver = shutil.which("chromedriver")
-    if not browser or not driver:
-        missing = " and ".join(n for n, p in (("chromium", browser), ("chromedriver", driver))
-                               if not p)
-        pytest.skip(f"the browser test needs {missing} on PATH: {HOW_TO_RUN}")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    options = Options()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                "--window-size=1200,1600"):
-        options.add_argument(arg)
-    options.binary_location = browser
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(options=options, service=Service(driver))
 
 
 def _wait_until_drawn(driver, *, expected, timeout):
@@ -100,7 +72,7 @@ def test_report_renders_in_chromium(cache_dir, tmp_path):
     ranking = ledger["provenance"]["retimed_interleaved"]
     tuned_ms = ranking[0]["median_ms"]
     default_ms = next(r["median_ms"] for r in ranking if r.get("default"))
-    driver = _chromium()
+    driver = chromium()
     try:
         driver.get((out / "index.html").as_uri())
         figures, drawn = _wait_until_drawn(driver, expected=5, timeout=120)
