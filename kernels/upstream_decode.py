@@ -22,6 +22,14 @@ its KV cache alone takes 1.3 ms). So:
 - ``ragged_paged_attention`` has no static estimate at all: tune it with wall-clock timing on a
   TPU (``pallas_tune.measure.estimate`` reports "no estimate" for kernels with such loops).
 
+Nor does ``ragged_paged_attention`` run in JAX's Pallas interpreters (a CPU host's interpret mode)
+on the JAX versions checked, 0.10.2 and 0.12.0.1, with float32 or bfloat16 inputs and any config:
+the HLO interpreter fails on upstream's masked stores (``'TypedInt' object has no attribute
+'shape'``), the TPU interpreter on its reshaped refs. The adapter says so (``NotImplementedError``
+naming the JAX version) instead of JAX's AttributeError; on newer JAX it tries
+(``tests/test_upstream_decode.py`` shows which versions run it). It lowers and compiles for a TPU
+on any host; on a CPU, :func:`ragged_paged_attention_reference` is the same attention.
+
 Inputs must satisfy upstream's run-time preconditions, which no shape check can see: lengths in
 [1, pages_per_sequence * page_size] (a zero-length sequence leaves its output row unwritten
 upstream), page indices in range.
@@ -37,9 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_tune as pt
+from pallas_tune import chips
 
 __all__ = ["paged_attention", "paged_attention_reference", "ragged_paged_attention",
-           "ragged_paged_attention_reference", "rpa_default_blocks"]
+           "ragged_paged_attention_reference", "rpa_default_blocks", "rpa_runs_interpreted"]
 
 # The packages re-export their functions under the modules' own names; take the modules.
 _pa = importlib.import_module(
@@ -235,6 +244,24 @@ def _rpa_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwarg
              jnp.asarray(cu, jnp.int32), jnp.asarray([n], jnp.int32)], kwargs)
 
 
+# JAX versions whose Pallas interpreters cannot run upstream's ragged paged attention: every
+# supported version up to this one (checked: 0.10.2 and 0.12.0.1, float32 and bfloat16).
+RPA_INTERPRETED_FAILS_THROUGH = (0, 12)
+
+
+def rpa_runs_interpreted(version: str = jax.__version__) -> bool:
+    """Whether JAX ``version``'s Pallas interpreters may run upstream's ragged paged attention
+    (False for the versions known to fail; newer ones are tried)."""
+    parts = [int(p) if p.isdigit() else 0 for p in version.split(".")[:2]]
+    return tuple(parts) > RPA_INTERPRETED_FAILS_THROUGH
+
+
+def _interpreting() -> bool:
+    """Whether a pallas_call traced now runs in a Pallas interpreter (the switch a tunable call
+    sets around its kernel on a CPU host; resolving a config traces without it)."""
+    return bool(chips._interpret_state().value)
+
+
 @pt.tunable(space="ragged_paged_attention", reference=ragged_paged_attention_reference,
             inputs=_rpa_inputs, name="jax.ops.tpu.ragged_paged_attention")
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
@@ -247,12 +274,26 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     num_seqs: int32 (1,).
 
     Block sizes are clamped to pages_per_seq and to the token count.
+
+    Raises:
+      ValueError: kv_pages not shaped (total_pages, page_size, 2 * kv_heads, head_dim).
+      NotImplementedError: run in a Pallas interpreter (a CPU host) on a JAX version whose
+        interpreters cannot run upstream's kernel (see the module docstring).
     """
     tokens = q.shape[0]
     pps = page_indices.shape[1]
     if kv_pages.ndim != 4 or kv_pages.shape[2] % 2 or kv_pages.shape[3] != q.shape[2]:
         raise ValueError(f"kv_pages {kv_pages.shape} must be (total_pages, page_size, "
                          f"2*kv_heads, head_dim={q.shape[2]})")
+    if _interpreting() and not rpa_runs_interpreted():
+        raise NotImplementedError(
+            f"JAX {jax.__version__}'s Pallas interpreters cannot run upstream's ragged paged "
+            "attention, with any input dtype or config (checked on JAX 0.10.2 and 0.12.0.1, "
+            "float32 and bfloat16: the HLO interpreter fails on its masked stores, \"'TypedInt' "
+            "object has no attribute 'shape'\", the TPU interpreter on its reshaped refs). Run "
+            "it on a TPU (it lowers for one on any host: with pallas_tune.target(\"v6e\")), or "
+            "on this host call ragged_paged_attention_reference, the same attention in plain "
+            "JAX.")
     return _rpa.ragged_paged_attention(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap,

@@ -2,12 +2,16 @@
 
 Paged attention runs in interpret mode and is checked against the plain-JAX reference at ragged
 lengths, odd page counts and configs from the space (plus ``inline_seq_dim=True``). Ragged paged
-attention does not run in either Pallas interpreter of JAX 0.12 (the HLO interpreter cannot
-discharge its masked stores, the TPU interpreter rejects its reshaped refs), so its reference is
+attention does not run in either Pallas interpreter of JAX 0.10.2 or 0.12.0.1, float32 or
+bfloat16 (the HLO interpreter cannot discharge its masked stores, the TPU interpreter rejects its
+reshaped refs): there the adapter says so, naming the JAX version, and on newer JAX the same test
+checks its result (``test_rpa_interpreted_runs_or_names_the_jax_that_cannot``). Its reference is
 checked against upstream's own reference, and the adapter is lowered and compiled for v6e.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +123,42 @@ def test_ragged_reference_matches_upstreams_reference(case, window):
     n = int(cu[live])
     assert_matches_reference(ours[:n], theirs)
     assert not np.asarray(ours[n:]).any(), "rows of tokens past the live ones must be zero"
+
+
+def _rpa_args(dtype, seed=0):
+    """Two live sequences (a prefill of 3 tokens at length 20, a decode at 9) and a padding
+    token, over 16-token pages."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((5, 4, 128), dtype=np.float32)).astype(dtype)
+    kv = jnp.asarray(rng.standard_normal((6, 16, 4, 128), dtype=np.float32)).astype(dtype)
+    return (q, kv, jnp.asarray([20, 9], jnp.int32), jnp.asarray([[4, 1], [0, 3]], jnp.int32),
+            jnp.asarray([0, 3, 4], jnp.int32), jnp.asarray([2], jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("config", [dict(num_kv_pages_per_block=2, num_queries_per_block=8,
+                                         vmem_limit_bytes=33554432), {}],
+                         ids=["explicit", "resolved"])
+def test_rpa_interpreted_runs_or_names_the_jax_that_cannot(dtype, config):
+    """On the JAX versions whose Pallas interpreters cannot run upstream's kernel (0.10.2 and
+    0.12.0.1 checked), a clear error naming the version and the way out, not JAX's
+    AttributeError ('TypedInt' object has no attribute 'shape'); on newer JAX, the result."""
+    args = _rpa_args(dtype)
+    if not ud.rpa_runs_interpreted():
+        with pytest.raises(NotImplementedError,
+                           match=re.escape(f"JAX {jax.__version__}'s Pallas interpreters")) as e:
+            ud.ragged_paged_attention(*args, sm_scale=0.1, **config)
+        assert "ragged_paged_attention_reference" in str(e.value)
+        return
+    out = ud.ragged_paged_attention(*args, sm_scale=0.1, **config)
+    ref = oracle(ud.ragged_paged_attention_reference, *args, sm_scale=0.1)
+    assert_matches_reference(out[:4], ref[:4])
+
+
+@pytest.mark.parametrize("version,runs", [("0.10.2", False), ("0.12.0.1", False),
+                                          ("0.12.9", False), ("0.13.0", True), ("1.0", True)])
+def test_which_jax_runs_rpa_interpreted(version, runs):
+    assert ud.rpa_runs_interpreted(version) is runs
 
 
 def test_rpa_tuning_inputs_are_valid_and_all_live():
