@@ -8,6 +8,10 @@ by scalar prefetch, each visit storing only its group's rows); here each rhs blo
 HBM, is widened to bf16 in VMEM, and the visit's expert scale is applied to the f32 accumulator
 when the visit stores. Any m, k, n (ragged tiles dropped on store, a ragged last k step masked).
 
+Inputs are checked once, before a config is resolved or a candidate traced (as
+:func:`pallas_tune.kernels.quantized_matmul.quantized_matmul`'s): what no config can run raises
+``ValueError``.
+
 Forward only: quantized experts are frozen weights. Its gradient with respect to lhs is XLA's
 (``backward="xla"``: ``jax.vjp`` of the reference); the 8-bit weights get none.
 """
@@ -24,21 +28,21 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_tune as pt
 from pallas_tune.kernels import _ragged
 from pallas_tune.kernels.grouped_matmul import make_group_metadata
-from pallas_tune.kernels.quantized_matmul import WEIGHT_DTYPES
+from pallas_tune.kernels.quantized_matmul import WEIGHT_DTYPES, inputs_checked, shapes_of
 
 __all__ = ["quantized_grouped_matmul", "quantized_grouped_matmul_reference"]
 
 
 def _check(lhs, rhs_q, rhs_scale, group_sizes):
-    if (lhs.ndim != 2 or rhs_q.ndim != 3 or lhs.shape[1] != rhs_q.shape[1]
-            or group_sizes.shape != rhs_q.shape[:1]):
+    shapes = shapes_of("quantized_grouped_matmul", lhs=lhs, rhs_q=rhs_q, rhs_scale=rhs_scale,
+                       group_sizes=group_sizes)
+    ls, rs, ss, gs = (shapes[n] for n in ("lhs", "rhs_q", "rhs_scale", "group_sizes"))
+    if len(ls) != 2 or len(rs) != 3 or ls[1] != rs[1] or gs != rs[:1]:
         raise ValueError(f"quantized_grouped_matmul needs lhs (m, k), rhs_q (groups, k, n) and "
-                         f"group_sizes (groups,); got lhs {lhs.shape}, rhs_q {rhs_q.shape}, "
-                         f"group_sizes {group_sizes.shape}")
-    if rhs_scale.shape != (rhs_q.shape[0], rhs_q.shape[2]):
+                         f"group_sizes (groups,); got lhs {ls}, rhs_q {rs}, group_sizes {gs}")
+    if ss != (rs[0], rs[2]):
         raise ValueError(f"quantized_grouped_matmul needs one scale per expert and output "
-                         f"channel, rhs_scale {(rhs_q.shape[0], rhs_q.shape[2])}; got "
-                         f"{rhs_scale.shape}")
+                         f"channel, rhs_scale {(rs[0], rs[2])}; got {ss}")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be integers (int32); got {group_sizes.dtype}")
     if lhs.dtype != jnp.bfloat16:
@@ -50,6 +54,11 @@ def _check(lhs, rhs_q, rhs_scale, group_sizes):
                          "pallas_tune.kernels.grouped_matmul)")
 
 
+def _check_call(lhs, rhs_q, rhs_scale, group_sizes, **_):
+    """:func:`_check` on a call's arguments (tuned keywords and tuning options aside)."""
+    _check(lhs, rhs_q, rhs_scale, group_sizes)
+
+
 # The public entry; registered as a tunable kernel (search_spaces/quantized_grouped_matmul.toml)
 # at the end of the file.
 def quantized_grouped_matmul(lhs, rhs_q, rhs_scale, group_sizes, *, tm: int, tk: int, tn: int):
@@ -58,8 +67,9 @@ def quantized_grouped_matmul(lhs, rhs_q, rhs_scale, group_sizes, *, tm: int, tk:
     (traced, so not checked). Tiles larger than a dimension are clamped to it.
 
     Raises:
-      ValueError: shapes that do not match, non-integer group sizes, lhs not bfloat16, or
-        experts neither int8 nor float8_e4m3fn.
+      ValueError: before any config is resolved: an argument that is not an array, an empty
+        axis (no rows, experts, k or n), shapes that do not match, non-integer group sizes,
+        lhs not bfloat16, or experts neither int8 nor float8_e4m3fn.
     """
     _check(lhs, rhs_q, rhs_scale, group_sizes)
     m, k = lhs.shape
@@ -174,6 +184,6 @@ def quantized_grouped_matmul_reference(lhs, rhs_q, rhs_scale, group_sizes):
     return (out * rhs_scale.astype(jnp.float32)[row_group]).astype(lhs.dtype)
 
 
-quantized_grouped_matmul = pt.tunable(
+quantized_grouped_matmul = inputs_checked(pt.tunable(
     space="quantized_grouped_matmul", reference=quantized_grouped_matmul_reference,
-    standin=_standin, inputs=_inputs, backward="xla")(quantized_grouped_matmul)
+    standin=_standin, inputs=_inputs, backward="xla")(quantized_grouped_matmul), _check_call)

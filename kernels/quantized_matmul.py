@@ -8,9 +8,14 @@ VMEM, one block at a time; the scale is applied once, to the f32 accumulator, on
 
 With ``quantize_x=True`` (int8 weights only) each row of x is quantized to int8 with its own
 scale ``max|x[m, :]| / 127`` (the row's maximum over all of K, computed outside the kernel: one
-reduction; each element's step is ``round(x · (1 / scale))``) and the dot runs int8 x int8 → int32 on the MXU (v5e/v6e: twice the bf16 rate), the
-product scaled by both scales at the end. That changes the numbers (it is what vLLM's and
-MaxText's "w8a8" modes do), so it is a call argument and part of the cache key, not a tuned one.
+reduction; each element's step is ``round(x · (1 / scale))``) and the dot runs int8 x int8 →
+int32 on the MXU (v5e/v6e: twice the bf16 rate), the product scaled by both scales at the end.
+That changes the numbers (it is what vLLM's and MaxText's "w8a8" modes do), so it is a call
+argument and part of the cache key, not a tuned one. A row of x holding NaN or inf has no int8
+scale: its output row is NaN (see :func:`row_scales`, and there what rounds alike where).
+
+Inputs are checked once, before a config is resolved or a candidate traced
+(:class:`InputsChecked`): shapes, dtypes or sizes no config can run raise ``ValueError``.
 
 Any M, K, N: ragged M and N blocks are dropped on store; when no bk divides K, the last K step
 zeroes the columns of x and rows of w_q past K (emitted only then).
@@ -19,6 +24,8 @@ zeroes the columns of x and rows of w_q past K (emitted only then).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,19 +35,41 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_tune as pt
 from pallas_tune.kernels import _ragged
 
-__all__ = ["WEIGHT_DTYPES", "quantized_matmul", "quantized_matmul_reference"]
+__all__ = ["WEIGHT_DTYPES", "InputsChecked", "inputs_checked", "quantized_matmul",
+           "quantized_matmul_reference", "row_scales", "shapes_of"]
 
 WEIGHT_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 _INT8_MAX = 127.0
 
 
+def shapes_of(kernel: str, **arrays: object) -> dict[str, tuple[int, ...]]:
+    """Each named argument's shape; ValueError naming any that is not an array (a jax or numpy
+    array, or a ``jax.ShapeDtypeStruct`` when tuning) or has an empty axis (nothing to compute:
+    the kernels take at least one element along every axis)."""
+    shapes = {}
+    for name, a in arrays.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"{kernel}: {name} must be an array (jax.Array, numpy array or "
+                             f"jax.ShapeDtypeStruct); got {type(a).__name__}: wrap it in "
+                             "jnp.asarray")
+        shapes[name] = tuple(a.shape)
+    empty = [f"{name} {shape}" for name, shape in shapes.items() if 0 in shape]
+    if empty:
+        raise ValueError(f"{kernel} takes at least one element along every axis; got "
+                         f"{', '.join(empty)}: skip the call (its result is empty, or zeros where "
+                         "only the contracted axis is)")
+    return shapes
+
+
 def _check(x, w_q, w_scale, quantize_x):
-    if x.ndim != 2 or w_q.ndim != 2 or x.shape[1] != w_q.shape[0]:
-        raise ValueError(f"quantized_matmul needs x (M, K) and w_q (K, N); got x {x.shape}, "
-                         f"w_q {w_q.shape}")
-    if w_scale.shape != (w_q.shape[1],):
+    shapes = shapes_of("quantized_matmul", x=x, w_q=w_q, w_scale=w_scale)
+    xs, ws, ss = shapes["x"], shapes["w_q"], shapes["w_scale"]
+    if len(xs) != 2 or len(ws) != 2 or xs[1] != ws[0]:
+        raise ValueError(f"quantized_matmul needs x (M, K) and w_q (K, N); got x {xs}, "
+                         f"w_q {ws}")
+    if ss != (ws[1],):
         raise ValueError(f"quantized_matmul needs one scale per output channel, w_scale "
-                         f"({w_q.shape[1]},); got {w_scale.shape}")
+                         f"({ws[1]},); got {ss}")
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"quantized_matmul takes bfloat16 activations; got x {x.dtype}: cast "
                          "x to bfloat16")
@@ -52,13 +81,60 @@ def _check(x, w_q, w_scale, quantize_x):
                          f"int8 weights, got {w_q.dtype}; call with quantize_x=False")
 
 
+def _check_call(x, w_q, w_scale, *, quantize_x=False, **_):
+    """:func:`_check` on a call's arguments (tuned keywords and tuning options aside). A traced
+    ``quantize_x`` is left to the runtime, which refuses a traced static value naming it."""
+    _check(x, w_q, w_scale, False if isinstance(quantize_x, jax.core.Tracer) else quantize_x)
+
+
+class InputsChecked(pt.TunableKernel):
+    """A tunable kernel whose call's inputs are checked once, before a config is resolved or
+    any candidate traced: inputs no config can run raise the kernel's ``ValueError`` at once,
+    naming the problem and the fix, whether tuned keywords are given or not (resolution would
+    otherwise trace every candidate and end in a ``NoFeasibleConfigError``). ``check_inputs``
+    takes the call's arguments and ignores tuned keywords and tuning options."""
+
+    check_inputs: Callable[..., None]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.check_inputs(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def config_for(self, *args: Any, **kwargs: Any) -> Any:
+        self.check_inputs(*args, **kwargs)
+        return super().config_for(*args, **kwargs)
+
+    def tune(self, *args: Any, options: Any = None, **kwargs: Any) -> Any:
+        self.check_inputs(*args, **kwargs)
+        return super().tune(*args, options=options, **kwargs)
+
+
+def inputs_checked(kernel: pt.TunableKernel, check: Callable[..., None]) -> InputsChecked:
+    """``kernel`` (just declared by ``pt.tunable``) made an :class:`InputsChecked` by ``check``."""
+    kernel.__class__ = InputsChecked
+    kernel.check_inputs = check  # type: ignore[attr-defined]
+    return kernel  # type: ignore[return-value]
+
+
 def row_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's int8 scale, max|x[m, :]| / 127 (1 for an all-zero row), and its inverse,
-    both (M, 1) float32. A row is quantized as ``round(x · inverse)``: one f32 multiply, the same
-    on every backend (a divide may be computed as a reciprocal and a multiply, and round the
-    other way at a tie)."""
-    top = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1, keepdims=True)
-    scale = jnp.where(top > 0, top / _INT8_MAX, 1.0)
+    """Each row's int8 scale, max|x[m, :]| / 127 (1 for an all-zero row; NaN for a row holding
+    NaN or inf, which int8 cannot hold, so that its output row is NaN, as a dot of it would not
+    be finite either), and its inverse, both (M, 1) float32. A row is quantized as
+    ``round(x · inverse)``.
+
+    What rounds alike: the kernel and :func:`quantized_matmul_reference` take their scales from
+    this one function, outside the kernel, so on one backend they quantize every element to the
+    same step (on CPU, JAX 0.10.2 and 0.12: all 38,400 outputs of a 300 x 256 x 128 call equal,
+    eager and jitted). Across backends they need not: the scale and its inverse are divisions,
+    which XLA's CPU backend computes within 2 ulps of IEEE f32 division, not exactly (3,000
+    bf16 rows of 4096 normals: 111 scales and 105 inverses differ from numpy's), so an element
+    at or next to a .5 tie of its step may round to the neighbouring step (446 of 12.3 M
+    elements, in 94 rows; never by more than one step: one ``scale · |w|`` term of a sum of K).
+    """
+    xf = x.astype(jnp.float32)
+    top = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
+    finite = jnp.all(jnp.isfinite(xf), axis=1, keepdims=True)  # Whatever max makes of NaN.
+    scale = jnp.where(finite, jnp.where(top > 0, top / _INT8_MAX, 1.0), jnp.nan)
     return scale, 1.0 / scale
 
 
@@ -80,11 +156,14 @@ def quantized_matmul(
     w_scale (N,) (any float dtype; used as float32) → (M, N) bfloat16.
 
     ``quantize_x``: quantize each row of x to int8 (its own scale) and multiply int8 x int8 on
-    the MXU (int8 weights only). Block sizes larger than a dimension are clamped to it.
+    the MXU (int8 weights only); a row of x holding NaN or inf gives a NaN output row. The kernel
+    and its reference round alike on one backend, not across backends (see
+    :func:`row_scales`). Block sizes larger than a dimension are clamped to it.
     ``vmem_limit_bytes``: the scoped VMEM the kernel may use; 0 leaves the chip's default.
 
     Raises:
-      ValueError: shapes that do not match, x not bfloat16, weights neither int8 nor
+      ValueError: before any config is resolved: an argument that is not an array, an empty
+        axis, shapes that do not match, x not bfloat16, weights neither int8 nor
         float8_e4m3fn, or ``quantize_x`` with fp8 weights.
     """
     _check(x, w_q, w_scale, quantize_x)
@@ -194,5 +273,6 @@ def _inputs(x, w_q, w_scale, **kwargs):
     return [xa, wa.astype(w_q.dtype), sa.astype(w_scale.dtype)], kwargs
 
 
-quantized_matmul = pt.tunable(space="quantized_matmul", reference=quantized_matmul_reference,
-                              standin=_standin, inputs=_inputs)(quantized_matmul)
+quantized_matmul = inputs_checked(
+    pt.tunable(space="quantized_matmul", reference=quantized_matmul_reference, standin=_standin,
+               inputs=_inputs)(quantized_matmul), _check_call)

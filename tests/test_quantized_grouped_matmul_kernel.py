@@ -84,17 +84,42 @@ def test_lhs_gradient_is_xla_s():
                                rtol=2e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("config", [dict(tm=128, tk=256, tn=256), {}, {"tm": 128}],
+                         ids=["explicit", "resolved", "partial"])
 @pytest.mark.parametrize("shapes,match", [
     (((4, 8), jnp.bfloat16, (2, 7, 4), jnp.int8, (2, 4), (2,)), "needs lhs"),
     (((4, 8), jnp.bfloat16, (2, 8, 4), jnp.int8, (4,), (2,)), "one scale per expert"),
     (((4, 8), jnp.float32, (2, 8, 4), jnp.int8, (2, 4), (2,)), "bfloat16 lhs"),
     (((4, 8), jnp.bfloat16, (2, 8, 4), jnp.bfloat16, (2, 4), (2,)), "int8 or float8_e4m3fn"),
+    (((4, 8), jnp.bfloat16, (2, 8, 4), jnp.int4, (2, 4), (2,)), "int8 or float8_e4m3fn"),
+    (((4, 8), jnp.bfloat16, (2, 8, 4), jnp.int8, (2, 4), (3,)), "needs lhs"),
+    (((0, 8), jnp.bfloat16, (2, 8, 4), jnp.int8, (2, 4), (2,)), r"at least one.*lhs \(0, 8\)"),
+    (((4, 8), jnp.bfloat16, (0, 8, 4), jnp.int8, (0, 4), (0,)), "at least one element"),
 ])
-def test_bad_input_is_a_clear_error(shapes, match):
+def test_bad_input_is_a_clear_error_before_any_candidate(shapes, match, config, monkeypatch):
+    """One check, before a config is resolved or any candidate traced, whether the tiles are
+    given or not (without them it was a NoFeasibleConfigError after every candidate; M=0 with
+    them a ZeroDivisionError)."""
+    from pallas_tune.runtime import dispatch
+
+    def no_candidate(*a, **k):
+        raise AssertionError("a candidate was checked before the inputs")
+
+    monkeypatch.setattr(dispatch, "check", no_candidate)
+    monkeypatch.setattr(dispatch, "resolve", no_candidate)
     ls, ld, ws, wd, ss, gs = shapes
+    args = (jnp.zeros(ls, ld), jnp.zeros(ws, wd), jnp.ones(ss), jnp.zeros(gs, jnp.int32))
     with pytest.raises(ValueError, match=match):
-        quantized_grouped_matmul(jnp.zeros(ls, ld), jnp.zeros(ws, wd), jnp.ones(ss),
-                                 jnp.zeros(gs, jnp.int32), tm=128, tk=256, tn=256)
+        quantized_grouped_matmul(*args, **config)
+    with pytest.raises(ValueError, match=match):
+        quantized_grouped_matmul.config_for(*args)
+
+
+def test_float_group_sizes_are_refused_before_any_candidate():
+    lhs, w, scale, _ = operands(np.random.default_rng(0), 4, 8, 4, [2, 2], jnp.int8)
+    for config in ({}, dict(tm=128, tk=256, tn=256)):
+        with pytest.raises(ValueError, match="group_sizes must be integers"):
+            quantized_grouped_matmul(lhs, w, scale, jnp.asarray([2.0, 2.0]), **config)
 
 
 @pytest.mark.libtpu
