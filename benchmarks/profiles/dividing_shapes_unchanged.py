@@ -4,11 +4,15 @@ Lowers every shipped kernel (and the upstream adapters) for TPU v6e from a CPU h
 (``lowering_platforms=("tpu",)`` under ``pallas_tune.target("v6e")``) twice: with the kernel
 files of a base commit (default: the merge-base with ``main``) and with the working tree's. At
 shapes every tile divides the two lowered modules must be identical, Mosaic kernel body
-included; only the ``debug_locations`` field (source file and line numbers, which move when code
-is edited) is left out of the comparison. At ragged shapes they differ (the tail masks), which
+included; source locations (file and line numbers, which move when code is edited) are left
+out: the modules are lowered with no traceback locations and printed without debug information
+(as ``forward_unchanged.py`` does; with JAX 0.10 the locations sit in the Mosaic body itself),
+and a ``debug_locations`` field, where one is printed, is dropped. At ragged shapes they differ (the tail masks), which
 shows the comparison can fail.
 
     python benchmarks/profiles/dividing_shapes_unchanged.py [--base REF]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): the matmul's cases, one config each.
 """
 
 from __future__ import annotations
@@ -68,11 +72,16 @@ CASES = [
      [dict(tm=128, tk=256, tn=256)], False),
 ]
 
+if bench.SMOKE:
+    CASES = [(m, n, args, kw, configs[:1], div) for m, n, args, kw, configs, div in CASES
+             if m == "matmul"]
+
 # Runs in a fresh process per side: imports the kernel modules from KERNELS_DIR and lowers CASES.
 _CHILD = r"""
 import json, os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp
+jax.config.update("jax_traceback_in_locations_limit", 0)
 import pallas_tune as pt
 import pallas_tune.kernels as K
 K.__path__[:] = [os.environ["KERNELS_DIR"]]
@@ -88,7 +97,7 @@ for i, (module, name, args, kwargs, config) in enumerate(cases):
     try:
         with pt.target("v6e"):
             text = jax.jit(lambda *a: kernel(*a, **kwargs, **cfg)).trace(*specs).lower(
-                lowering_platforms=("tpu",)).as_text()
+                lowering_platforms=("tpu",)).as_text(debug_info=False)
         out.append({"ok": True, "text": text})
     except Exception as e:
         out.append({"ok": False, "text": f"{type(e).__name__}: {str(e)[:300]}"})

@@ -16,6 +16,9 @@ as ``filled_defaults``); nothing else changes.
 
     python benchmarks/profiles/forward_unchanged.py --kernel flash_attention --rev 46edcf0
         [--restamp]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): the first entry only; ``--restamp`` writes to the smoke
+folder, not ``caches/``.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def main() -> int:
     same = True
     default = dict(new.space.default or {})
     filled: dict[str, dict] = {}
+    if bench.SMOKE:
+        data["entries"] = dict(list(data["entries"].items())[:1])
     for key, entry in data["entries"].items():
         args, kwargs = build_call(new, key)
         config = entry["config"]
@@ -126,9 +131,10 @@ def main() -> int:
         entries[key] = {**entry, "config": config, "provenance": prov}
     from pallas_tune.cache import TuningCache
 
-    TuningCache(bench.CACHES, use_shipped=False).write_many(
+    root = bench.output(bench.CACHES)
+    written = TuningCache(root, use_shipped=False).write_many(
         "tpu_v6e", new.name, entries, kind="estimate")
-    print(f"restamped {len(entries)} entries in {path}")
+    print(f"restamped {len(entries)} entries in {written}")
     return 0
 
 
