@@ -15,6 +15,9 @@ Public API::
 Importing this package does not import Optuna, pandas or the tuner; cached dispatch never does.
 """
 
+import os as _os
+
+from pallas_tune import chips as _chips
 from pallas_tune.chips import current_chip as current_chip
 from pallas_tune.chips import interpret_mode as interpret_mode
 from pallas_tune.chips import normalize_chip as normalize_chip
@@ -35,6 +38,13 @@ from pallas_tune.space import SearchSpace as SearchSpace
 from pallas_tune.space import load_space as load_space
 from pallas_tune.runtime.tunable import TunableKernel as TunableKernel
 from pallas_tune.runtime.tunable import tunable as tunable
+
+# A host without a TPU (no /dev/accel*, /dev/vfio/N or TPU PCI id, looked up without JAX):
+# libtpu, which JAX's start-up loads wherever it is installed, prints no start-up errors and
+# writes nothing to /tmp/tpu_logs in a user's program. Only unset variables are set, so the
+# user's own win; a host that may have a TPU gets none.
+_chips.LIBTPU_DEFAULTS.update(_chips.quiet_tpu_probe_env())
+_os.environ.update(_chips.LIBTPU_DEFAULTS)
 
 __version__ = "0.1.0"
 

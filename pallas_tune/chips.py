@@ -417,22 +417,34 @@ def recognized(chip: str) -> bool:
             or name == _HOST.get("chip"))
 
 
+LIBTPU_DEFAULTS: dict[str, str] = {}  # What ``import pallas_tune`` set (quiet_tpu_probe_env).
+
+
+def tpu_devices_here() -> bool:
+    """Whether a TPU may be here, looked up cheaply (no JAX): a TPU device node (``/dev/accel*``,
+    ``/dev/vfio/N``) or a TPU's PCI id (as JAX's hardware_utils reads them). In doubt: yes."""
+    import glob
+    from pathlib import Path
+
+    with contextlib.suppress(OSError):
+        if glob.glob("/dev/accel*") or set(os.listdir("/dev/vfio")) - {"vfio"}:
+            return True
+    ids = "0x0027 0x0056 0x005e 0x0062 0x0063 0x006f 0x0076".split()  # Google's, 0x1ae0.
+    try:  # Other vendors' device ids are not read.
+        return any(v.read_text().strip() == "0x1ae0" and (v.parent / "device").read_text().strip()
+                   in ids for v in map(Path, glob.glob("/sys/bus/pci/devices/*/vendor")))
+    except OSError:
+        return True
+
+
 def quiet_tpu_probe_env() -> dict[str, str]:
-    """Environment that keeps libtpu from probing for TPU workers on a host with no TPU chip.
-
-    With ``ALLOW_MULTIPLE_LIBTPU_LOAD=1`` (needed where several processes compile deviceless)
-    libtpu initialises in full on any host, and without a TPU it prints a screen of errors
-    ("could not determine TPU worker hostnames", "Failed to find host bounds") to stderr. A
-    local worker hostname and an accelerator type silence that and change no deviceless
-    compile (measured: the same figures for v5e, v6e and v5p). Empty on a host with TPU chips,
-    where JAX's own start-up sets them, or where the user set them."""
-    if "TPU_WORKER_HOSTNAMES" in os.environ or "TPU_ACCELERATOR_TYPE" in os.environ:
+    """No TPU here: the unset variables that keep libtpu (JAX loads it wherever installed) from
+    printing start-up errors ("Failed to find host bounds") and writing /tmp/tpu_logs (a fatal
+    abort's only; our run directories set it back); deviceless compiles unchanged (measured)."""
+    if tpu_devices_here():
         return {}
-    try:
-        from jax._src import hardware_utils
-
-        chips_here, _ = hardware_utils.num_available_tpu_chips_and_device_id()
-    except Exception:  # noqa: BLE001 - an unknown host: leave libtpu as it is.
-        return {}
-    return {} if chips_here else {"TPU_WORKER_HOSTNAMES": "localhost",
-                                  "TPU_ACCELERATOR_TYPE": "v6e-1"}
+    env = {} if {"TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"} & set(os.environ) else {
+        "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v6e-1"}
+    if not {"TPU_LOG_DIR", "TPU_MIN_LOG_LEVEL"} & set(os.environ):
+        env["TPU_MIN_LOG_LEVEL"] = "3"
+    return env

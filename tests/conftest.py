@@ -7,13 +7,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Deviceless TPU compiles load libtpu in this process; under pytest-xdist two test processes may
 # load it at once (the library sets this too, before its own loads).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# libtpu's logs of the tests' workers and commands: under a temporary directory, not the user's
-# log directory (pallas_tune.measure.logs; bounded either way).
+# libtpu's logs of the tests' workers and commands: under a temporary directory of this test
+# run's own, removed when it ends (a fixed one had kept 52 run directories, 1.9 MB, after a full
+# run), not the user's log directory (pallas_tune.measure.logs; bounded either way). xdist's
+# workers and the tests' subprocesses inherit it. Set PALLAS_TUNE_TPU_LOGS to keep them.
 if "PALLAS_TUNE_TPU_LOGS" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
-    os.environ["PALLAS_TUNE_TPU_LOGS"] = os.path.join(tempfile.gettempdir(),
-                                                      f"pallas-tune-test-logs-{os.getuid()}")
+    _LOG_ROOT = tempfile.mkdtemp(prefix="pallas-tune-test-logs-")
+    os.environ["PALLAS_TUNE_TPU_LOGS"] = _LOG_ROOT
+    atexit.register(shutil.rmtree, _LOG_ROOT, True)
 # And the test process's own libtpu (deviceless compiles in-process), as the CLI's: a run
 # directory there, not libtpu's default /tmp/tpu_logs (170 KB a full run had left there).
 if "TPU_LOG_DIR" not in os.environ:
