@@ -86,7 +86,8 @@ def test_off_leaves_no_glog_files_in_tmp_either(monkeypatch, tmp_path):
 
 def test_a_run_directory_under_the_root_and_a_note_naming_it(log_root):
     run = logs.RunLogs()
-    assert run.path.startswith(str(log_root)) and run.env == {"TPU_LOG_DIR": run.path}
+    assert run.path.startswith(str(log_root)) and run.env["TPU_LOG_DIR"] == run.path
+    assert os.path.isfile(os.path.join(run.path, logs.MARKER))  # Made by us, marked as ours.
     assert run.path in run.note() and "64 MiB" in run.note()
     assert logs.RunLogs().path != run.path
     assert oct(os.stat(log_root).st_mode & 0o777) == "0o700"
@@ -94,18 +95,22 @@ def test_a_run_directory_under_the_root_and_a_note_naming_it(log_root):
 
 def test_a_root_that_is_a_link_or_a_file_gets_no_logs(tmp_path, monkeypatch):
     """Someone else's link planted where the logs would go: libtpu writes none rather than
-    follow it."""
+    follow it (and says so: tests/test_log_ownership.py)."""
+    from pallas_tune.errors import PallasTuneWarning
+
     target = tmp_path / "elsewhere"
     target.mkdir()
     os.symlink(target, tmp_path / "link")
     monkeypatch.setenv(logs.ENV, str(tmp_path / "link"))
-    run = logs.RunLogs()  # As off: FATAL only, into a scratch directory of ours.
+    with pytest.warns(PallasTuneWarning, match="is a link"):
+        run = logs.RunLogs()  # As off: FATAL only, into a scratch directory of ours.
     assert run.path is None and run.env["TPU_MIN_LOG_LEVEL"] == "3"
     assert not run.env["TPU_LOG_DIR"].startswith(str(tmp_path)) and not list(target.iterdir())
     run.close()
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv(logs.ENV, str(tmp_path / "file"))
-    run = logs.RunLogs()
+    with pytest.warns(PallasTuneWarning, match="not a directory"):
+        run = logs.RunLogs()
     assert run.path is None
     run.close()
 
@@ -140,13 +145,20 @@ def test_shrink_removes_the_oldest_files_when_cutting_is_not_enough(tmp_path):
     assert left and left[-1] == "log.39" and "log.0" not in left
 
 
+def _run_dir(root, name):
+    """A run directory as pallas-tune makes it (with its marker), renamed to ``name``."""
+    path, problem = logs._make_run(str(root))
+    assert problem is None, problem
+    os.rename(path, root / name)
+    return root / name
+
+
 def test_dead_runs_are_pruned_past_four_bounds_live_ones_kept(log_root, monkeypatch):
     monkeypatch.setenv(logs.MB_ENV, "1")
     log_root.mkdir(mode=0o700)
-    dead = [log_root / f"20200101-00000{i}-999999999-1" for i in range(6)]
-    live = log_root / f"20200101-000000-{os.getpid()}-99"
+    dead = [_run_dir(log_root, f"20200101-00000{i}-999999999-1") for i in range(6)]
+    live = _run_dir(log_root, f"20200101-000000-{os.getpid()}-99")
     for i, d in enumerate([*dead, live]):
-        d.mkdir()
         (d / "INFO").write_bytes(b"z" * 2**20)
         os.utime(d, (1000 + i, 1000 + i))
     logs.RunLogs()
