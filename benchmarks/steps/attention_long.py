@@ -15,6 +15,8 @@ S² work grows, is set out alone:
 
     python benchmarks/steps/attention_long.py --tokens 32768 --heads 32 --kv-heads 8
         [--splash SPLASH_GRID.json] [--rows-out attention_32k.json]
+
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 512 tokens, 2 query heads to one KV head.
 """
 
 from __future__ import annotations
@@ -71,9 +73,9 @@ def xla_fits(fwd_args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=bench.smoke(32768, 512))
+    p.add_argument("--heads", type=int, default=bench.smoke(32, 2))
+    p.add_argument("--kv-heads", type=int, default=bench.smoke(8, 1))
     p.add_argument("--splash", help="a splash_grid.py record at this shape")
     p.add_argument("--skip-xla", action="store_true")
     p.add_argument("--rows-out")
@@ -106,7 +108,7 @@ def main() -> None:
     if "xla" in row:
         print(f"XLA reference, forward + VJP: {row['xla']}")
     if a.rows_out:
-        with open(a.rows_out, "w", encoding="utf-8") as f:
+        with open(bench.output(a.rows_out), "w", encoding="utf-8") as f:
             json.dump({"command": bench.command(__file__), "row": row}, f, indent=1,
                       default=str)
 

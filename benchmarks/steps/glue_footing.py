@@ -3,6 +3,8 @@ model at the footing (the fallback ``pallas_tune.step.figures`` takes where the 
 to say how far the fallback is from the profile where both exist. v6e compiler ESTIMATES.
 
     python benchmarks/steps/glue_footing.py TOKENS profiled|unprofiled [--memory-gb 12]
+
+(The smoke test runs it at 128 tokens, unprofiled.)
 """
 
 from __future__ import annotations
