@@ -7,8 +7,8 @@ shapes every tile divides the two lowered modules must be identical, Mosaic kern
 included; source locations (file and line numbers, which move when code is edited) are left
 out: the modules are lowered with no traceback locations and printed without debug information
 (as ``forward_unchanged.py`` does; with JAX 0.10 the locations sit in the Mosaic body itself),
-and a ``debug_locations`` field, where one is printed, is dropped. At ragged shapes they differ (the tail masks), which
-shows the comparison can fail.
+and a ``debug_locations`` field, where one is printed, is dropped. At ragged shapes they
+differ (the tail masks), which shows the comparison can fail.
 
     python benchmarks/profiles/dividing_shapes_unchanged.py [--base REF]
 
