@@ -126,8 +126,13 @@ def test_report_is_the_user_s_own_by_default(cache_dir, tmp_path):
     r = _cli(["sweep", "pallas_tune.kernels.matmul:matmul", "--shapes",
               "x=128x128:float32,y=128x128:float32", "--trials", "2"], cache_dir)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = _cli(["report", "--kernel", "matmul", "--out", str(tmp_path / "r")], cache_dir)
+    run = ("import sys; from pallas_tune.cli import main; rc = main(sys.argv[1:]); "
+           "print('jax imported:', 'jax' in sys.modules); sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", run, "report", "--kernel", "matmul", "--out",
+                        str(tmp_path / "r")], capture_output=True, text=True, timeout=600,
+                       env=subprocess_env(PALLAS_TUNE_CACHE_DIR=cache_dir))
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "jax imported: False" in r.stdout  # Only --reference times anything.
     assert "kernel: pallas_tune.kernels.matmul.matmul" in r.stdout
     assert "(1 shape(s))" in r.stdout and "--shipped reports them too" in r.stdout, r.stdout
     assert not list((tmp_path / "r").glob("*.png"))  # PNGs only with --png.

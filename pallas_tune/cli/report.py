@@ -286,14 +286,14 @@ def _summary(rows: list[dict[str, Any]]) -> str:
 
 def _time_reference(kernel: Any, key: str) -> float | None:
     """Wall-clock median of the jitted reference on random inputs of the key's shapes."""
+    if kernel is None or kernel.reference is None:
+        return None  # Before importing JAX: a report without --reference never needs it.
     import time
 
     import jax
 
     from pallas_tune.cli.shapes import build_call
 
-    if kernel is None or kernel.reference is None:
-        return None
     try:
         args, kwargs = build_call(kernel, key)
     except CLIUsageError:
