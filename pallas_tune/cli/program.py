@@ -53,8 +53,9 @@ def program_args(fn: Any, spec: str) -> tuple[list[Any], dict[str, Any]]:
 
 def _load(ref: str, paths: Sequence[str]) -> Any:
     from pallas_tune import _refs
-    from pallas_tune.cli.registry import import_path, raised
+    from pallas_tune.cli.registry import check_ref, import_path, raised
 
+    check_ref(ref, "--program")
     with import_path(paths):
         try:
             fn = _refs.load(ref)

@@ -39,7 +39,7 @@ from pallas_tune.cli.pathdirs import import_path
 from pallas_tune.cli.shapes import CLIUsageError
 
 __all__ = ["ENTRY_POINT_GROUP", "KernelImportError", "KernelRegistry", "add_import_option",
-           "import_path", "load_kernel", "raised"]
+           "check_module", "check_ref", "import_path", "load_kernel", "raised"]
 
 ENTRY_POINT_GROUP: Final = "pallas_tune.kernels"
 _SHIPPED: Final = "pallas_tune.kernels"
@@ -56,10 +56,41 @@ def raised(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+_FILE_HINT: Final = ("a file is not imported by its path: give its directory with --path DIR "
+                     "and the file's module name (for ./mykernels.py: --path . "
+                     "mykernels:NAME)")
+
+
+def check_module(module: str, what: str) -> None:
+    """Raises CLIUsageError unless ``module`` is a module's dotted name (``a.b.c``, each part
+    an identifier): a path (``../x``, ``k.py``) or a relative name (``.x``) is refused with
+    how to import a file, before anything is imported."""
+    if (not module or not all(part.isidentifier() for part in module.split("."))
+            or module.endswith(".py")):
+        hint = (f"; {_FILE_HINT}" if any(c in module for c in "/\\") or module.startswith(".")
+                or module.endswith(".py") else "")
+        raise CLIUsageError(f"{what}: {module!r} is not a module's dotted name (e.g. "
+                            f"pallas_tune.kernels.matmul){hint}")
+
+
+def check_ref(ref: str, what: str) -> None:
+    """Raises CLIUsageError unless ``ref`` has the form MODULE:NAME (NAME a dotted attribute
+    path), naming the problem; imports nothing."""
+    module, sep, attr = ref.partition(":")
+    if not sep or not module or not attr:
+        raise CLIUsageError(f"{what} {ref!r} must be MODULE:NAME, e.g. "
+                            "pallas_tune.kernels.matmul:matmul")
+    check_module(module, f"{what} {ref!r}")
+    if not all(part.isidentifier() for part in attr.split(".")):
+        raise CLIUsageError(f"{what} {ref!r}: {attr!r} is not a name in a module (MODULE:NAME, "
+                            "e.g. pallas_tune.kernels.matmul:matmul)")
+
+
 def load_kernel(ref: str, paths: Sequence[str] = ()) -> Any:
     from pallas_tune import _refs
     from pallas_tune.runtime.tunable import TunableKernel
 
+    check_ref(ref, "kernel")
     for p in paths:
         if not os.path.isdir(p):
             raise CLIUsageError(f"--path {p}: not a directory")
