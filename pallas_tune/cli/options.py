@@ -68,16 +68,36 @@ def add_tune_options(parser: argparse.ArgumentParser) -> None:
                                help=text)
 
 
+_EXAMPLE = 'give a config as an object, e.g. \'{"bq": 512, "bkv": 512}\', or a list of them'
+_MAX_DEPTH = 8  # A list of configs of (nested) tuples is 4 deep; past 8 it is no config.
+
+
 def _configs_arg(text: str) -> list[Any]:
     import json
 
+    shown = text if len(text) <= 80 else text[:77] + "..."
     try:
         value = json.loads(text)
+        deep = _depth(value) > _MAX_DEPTH
+    except RecursionError:  # Deeper than the decoder's stack: deeper than any config.
+        deep = True
     except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{shown!r} is not JSON ({e}); {_EXAMPLE}") from None
+    if deep:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not JSON ({e}); give a config as an object, e.g. "
-            '\'{"bq": 512, "bkv": 512}\', or a list of them') from None
+            f"{shown!r} is nested more than {_MAX_DEPTH} deep: no config is; {_EXAMPLE}")
     return [value] if isinstance(value, dict) else value
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in a JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d + 1)
+            stack += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
 
 
 def _limits_arg(text: str) -> float | dict[str, float]:
