@@ -195,10 +195,11 @@ def _tool_parsers(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pallas-tune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="pallas-tune", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"pallas-tune {_version()}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True)  # Its parsers are _Parsers too.
+    p.commands = sub.choices
     _sweep_parser(sub)
     f = sub.add_parser("feasibility", help="VMEM model (and compiler) verdict per candidate")
     f.add_argument("kernel", help="MODULE:NAME of a @tunable kernel")
@@ -213,6 +214,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a misspelt command, choice or option, and an
+    option no subcommand knows reported under that subcommand's usage (argparse's own puts
+    it under the top-level usage, which lists no option of the subcommand)."""
+
+    commands: dict[str, argparse.ArgumentParser] | None = None
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = (self.commands or {}).get(getattr(parsed, "command", None) or "", self)
+            sub.error(f"unrecognized arguments: {' '.join(extras)}"
+                      + _suggestion(extras, _option_strings(sub)))
+        return parsed
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        import re
+
+        m = re.search(r"invalid choice: (['\"]?)(.*?)\1 \(choose from", message)
+        if m:
+            for action in self._actions:
+                if action.choices and f"argument {_action_name(action)}:" in message:
+                    message += _suggestion([m.group(2)], [str(c) for c in action.choices])
+        super().error(message)
+
+
+def _action_name(action: argparse.Action) -> str:
+    """The name argparse gives an argument in its messages."""
+    if action.option_strings:
+        return "/".join(action.option_strings)
+    return str(action.metavar or action.dest)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    return [o for a in parser._actions for o in a.option_strings]
+
+
+def _suggestion(words: Sequence[str], known: Sequence[str]) -> str:
+    """"; did you mean --chip?" for the first word close to a known one, else ""."""
+    import difflib
+
+    for word in words:
+        close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean {close[0]}?)"
+    return ""
+
+
 # The commands that may load libtpu in this process.
 _COMPILING = frozenset({"sweep", "feasibility", "recheck-xla"})
 
@@ -221,8 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns its exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
     command, run = args.command, args.func  # Which command; the edge reads every other flag.
-    from pallas_tune.errors import (PallasTuneError, SearchSpaceError, TuneOptionError,
-                                    is_disk_full)
+    from pallas_tune.errors import (DiskFullError, PallasTuneError, SearchSpaceError,
+                                    TuneOptionError, is_disk_full)
 
     terminated: list[int] = []
     try:
@@ -251,6 +300,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIUsageError, TuneOptionError, SearchSpaceError) as e:  # Bad input given.
         _error(command, e)
         return 2
+    except DiskFullError as e:  # Its message may speak to API users (the error's .result).
+        _error(command, _disk_full_text(e))
+        return 1
     except (PallasTuneError, OSError) as e:
         _error(command, e)
         return 1
@@ -261,6 +313,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{str(e).strip().splitlines()[0][:300]}); free space and run it "
                         "again (what finished is kept)")
         return 1
+
+
+def _disk_full_text(e: BaseException) -> str:
+    """A full disk in the words of a command-line user: where the tune's work is and what to
+    do, for a tune that finished but whose entry could not be written (the API's error keeps
+    that tune on its ``.result``, which a command line cannot reach)."""
+    result = getattr(e, "result", None)
+    if result is None:
+        return str(e)
+    cause = e.__cause__ or e.__context__
+    lines = str(cause).strip().splitlines() if cause is not None else []
+    why = f" ({type(cause).__name__}: {lines[0][:300]})" if lines else ""
+    storage = getattr(result.options, "storage", None)
+    if storage:
+        import re
+
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", storage)  # No password shown.
+        kept = (f"its trials are kept in the study storage {shown}: free space and run the "
+                "same command again, which resumes from them and writes the entry")
+    else:
+        kept = ("its trials were not kept (--no-storage): free space and run the command "
+                "again (without --no-storage a sweep keeps its trials and resumes)")
+    return (f"the disk is full{why}: the tune of {result.key} finished (best {result.best}, "
+            f"{result.best_ms:.4g} ms) but its cache entry could not be written; {kept}. Or "
+            "point PALLAS_TUNE_CACHE_DIR (and PALLAS_TUNE_TPU_LOGS, --storage) at a disk with "
+            "room.")
 
 
 @contextlib.contextmanager
