@@ -192,6 +192,8 @@ def cmd_show(request: ShowRequest) -> int:
                  f"not its space: {why}" for name, (k, why) in sorted(kernels.items()) if k is None]
     if request.key:
         rows = [r for r in rows if request.key in r[2]]
+    if chip is not None and not reports:
+        _no_such_chip(cache, request)  # An unknown name: a usage error (exit 2).
     fmt = request.format
     if fmt == "json":
         out = json_entries(reports, rows)
@@ -209,7 +211,7 @@ def cmd_show(request: ShowRequest) -> int:
         w.writerows(tuple(_esc(c) for c in r) for r in rows)
         return 0
     if not rows:
-        print(_esc(f"no cache entries (looked in {cache.roots()})"))
+        print(_esc(f"no cache entries{_filters(request)} (looked in {cache.roots()})"))
         return 0
     if request.kernel or request.chip or request.key:
         _print_table(rows)
@@ -238,6 +240,29 @@ def cmd_show(request: ShowRequest) -> int:
     if request.trials:
         _print_trials(reports, request.key)
     return 0
+
+
+def _filters(request: ShowRequest) -> str:
+    said = [f"{flag} {value}" for flag, value in (("--kernel", request.kernel),
+                                                  ("--chip", request.chip),
+                                                  ("--key", request.key)) if value]
+    return f" for {', '.join(said)}" if said else ""
+
+
+def _no_such_chip(cache: Any, request: ShowRequest) -> None:
+    """Raises CLIUsageError where ``--chip`` names no chip pallas-tune knows and no cache
+    holds (a chip it knows, or one a cache holds, with no entry is no error), naming both."""
+    from pallas_tune import chips
+    from pallas_tune.cache.inventory import inventory
+    from pallas_tune.cli.shapes import CLIUsageError
+
+    if request.chip is None or chips.recognized(request.chip):
+        return
+    held = sorted({r.chip for r in inventory(cache, kernel=request.kernel)})
+    raise CLIUsageError(
+        f"--chip {request.chip}: no such chip; known chips: {', '.join(chips.known_chips())} "
+        "(a short name, e.g. v6e, or a device kind, e.g. 'TPU v6 lite', also works); chips "
+        f"with entries in the caches: {', '.join(held) or 'none'}")
 
 
 def _print_overview(rows: Sequence[tuple[str, ...]]) -> None:
