@@ -38,7 +38,23 @@ TRIALS = [(None, False), ("1", False), ("0", True), ("-1", True), ("1e12", True)
 WORKERS = [(None, False), ("1", False), ("1000000000", True), ("0", True)]
 CHIPS = [(None, False), ("cpu", False), ("v6e", False), ("bogus", True), ("\x1b[2J", True)]
 KERNELS = [(KERNEL, False), ("toy_kernels:nope", True), ("no_such_module:k", True), (":", True),
-           ("toy_kernels:plain_add", True)]
+           ("toy_kernels:plain_add", True), ("../../etc/passwd:x", True),
+           (".toy_kernels:scale", True), ("toy_kernels.py:scale", True),
+           ("toy_kernels:scale()", True)]
+# (flags, is it a usage error) beside a valid sweep (issue 53.9, 56.7).
+SWEEP_FLAGS = [([], False), (["--worker-memory-gb", "12"], False),
+               (["--worker-memory-gb", "1e20"], True), (["--worker-memory-gb", "0.001"], True),
+               (["--worker-memory-gb", "nan"], True), (["--worker-memory-gb=-1"], True),
+               (["--warm-configs", "[" * 10_000 + "]" * 10_000], True),
+               (["--warm-configs", '{"br": ' * 2000 + "8" + "}" * 2000], True),
+               (["--warm-configs", '[{"br": 8, "bc": 128}]'], False),
+               (["--import", "../x"], True), (["--import", ".x"], True), (["--chp", "v6e"], True),
+               (["--trails", "3"], True), (["--timer", "wallclok"], True)]
+# (argv, is it a usage error) of recheck-xla; the compile workers are stood in for.
+RECHECK = [(["--memory-gb", m], m not in ("0", "1", "12", "65536"))
+           for m in ("nan", "inf", "1e400", "0.001", "0", "1", "12", "65536", "65537", "1e20")] + [
+    (["--memory-gb=-1"], True), (["--memory-gb=-inf"], True), (["--chip", "garbage"], True),
+    (["--chp", "v6e"], True)]
 
 _spec_text = st.text(alphabet="x0123456789:,=-();@\"abfloat32 \x1b\x00é", max_size=40)
 _json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
@@ -284,3 +300,42 @@ def test_show_check_merge_on_hostile_caches(files, command, extra):
         skipped = re.search(r"(\d+) skipped", out) if command == "merge" else None
         if skipped:  # Each skip says which file or entry, and why.
             assert err.count("merge: skipped ") == int(skipped.group(1)), (out, err)
+
+
+@given(kernel=st.sampled_from(KERNELS), flags=st.sampled_from(SWEEP_FLAGS))
+@example(kernel=KERNELS[0], flags=SWEEP_FLAGS[6])
+@example(kernel=KERNELS[5], flags=SWEEP_FLAGS[0])
+def test_sweep_flag_values_and_kernel_refs(kernel, flags):
+    """Malformed numbers, nesting, module paths and misspelt flags: exit 2, one line."""
+    with _sandbox() as d, mock.patch("pallas_tune.cli.sweep._sweep_kernel", _Tuned()) as tuned:
+        argv = ["sweep", kernel[0], "--shapes", VALID_SPECS[0], "--no-storage", *flags[0]]
+        rc, _, err = _run(argv, d, allowed=(os.path.join(d, "cache"),))
+        if kernel[1] or flags[1]:
+            assert rc == 2 and not tuned.calls, (argv, rc, err[-2000:])
+        else:
+            assert rc == 0 and tuned.calls, (argv, rc, err[-2000:])
+
+
+class _NoEstimates:
+    """Stands in for recheck-xla's compile workers: a run that gets this far had valid input."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+@given(kernel=st.sampled_from(KERNELS + [("toy_kernels:poor_scale", False)]),
+       extra=st.sampled_from(RECHECK))
+@example(kernel=("../../etc/passwd:x", True), extra=([], False))
+@example(kernel=("toy_kernels:poor_scale", False), extra=(["--memory-gb", "nan"], True))
+def test_recheck_xla_arguments(kernel, extra):
+    with _sandbox() as d, mock.patch("pallas_tune.measure.estimate.Estimator", _NoEstimates):
+        argv = ["recheck-xla", kernel[0], *extra[0]]
+        rc, _, err = _run(argv, d)
+        if kernel[1] or extra[1]:
+            assert rc == 2, (argv, rc, err[-2000:])

@@ -209,3 +209,25 @@ def test_sweep_program_passes_a_specs_plain_values_as_static(cache_dir, tmp_path
     assert code == 0, captured.err[-2000:]
     assert "1 calls: 1 tuned" in captured.out or "1 call: 1 tuned" in captured.out, captured.out
 
+
+def test_a_full_disk_tells_a_cli_user_what_to_do_not_the_api_s_result(cache_dir, tmp_path,
+                                                                       capsys, monkeypatch):
+    """The tune finishes, its cache entry hits a full disk: the CLI's line says where the
+    trials are and to run the same command again; nothing of the API error's ``.result``
+    (issue 53.13)."""
+    from pallas_tune.cache import TuningCache
+    from pallas_tune.cli import main
+
+    def full(self, chip, kernel, key, entry, *, kind="measured"):
+        raise OSError(errno.ENOSPC, "No space left on device", self.path(chip, kernel))
+
+    monkeypatch.setattr(TuningCache, "write", full)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    rc = main(["sweep", "toy_kernels:scale", "--path", HERE, "--shapes", "x=8x128:float32",
+               "--trials", "2", "--repeats", "1", "-q", "--storage", storage])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    assert ".result" not in err and "this error" not in err
+    assert "the disk is full (OSError: [Errno 28] No space left on device" in err
+    assert "finished (best {" in err and "its cache entry could not be written" in err
+    assert f"kept in the study storage {storage}" in err and "run the same command again" in err

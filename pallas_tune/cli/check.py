@@ -43,7 +43,9 @@ def add_parsers(sub: Any) -> None:
     m = sub.add_parser("merge", help="merge cache files written by several hosts into one cache")
     m.add_argument("inputs", nargs="+", metavar="FILE", help="winners files (<chip>/<kernel>.json)")
     m.add_argument("--into", metavar="ROOT",
-                   help="the cache root to merge into (default: the user cache)")
+                   help="the cache root to merge into (default: the user cache; made if "
+                        "missing), or one winners file in a cache root "
+                        "(ROOT/<chip>/<kernel>.json): then only the entries that belong in it")
     m.set_defaults(func=cmd_merge)
 
 
@@ -331,6 +333,8 @@ def cmd_merge(request: MergeRequest) -> int:
                 target[key] = dict(value)
                 sources[(chip, kernel, kind, key)] = path
     written = 0
+    if request.into_file is not None:
+        groups = _only_into_file(cache, groups, request.into_file)
     for (chip, kernel, kind), entries in groups.items():
         keep = {}
         for key, entry in entries.items():
@@ -344,6 +348,34 @@ def cmd_merge(request: MergeRequest) -> int:
             print(f"merged {len(keep)} entries of {kernel} on {chip} into {path}")
     print(f"pallas-tune merge: {written} entries written, {skipped} skipped")
     return 1 if skipped and not written else 0
+
+
+def _only_into_file(cache: Any, groups: dict[tuple[str, str, str], dict[str, Any]],
+                    into_file: str) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """``--into FILE``: the groups whose entries belong in FILE (the winners file of their
+    chip, kernel and kind under the cache root FILE lies in); each other group is named, with
+    where its entries belong. Raises CLIUsageError, before anything is written, where none
+    belongs in FILE."""
+    root = os.path.dirname(os.path.dirname(into_file))
+    kept, elsewhere = {}, []
+    for (chip, kernel, kind), entries in groups.items():
+        target = os.path.abspath(cache.path(chip, kernel, kind=kind))
+        if target == into_file:
+            kept[(chip, kernel, kind)] = entries
+        else:
+            elsewhere.append(f"{len(entries)} {kind} entries of {kernel} on {chip} belong in "
+                             f"{target}")
+    if not kept:
+        raise CLIUsageError(
+            f"--into {into_file}: no input entry belongs in that file "
+            f"({'; '.join(elsewhere) or 'no valid entries'}). --into takes a cache root, the "
+            "directory whose <chip>/<kernel>.json files the entries go to (made if missing), "
+            f"e.g. --into {root}; or the winners file itself, "
+            "ROOT/<chip>/<kernel>[.estimate].json, to merge only the entries that belong in it")
+    for line in elsewhere:
+        print(f"pallas-tune merge: not merged: {line}, not in {into_file} (--into {root} "
+              "merges them too)", file=sys.stderr)
+    return kept
 
 
 def _with_history(entry: dict[str, Any], path: str, kernel: str, kind: str, key: str

@@ -15,6 +15,8 @@ kernel and shapes, a record's lines, a cache's entries) is read by the command i
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -102,10 +104,13 @@ class CheckRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MergeRequest:
-    """``pallas-tune merge``: ``into`` None is the user cache."""
+    """``pallas-tune merge``: ``into`` the cache root (None: the user cache); ``into_file``: the
+    winners file ``--into`` named, when it named one (only entries that belong in it are
+    merged, into ``into``, the root it lies in)."""
 
     inputs: tuple[str, ...]
     into: str | None
+    into_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,15 +131,57 @@ class ReportRequest:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RecheckRequest:
     """``pallas-tune recheck-xla``: ``chip`` is the chip's spec, ``keys`` the ``--key`` values
-    (none: every key), ``memory_limit_bytes`` the compile worker's cap (None: none)."""
+    (none: every key), ``shipped``: also the entries of read-only roots (shipped with
+    pallas-tune or a library), their rechecks written to the user cache, ``memory_limit_bytes``
+    the compile worker's cap (None: none)."""
 
     kernel: str
     chip: ChipSpec
     keys: tuple[str, ...]
     dry_run: bool
     again: bool
+    shipped: bool
     memory_limit_bytes: int | None
     paths: tuple[str, ...]
+
+
+# A compile worker's address-space cap, in GiB: below 1 a worker cannot load JAX and libtpu
+# (0.001 died with MemoryError at import); past 64 TiB no host has it, and RLIMIT_AS overflows
+# near 2**33 GiB (1e20 raised OverflowError in the worker).
+MEMORY_GB: Final = (1.0, 65536.0)
+
+
+def memory_gb(value: float | None, flag: str, *, none_is_zero: bool = False) -> float | None:
+    """A ``--*-memory-gb`` value, checked: finite and within :data:`MEMORY_GB` (0: no cap,
+    where ``none_is_zero``). Returns it, or None for no cap."""
+    if value is None or (none_is_zero and value == 0):
+        return None
+    low, high = MEMORY_GB
+    if not math.isfinite(value) or not low <= value <= high:
+        zero = " (0: no cap)" if none_is_zero else ""
+        raise CLIUsageError(
+            f"{flag} {value}: give a worker's memory cap in GiB from {low:g} to {high:g}{zero}, "
+            "e.g. 12: the address space a compile worker may map")
+    return value
+
+
+def _check_refs(refs: Any, what: str) -> None:
+    """Each MODULE:NAME given is of that form (a path or a relative name refused); imports
+    nothing."""
+    from pallas_tune.cli.registry import check_ref
+
+    for ref in refs:
+        if ref is not None:
+            check_ref(ref, what)
+
+
+def _modules(modules: Any) -> tuple[str, ...]:
+    """The ``--import`` modules, each a dotted name (a path refused); imports nothing."""
+    from pallas_tune.cli.registry import check_module
+
+    for module in modules or ():
+        check_module(module, f"--import {module}")
+    return _many(modules)
 
 
 def _many(values: Any) -> tuple[str, ...]:
@@ -192,7 +239,11 @@ def sweep_request(args: argparse.Namespace) -> SweepRequest:
     from pallas_tune import chips
     from pallas_tune.cli.options import tune_options
 
+    _check_refs((args.kernel,), "kernel")
+    _check_refs((args.program,), "--program")
     shapes = _sweep_shapes(args)
+    memory_gb(args.worker_memory_gb, "--worker-memory-gb")
+    imports = _modules(args.imports)
     chip = chips.normalize_chip(args.chip) if args.chip else None
     storage, default = _storage(args.no_storage, args.storage)
     options = tune_options(args, chip, storage=storage)  # Bad values fail here, before any work.
@@ -201,12 +252,13 @@ def sweep_request(args: argparse.Namespace) -> SweepRequest:
         from_record=args.from_record, storage=storage, default_storage=default,
         force=args.force, fresh_study=args.fresh_study, interpret=args.interpret,
         verbose=args.verbose, quiet=args.quiet, paths=_many(args.path),
-        imports=_many(args.imports), options=options)
+        imports=imports, options=options)
 
 
 def feasibility_request(args: argparse.Namespace) -> FeasibilityRequest:
     from pallas_tune.feasibility import compile as _compile
 
+    _check_refs((args.kernel,), "kernel")
     chip = _spec(args.chip)
     if args.compile and not _compile.libtpu_available():
         raise CLIUsageError("--compile needs libtpu: pip install 'pallas-tune[tpu]'")
@@ -224,24 +276,51 @@ def show_request(args: argparse.Namespace) -> ShowRequest:
     return ShowRequest(kernel=args.kernel,
                        chip=chips.normalize_chip(args.chip) if args.chip else None,
                        key=args.key, format=args.format, trials=args.trials,
-                       imports=_many(args.imports), paths=_many(args.path))
+                       imports=_modules(args.imports), paths=_many(args.path))
 
 
 def check_request(args: argparse.Namespace) -> CheckRequest:
+    from pallas_tune import chips
+
     if args.space and not args.chip:
         raise CLIUsageError("--space needs --chip: the chip whose entries to look for")
+    if args.chip and not chips.recognized(args.chip):
+        raise CLIUsageError(f"--chip {args.chip}: no such chip; known chips: "
+                            f"{', '.join(chips.known_chips())} (a short name, e.g. v6e, or a "
+                            "device kind, e.g. 'TPU v6 lite', also works)")
     return CheckRequest(roots=_many(args.paths), paths=_many(args.path),
-                        imports=_many(args.imports), no_kernels=args.no_kernels,
+                        imports=_modules(args.imports), no_kernels=args.no_kernels,
                         fail_stale=args.fail_stale, spaces=_many(args.space), chip=args.chip)
 
 
 def merge_request(args: argparse.Namespace) -> MergeRequest:
-    return MergeRequest(inputs=_many(args.inputs), into=args.into)
+    from pallas_tune import chips
+
+    into = args.into
+    if into is None or os.path.isdir(into):
+        return MergeRequest(inputs=_many(args.inputs), into=into)
+    if os.path.lexists(into) and not os.path.isfile(into):
+        raise CLIUsageError(f"--into {into}: neither a directory nor a regular file; give a "
+                            "cache root (the directory whose <chip>/<kernel>.json files the "
+                            "entries go to; made if missing)")
+    if not os.path.isfile(into) and not into.endswith(".json"):  # A cache root to make.
+        return MergeRequest(inputs=_many(args.inputs), into=into)
+    into_file = os.path.abspath(into)  # A winners file: ROOT/<chip>/<kernel>.json.
+    chip_dir = os.path.basename(os.path.dirname(into_file))
+    if not chips.recognized(chip_dir) or chips.normalize_chip(chip_dir) != chip_dir:
+        raise CLIUsageError(
+            f"--into {into}: not a winners file of a cache (ROOT/<chip>/<kernel>.json: its "
+            f"directory, {chip_dir!r}, is no chip's). --into takes a cache root, the directory "
+            "whose <chip>/<kernel>.json files the entries go to (made if missing), e.g. "
+            "--into merged/, or one winners file in a cache root")
+    return MergeRequest(inputs=_many(args.inputs),
+                        into=os.path.dirname(os.path.dirname(into_file)), into_file=into_file)
 
 
 def report_request(args: argparse.Namespace) -> ReportRequest:
     from pallas_tune import chips
 
+    _check_refs((args.reference,), "--reference")
     return ReportRequest(kernel=args.kernel,
                          chip=chips.normalize_chip(args.chip) if args.chip else None,
                          key=args.key, out=args.out, reference=args.reference,
@@ -249,10 +328,12 @@ def report_request(args: argparse.Namespace) -> ReportRequest:
 
 
 def recheck_request(args: argparse.Namespace) -> RecheckRequest:
-    cap = int(args.memory_gb * (1 << 30)) if args.memory_gb else None
+    _check_refs((args.kernel,), "kernel")
+    gb = memory_gb(args.memory_gb, "--memory-gb", none_is_zero=True)
+    cap = None if gb is None else int(gb * (1 << 30))
     return RecheckRequest(kernel=args.kernel, chip=_spec(args.chip), keys=_many(args.key),
-                          dry_run=args.dry_run, again=args.again, memory_limit_bytes=cap,
-                          paths=_many(args.path))
+                          dry_run=args.dry_run, again=args.again, shipped=args.shipped,
+                          memory_limit_bytes=cap, paths=_many(args.path))
 
 
 _CONVERTERS: Final[dict[str, Callable[[argparse.Namespace], Any]]] = {
