@@ -26,7 +26,8 @@ from typing import Any
 
 from pallas_tune.space import Param, SearchSpace, _freeze
 
-__all__ = ["call_env", "call_space", "clamp_dims", "effective", "representative"]
+__all__ = ["call_env", "call_space", "clamp_dims", "clamp_notes", "effective", "fold",
+           "representative"]
 
 
 def call_env(signature: inspect.Signature, args: Any, kwargs: Mapping[str, Any]
@@ -104,3 +105,28 @@ def call_space(space: SearchSpace, dims: Mapping[str, int]) -> SearchSpace:
                {k: _freeze(v) for k, v in representative(space.default, space, dims).items()})
     return SearchSpace(params=params, default=default, constraints=space.constraints,
                        clamps=space.clamps)
+
+
+def clamp_notes(config: Mapping[str, Any], space: SearchSpace, dims: Mapping[str, int]
+                ) -> list[str]:
+    """Each value of ``config`` that runs as a smaller one for this call, said plainly:
+    ``bm=256 runs as 200 (clamped to the call's x.shape[0])``."""
+    exprs = {name: c.describe() for name, c in space.clamps}
+    return [f"{k}={v} runs as {dims[k]} (clamped to the call's {exprs.get(k, 'dimension')})"
+            for k, v in config.items() if k in dims and _int(v) and v > dims[k]]
+
+
+def fold(space: SearchSpace, names: Any) -> tuple[SearchSpace, dict[str, Any]]:
+    """``space`` with each of ``names`` that has several choices held at one value: the
+    default's, else its first choice (a point of the declared space, so what is cached stays
+    a valid entry). For parameters that cannot change the program where it is evaluated (a
+    TPU compiler setting in interpret mode). Returns the space and the held values."""
+    default = dict(space.default or {})
+    held = {p.name: default.get(p.name, p.choices[0]) for p in space.params
+            if p.name in names and len(p.choices) > 1}
+    if not held:
+        return space, {}
+    params = tuple(Param(name=p.name, choices=(held[p.name],)) if p.name in held else p
+                   for p in space.params)
+    return SearchSpace(params=params, default=space.default, constraints=space.constraints,
+                       clamps=space.clamps), held

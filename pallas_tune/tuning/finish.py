@@ -171,6 +171,9 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
     prov = provenance(plan, chip, options, device, {**extra, "roofline_used": roofline_used})
     if space is not kernel.space:  # Clamped: one point per distinct effective config.
         prov["space"] = {"declared": kernel.space.size, "distinct_for_call": space.size}
+    notes = {"stopped": log.stopped, "not_searched": extra.get("not_searched"),
+             "clamped": "; ".join(_clamp_notes(best.config, space, extra.get("dims") or {}))}
+    prov.update({k: v for k, v in notes.items() if v})
     prov.update(ranked_by="interleaved re-ranking" if ranking else "search median",
                 strategy=extra.get("strategy"), counts=log.counts(),
                 trials_measured=log.timed, tuning_s=round(log.progress().elapsed_s, 3))
@@ -212,6 +215,13 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
                         xla_partial=int((xla_row or {}).get("partial") or 0)
                         if math.isfinite(xla_ms) else 0,
                         effective=_effective(best.config, extra.get("dims") or {}))
+
+
+def _clamp_notes(config: Mapping[str, Any], space: Any, dims: Mapping[str, int]
+                 ) -> list[str]:
+    from pallas_tune import effective
+
+    return effective.clamp_notes(config, space, dims)
 
 
 def _effective(config: Mapping[str, Any], dims: Mapping[str, int]) -> dict[str, Any] | None:

@@ -24,6 +24,11 @@ logger = logging.getLogger("pallas_tune.tuning")
 # kernel refused at every config (the grouped matmul backward's drhs) fails after these, not
 # after the whole attempt budget.
 NOT_ESTIMABLE_STOP = 10
+# Stop once this many new candidates in a row were programs already evaluated (duplicates),
+# where the sampler chooses (not an exhaustive run): the call's configs then run as few
+# distinct programs (values clamped to its shape, parameters its program ignores), and asking
+# on spends a trace and a lowering per candidate to find none.
+DUPLICATE_STREAK = 16
 
 
 def config_key(config: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -49,6 +54,8 @@ class TrialLog:
         self._timed_imported = 0
         self._duplicates_here = 0
         self._not_estimable = 0  # Configs refused an estimate (NOT_ESTIMABLE_STOP).
+        self._streak = 0  # New candidates in a row whose program was evaluated before.
+        self.stopped: str | None = None  # Why the run stopped short of ``trials``, if it did.
         self._best: TrialRecord | None = None
         self._lowest: list[float] = []  # Lowest median of the first i+1 timed trials.
         self._recent: collections.deque[float] = collections.deque(
@@ -102,6 +109,8 @@ class TrialLog:
         imported = record.number in self.imported
         if record.duplicate_of is not None and not imported:
             self._duplicates_here += 1
+        if not imported:
+            self._streak = self._streak + 1 if record.duplicate_of is not None else 0
         self._not_estimable += record.detail == NOT_ESTIMABLE
         if record.spent_device_time:
             self.timed += 1
@@ -117,12 +126,44 @@ class TrialLog:
 
     def wants_more(self, pending: int = 0) -> bool:
         """Whether to ask for more; ``pending``: trials other workers run now (they count
-        against ``trials``, the study's total, and against the space)."""
+        against ``trials``, the study's total, and against the space). Where it stops short of
+        ``trials``, :attr:`stopped` says why."""
+        if self.timed + pending >= self.options.trials:
+            return False
+        why = self._why_stop(pending)
+        if why:
+            self.stopped = why
+        return not why
+
+    def _why_stop(self, pending: int) -> str | None:
         o = self.options
         attempts = o.max_attempts or max(10 * o.trials, 100)
-        return (self.timed + pending < o.trials and self.asked < attempts
-                and len(self.by_config) + pending < self.space_size and not self._plateaued()
-                and not (self.timed == 0 and self._not_estimable >= NOT_ESTIMABLE_STOP))
+        of = f"stopping after {self.timed} of {o.trials} trials"
+        if len(self.by_config) + pending >= self.space_size:
+            programs = self.programs()
+            return (f"all {programs} distinct programs of this call evaluated"
+                    + (f" (its {self.space_size} configs)" if programs != self.space_size
+                       else "") + f"; {of}")
+        if self._streak >= DUPLICATE_STREAK and self.space_size > o.trials:
+            return (f"the last {self._streak} candidates were all programs evaluated before "
+                    f"({self.programs()} distinct programs in {len(self.by_config)} configs): "
+                    "this call's configs run as few distinct programs (values clamped to its "
+                    f"shape, parameters its program ignores); {of}")
+        if self.asked >= attempts:
+            return f"{self.asked} candidates asked (max_attempts={attempts}); {of}"
+        if self._plateaued():
+            return (f"{o.patience} timed trials in a row did not improve the best by 1% "
+                    f"(patience={o.patience}); {of}")
+        if self.timed == 0 and self._not_estimable >= NOT_ESTIMABLE_STOP:
+            return (f"{self._not_estimable} candidates had no estimate and none was timed; "
+                    f"{of}")
+        return None
+
+    def programs(self) -> int:
+        """Distinct programs evaluated (by fingerprint; a config without one counts alone)."""
+        seen = {r.fingerprint or ("config", config_key(r.config)) for r in self.records
+                if r.duplicate_of is None}
+        return len(seen)
 
     def batch(self, parallelism: int, pending: int = 0) -> int:
         return max(1, min(parallelism, self.options.trials - self.timed - pending))

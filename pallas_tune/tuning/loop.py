@@ -19,6 +19,7 @@ from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.pool import importing_main_script
 from pallas_tune.measure.records import Outcome, TrialRecord
 from pallas_tune.tuning import finish, footing, grad
+from pallas_tune.tuning.callspace import call_space, fold_for, folded_note
 from pallas_tune.tuning.log import TrialLog, config_key
 from pallas_tune.tuning.options import TuneOptions
 from pallas_tune.tuning.plan import make_plan, open_evaluator, settle_chip
@@ -91,11 +92,13 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
         if options.write:  # Before the first candidate: an unwritable cache costs no time.
             kernel.cache.check_writable(chip, kernel.name, kind=plan.kind)
         space, dims = call_space(kernel, args, kwargs)
+        space, held = fold_for(space, evaluator.device, plan.estimating)
         extra = _prepare(evaluator, space, options)
         if options.confirm_top:  # The estimate's best K, measured: nothing else.
             warm, options = _confirm(kernel, space, chip, plan, options, extra)
         else:
-            warm = _warm(evaluator, kernel, space, args, kwargs, chip, plan.key, options)
+            warm = _warm(evaluator, kernel, space, args, kwargs, chip, plan.key, options,
+                         held)
         name = options.study_name or study_name(kernel, chip, plan.key, space)
         prior = _prior(kernel, space, chip, plan, options, extra)
         search = Search.open(space, name=name, storage=options.storage,
@@ -110,6 +113,8 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
             search.release()  # Ctrl-C, a crash: our running trials go back to the queue.
             raise
         search.close()
+        if log.stopped and space.size > options.trials:  # The sampler's run ended early.
+            finish.logger.warning("%s %s: %s", kernel.name, plan.key, log.stopped)
         xla = finish.xla_wanted(kernel, options, plan, evaluator.device)
         ranking = finish.rerank(evaluator, log, options, finish.default_config(space),
                                 xla=xla and not plan.estimating)
@@ -117,7 +122,7 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
             extra["xla_estimate"] = finish.xla_estimate(evaluator, chip)
             extra["xla_estimate"]["floor_ms"] = footing.data_floor_ms(kernel, args, kwargs, chip)
         extra.update(strategy=search.strategy, evaluator=evaluator.kind, space=space,
-                     dims=dims)
+                     dims=dims, **({"not_searched": folded_note(held)} if held else {}))
         result = finish.build_result(kernel, plan, chip, log, ranking, options=options,
                                      device=evaluator.device, study=search.study, extra=extra)
     if not options.write:
@@ -263,59 +268,17 @@ def _started(evaluator: Evaluator) -> Evaluator:
     return evaluator
 
 
-PRUNE_LIMIT = 20_000  # Spaces up to this many points are pruned by the declared constraints.
-
-
-def call_space(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
-               ) -> tuple[Any, dict[str, int]]:
-    """The space searched for this call: one point per distinct effective config when the
-    kernel declares its clamps (see :mod:`pallas_tune.effective`), else its whole space; then
-    without the choices no config valid for the call uses (:func:`_pruned`)."""
-    if hasattr(kernel, "call_space"):
-        space, dims = kernel.call_space(*args, **kwargs)
-    else:
-        space, dims = kernel.space, {}
-    return _pruned(kernel, space, args, kwargs), dims
-
-
-def _pruned(kernel: Any, space: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-    """``space`` less each parameter's choices that no config passing the kernel's declared
-    constraints for this call uses (a block size no tile of this shape divides), so that the
-    sampler never proposes them: one space declared for every shape serves each shape. The
-    default's values stay (it is the baseline); a space where no config passes, or one of more
-    than :data:`PRUNE_LIMIT` points, is left whole (its trials then say why)."""
-    from pallas_tune.space import Param, SearchSpace
-
-    check = getattr(kernel, "declared_problems", None)
-    if check is None or not getattr(space, "constraints", None) or space.size > PRUNE_LIMIT:
-        return space
-    used: dict[str, set[Any]] = {p.name: set() for p in space.params}
-    for config in space:
-        if not check(config, args, kwargs):
-            for name, value in config.items():
-                used[name].add(value)
-    if not any(used.values()):
-        return space
-    default = dict(space.default or {})
-    params = tuple(Param(name=p.name, choices=tuple(
-        c for c in p.choices if c in used[p.name] or (p.name in default and c == default[p.name])))
-        for p in space.params)
-    if all(a.choices == b.choices for a, b in zip(params, space.params, strict=True)):
-        return space
-    return SearchSpace(params=params, default=space.default, constraints=space.constraints,
-                       clamps=space.clamps)
-
-
 def _warm(evaluator: Any, kernel: Any, space: Any, args: Sequence[Any],
-          kwargs: Mapping[str, Any], chip: str, key: str, options: TuneOptions
-          ) -> list[dict[str, Any]]:
+          kwargs: Mapping[str, Any], chip: str, key: str, options: TuneOptions,
+          held: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The warm starts: the baseline, the caller's own configs, then the found ones (none
-    needed when every point is evaluated anyway; see :func:`.warm.queue`)."""
-    given = own_configs(kernel, space, options.warm_configs)
+    needed when every point is evaluated anyway; see :func:`.warm.queue`); ``held``: the
+    parameters not searched here (:func:`.callspace.fold_for`), at their one value."""
+    given = own_configs(kernel, space, options.warm_configs, held)
     if space.size <= options.trials:
         return []
     found = (warm_start_configs(kernel, args, kwargs, chip, key, limit=options.warm_start,
-                                rank=evaluator.roofline, space=space)
+                                rank=evaluator.roofline, space=space, held=held)
              if options.warm_start else [])
     return queue(kernel, space, given, found, options.trials)
 

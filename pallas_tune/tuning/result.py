@@ -45,7 +45,8 @@ class TuningResult:
     ``best``/``best_record``: the winner. ``best_ms``, ``best_spread_ms``: the median and
     interquartile range of its runs in the final paired re-ranking (``ranking``: the
     ``retime_top`` best re-timed interleaved), or of its search-phase runs where there was no
-    re-ranking. Each trial's own search-phase median stays in ``records`` and ``trials``.
+    re-ranking. Each trial's own search-phase median stays in ``records`` (and in ``trials``
+    as ``search_median_ms``; ``trials``' ``median_ms`` is the figure stated for its config).
     ``study``: the Optuna study (real parameter values; plots and optuna-dashboard work on it).
     ``provenance``: how the figures were obtained (chip, timer, versions, counts, ...).
     ``default_ms``: the default config's median in the same re-ranking as ``best_ms`` (the
@@ -83,7 +84,9 @@ class TuningResult:
 
     def __repr__(self) -> str:
         speed = f", {self.speedup:.2f}x the default" if math.isfinite(self.speedup) else ""
-        best = self.effective or self.best
+        best = self.best
+        if self.provenance.get("clamped"):
+            speed += f"; {self.provenance['clamped']}"
         if math.isfinite(self.xla_ms):
             speed += (f"; XLA {self.xla_ms:.4g} ms, "
                       f"{'XLA runs' if self.implementation == 'xla' else 'Pallas runs'}")
@@ -92,7 +95,7 @@ class TuningResult:
         if self.within_noise:
             speed += "; within noise (see .table())"
         return (f"TuningResult({self.kernel} {self.key} on {self.chip}: best {best} "
-                f"{self.best_ms:.4g} ms{speed}; {len(self.records)} trials, "
+                f"{self.best_ms:.4g} ms{speed}; {self.counted()}, "
                 f"{self.provenance.get('timer', '?')})")
 
     def __str__(self) -> str:
@@ -104,8 +107,8 @@ class TuningResult:
         the default and XLA where they ran; else the search's best), each row's median, spread
         and time over the winner's, and one line saying what these runs support: the winner,
         its speed-up over the default, or that the timings are within noise."""
-        head = (f"{self.kernel} {self.key} on {self.chip} ({self.provenance.get('timer', '?')}, "
-                f"{len(self.records)} trials)")
+        head = (f"{self.kernel} {self.key} on {self.chip} ({self.provenance.get('timer', '?')}; "
+                f"{self.counted()})")
         rows = [r for r in self.ranking if r.get("median_ms") is not None]
         if not rows:  # No re-ranking: the search's best ok trials.
             ok = sorted((r for r in self.records if r.outcome.value == "ok"
@@ -113,8 +116,9 @@ class TuningResult:
             rows = [{"trial": r.number, "config": dict(r.config), "median_ms": r.median_ms,
                      "spread_ms": r.measurement.spread_ms if r.measurement else math.nan}
                     for r in ok]
-        lines = [head, f"  {'rank':>4}  {'median ms':>10}  {'spread ms':>10}  {'x best':>6}"
-                       "  config"]
+        notes = [self.provenance.get(k) for k in ("stopped", "not_searched")]
+        lines = [head, *(f"  {n[0].upper()}{n[1:]}" for n in notes if n),
+                 f"  {'rank':>4}  {'median ms':>10}  {'spread ms':>10}  {'x best':>6}  config"]
         for i, row in enumerate(rows, 1):
             what = ("XLA (the reference)" if row.get("implementation") == "xla"
                     else _config_text(row["config"]) + ("  [default]" if row.get("default")
@@ -123,7 +127,9 @@ class TuningResult:
             lines.append(f"  {i:>4}  {row['median_ms']:>10.4g}  {row.get('spread_ms', 0):>10.3g}"
                          f"  {ratio:>6.2f}  {what}")
         verdict = self.provenance.get("ranking_noise") or {}
-        claim = f"best: {_config_text(self.effective or self.best)}, {self.best_ms:.4g} ms"
+        clamped = self.provenance.get("clamped")
+        claim = (f"best: {_config_text(self.best)}{f' ({clamped})' if clamped else ''}, "
+                 f"{self.best_ms:.4g} ms")
         if rows and rows[0].get("default"):
             claim += ": the default (no config beat it)"
         elif math.isfinite(self.speedup) and verdict.get("default_ahead_by") is not False:
@@ -136,6 +142,26 @@ class TuningResult:
         if self.cache_path:
             lines.append(f"cache: {self.cache_path}")
         return "\n".join(lines)
+
+    def counted(self) -> str:
+        """The trials, each counted once and said what it is: ``17 trials: 12 timed
+        (trials=12; 3 stopped early as slow, over 2x the best so far), 5 duplicates (an
+        earlier trial's program: not run again)``."""
+        t = self.tally
+        slow = sum(r.outcome.value == "slow" and r.duplicate_of is None for r in self.records)
+        factor = getattr(self.options, "slow_factor", None)
+        timed = [f"trials={self.options.trials}"] if self.options is not None else []
+        if slow:
+            timed.append(f"{slow} stopped early as slow"
+                         + (f", over {factor:g}x the best so far" if factor else ""))
+        words = {"timed": f" ({'; '.join(timed)})" if timed else "",
+                 "infeasible": " (refused before running)",
+                 "failed": " (compile or run errors, wrong results, time-outs)",
+                 "duplicates": " (an earlier trial's program: not run again)"}
+        parts = [f"{t[k]} {k[:-1] if k == 'duplicates' and t[k] == 1 else k}{words[k]}"
+                 for k in words if t.get(k)]
+        n = t["trials"]
+        return f"{n} trial{'' if n == 1 else 's'}" + (": " + ", ".join(parts) if parts else "")
 
     @property
     def within_noise(self) -> bool:
@@ -171,15 +197,23 @@ class TuningResult:
 
     @property
     def trials(self) -> pd.DataFrame:
-        """One row per trial: the parameters, ``outcome``, ``median_ms``, ``error`` and more."""
+        """One row per trial: the parameters, ``outcome``, ``median_ms``, ``error`` and more.
+        ``median_ms`` is the figure this result states for the trial's program, as
+        :meth:`table` and ``best_ms`` do: the final re-ranking's median where it was re-timed
+        there, else its search-phase median (``figure``: ``"re-ranking"`` or ``"search"``);
+        ``search_median_ms`` is always the search phase's."""
         import pandas as pd
 
+        ranked = {row["trial"]: row["median_ms"] for row in self.ranking if "trial" in row}
         rows = []
         for r in self.records:
             m = r.measurement
+            program = r.number if r.duplicate_of is None else r.duplicate_of
             rows.append({
                 "number": r.number, **{k: _cell(v) for k, v in r.config.items()},
-                "outcome": r.outcome.value, "median_ms": r.median_ms,
+                "outcome": r.outcome.value, "median_ms": ranked.get(program, r.median_ms),
+                "figure": "re-ranking" if program in ranked else "search",
+                "search_median_ms": r.median_ms,
                 "spread_ms": m.spread_ms if m else math.nan,
                 "compile_ms": m.compile_ms if m else math.nan,
                 "runs": len(m.times_ms) if m else 0,

@@ -16,7 +16,8 @@ Ranker = Callable[[Sequence[Mapping[str, Any]], str], list[float | None]]
 
 def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], chip: str,
                        key: str, *, limit: int = 6, rank: Ranker | None = None,
-                       space: Any = None) -> list[dict[str, Any]]:
+                       space: Any = None, held: Mapping[str, Any] | None = None
+                       ) -> list[dict[str, Any]]:
     """Configs worth measuring first: the declared default, the winners of the nearest tuned
     shapes (same kernel and chip, by key distance; only those valid here; the key's own entry
     first, so that a re-tune measures the config it may replace), then for TPU chips
@@ -26,7 +27,8 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
 
     ``rank(configs, chip)`` gives each config's roofline time, None where it is invalid here
     (the tuner passes its evaluator's, which traces inside the isolation boundary; default:
-    in this process)."""
+    in this process). ``held``: parameters not searched here, at their one value (a winner
+    of another shape runs here with it)."""
     from pallas_tune import keys
     from pallas_tune.chips import chip_spec
     from pallas_tune.space import _freeze
@@ -45,7 +47,8 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
 
     def add(config: Mapping[str, Any], check: bool = True) -> None:
         # A winner of another shape, as the point of this call's space that runs like it.
-        c = effective.representative({k: config[k] for k in space.names}, space, dims)
+        c = effective.representative({k: config[k] for k in space.names} | dict(held or {}),
+                                     space, dims)
         if c not in out and c in space and len(out) < limit and (not check or admitted(c)):
             out.append(c)
 
@@ -60,6 +63,7 @@ def warm_start_configs(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, An
     for _, _, entry in sorted(near, key=lambda t: (t[0], t[1]))[:limit]:
         config = {k: _freeze(v) for k, v in entry.get("config", {}).items()}
         if set(config) == set(space.names):
+            config |= dict(held or {})
             config = effective.representative(config, space, dims)
         if set(config) == set(space.names) and config in space and config not in winners:
             winners.append(config)
@@ -92,17 +96,19 @@ def _rank_here(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> R
     return rank
 
 
-def own_configs(kernel: Any, space: Any, configs: Sequence[Mapping[str, Any]]
-                ) -> list[dict[str, Any]]:
-    """``TuneOptions.warm_configs`` as points of this call's space, deduplicated; a config
-    that is not one raises :class:`~pallas_tune.errors.TuneOptionError` naming what is wrong
-    with it and the values the space has."""
+def own_configs(kernel: Any, space: Any, configs: Sequence[Mapping[str, Any]],
+                held: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """``TuneOptions.warm_configs`` as points of this call's space, deduplicated (``held``:
+    parameters not searched here, at their one value: a given value of one of them is
+    replaced); a config that is not one raises :class:`~pallas_tune.errors.TuneOptionError`
+    naming what is wrong with it and the values the space has."""
     from pallas_tune.errors import TuneOptionError
     from pallas_tune.space import _freeze
 
     out: list[dict[str, Any]] = []
     for i, given in enumerate(configs):
         config = {k: _freeze(v) for k, v in given.items()}
+        config |= {k: v for k, v in (held or {}).items() if k in config}
         problems = space.config_problems(config)  # Constraints are checked as any trial's.
         if problems:
             raise TuneOptionError(
