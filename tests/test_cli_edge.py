@@ -127,6 +127,15 @@ def test_every_command_has_a_converter_and_requests_are_frozen():
     (["sweep", "k:f", "--shapes", "x=8x8"], "no dtype"),
     (["check", "--space", "matmul"], "--space needs --chip"),
     (["recheck-xla", "k:f", "--chip", "nochip"], "unknown chip"),
+    (["recheck-xla", "k:f", "--memory-gb", "nan"], "--memory-gb nan: give a worker's memory"),
+    (["recheck-xla", "k:f", "--memory-gb", "0.001"], "from 1 to 65536"),
+    (["sweep", "k:f", "--shapes", "x=8x8:float32", "--no-storage", "--worker-memory-gb",
+      "1e20"], "--worker-memory-gb 1e+20"),
+    (["recheck-xla", "../../etc/passwd:x"], "is not a module's dotted name"),
+    (["sweep", "--program", "./k.py:f", "--shapes", "x=8x8:float32"], "--path DIR"),
+    (["show", "--import", "../k"], "--import ../k"),
+    (["check", "--space", "matmul", "--chip", "garbage"], "no such chip"),
+    (["merge", "a.json", "--into", "/no/chip/dir/k.json"], "not a winners file of a cache"),
 ])
 def test_flags_are_refused_at_the_edge_before_any_import(argv, message):
     """The edge alone refuses them: the kernel ``k:f`` is never looked for."""
