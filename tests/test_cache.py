@@ -44,8 +44,11 @@ def _strict_json(text):
 
 def test_roundtrip_layout_and_strict_json(tmp_path):
     c = TuningCache(str(tmp_path), use_shipped=False)
-    entry = _entry(1, ms=math.nan, trials=3)
+    entry = _entry(1, trials=3)
     entry["trials"][0]["median_ms"] = math.inf  # repeats=0 used to write Infinity.
+    entry["provenance"]["noise"] = math.nan
+    with pytest.raises(pt.CacheFormatError, match="median_ms"):  # Not a time: refused.
+        c.write("tpu_v6e", "pkg.mod.kern", "x=8x128:float32", {**entry, "median_ms": math.nan})
     path = c.write("tpu_v6e", "pkg.mod.kern", "x=8x128:float32", entry)
     assert path == str(tmp_path / "tpu_v6e" / "pkg.mod.kern.json")
     text = open(path).read()
@@ -58,7 +61,8 @@ def test_roundtrip_layout_and_strict_json(tmp_path):
     data = _strict_json(text)  # Standard JSON: what JSON.parse accepts (no NaN, no Infinity).
     assert data["schema"] == SCHEMA_VERSION == 2 and data["chip"] == "tpu_v6e"
     winner = data["entries"]["x=8x128:float32"]
-    assert winner["median_ms"] is None and "trials" not in winner and winner["trial_count"] == 3
+    assert winner["median_ms"] == 1.0 and "trials" not in winner and winner["trial_count"] == 3
+    assert winner["provenance"]["noise"] is None
     entry_read, where = c.lookup("tpu_v6e", "pkg.mod.kern", "x=8x128:float32")
     assert entry_read["config"] == {"b": 1} and where == path
     assert c.lookup("tpu_v5e", "pkg.mod.kern", "x=8x128:float32") is None
@@ -382,5 +386,6 @@ def test_a_cache_path_that_is_no_file_never_blocks_nor_raises(cache_dir, fresh, 
     with pytest.warns(pt.PallasTuneWarning, match="cannot be read|not a regular file"):
         np.testing.assert_allclose(fresh.scale(x), 2 * x)
     with pytest.warns(pt.PallasTuneWarning, match="recovered"):
-        side = fresh.scale.cache.write("cpu", fresh.scale.name, "k", {"config": {"br": 8}})
+        side = fresh.scale.cache.write("cpu", fresh.scale.name, "k",
+                                       {"config": {"br": 8, "bc": 128, "buffering": 1}})
     assert side.endswith(".recovered.json")

@@ -50,7 +50,8 @@ def test_show_survives_hostile_files_and_escapes_control_characters(cache_dir):
 
     c = TuningCache(str(cache_dir), use_shipped=False)
     c.write("cpu", "toy_kernels.scale", "x=8x128:float32",
-            {"config": {"br": 8}, "median_ms": 0.5, "provenance": {"timer": "wallclock"}})
+            {"config": {"br": 8, "bc": 128, "buffering": 1}, "median_ms": 0.5,
+             "provenance": {"timer": "wallclock"}})
     c.write("cpu", "other.kernel", "x=8x8:int32", {"config": {"b": 1}, "median_ms": 0.25})
     path = c.path("cpu", "toy_kernels.scale")
     lines = open(path).read().splitlines()

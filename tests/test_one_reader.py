@@ -111,6 +111,26 @@ def test_entries_the_call_refuses_check_fails_and_show_marks(cache_dir, capsys, 
     assert row["median_ms"] is None, row  # Not served: no time (JSON numbers are numbers).
 
 
+@pytest.mark.parametrize("figures,field", [
+    ({"median_ms": 0.0}, "median_ms"), ({"median_ms": -1.0}, "median_ms"),
+    ({"median_ms": float("nan")}, "median_ms"), ({"median_ms": float("inf")}, "median_ms"),
+    ({"median_ms": 1e300}, "median_ms"), ({"median_ms": 10**400}, "median_ms"),
+    ({"median_ms": 1.0, "spread_ms": -0.5}, "spread_ms"),
+    ({"median_ms": 1.0, "default_ms": float("-inf")}, "default_ms"),
+])
+def test_entries_whose_figures_are_no_times_the_call_skips_check_fails_show_marks(
+        cache_dir, capsys, figures, field):
+    """Issue 53.2: `check` called a file holding ``"median_ms": 0`` (or NaN) OK, which a merge
+    then ranked above every real time. One rule, in the one reader: no call serves it."""
+    _file(cache_dir, _text([(KEY, {"config": GOOD["config"], **figures})]))
+    served, messages = _serve(cache_dir)
+    assert served.source != "cache" and any(KEY in m and field in m for m in messages), messages
+    rc, out = _check(capsys, cache_dir)
+    assert rc == 1 and f"entry {KEY!r}" in out and field in out, out
+    [row] = [e for e in _show(capsys, cache_dir)["entries"] if e["key"] == KEY]
+    assert row["best config"].startswith("SKIPPED:") and field in row["best config"], row
+
+
 def test_a_dangling_symlink_is_unreadable_to_the_call_and_the_tools(cache_dir, tmp_path,
                                                                      capsys):
     path = cache_dir / "cpu" / f"{dk.rowsum.name}.json"

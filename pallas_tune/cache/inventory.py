@@ -64,7 +64,11 @@ class FileReport:
 def _number(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, int | float):
         return None
-    return float(v) if math.isfinite(v) else None
+    try:
+        v = float(v)
+    except OverflowError:  # An integer beyond any float (a hostile file's 1e400 digits).
+        return None
+    return v if math.isfinite(v) else None
 
 
 def _entry_report(key: str, value: Any, problem: str | None) -> EntryReport:

@@ -13,10 +13,12 @@ one they list:
 - :func:`read_named`: a file found by name in a chip directory (the tools), judged against what
   its name and directory promise: what a call of the kernel it names would make of it.
 
-Which entries serve is then :func:`~pallas_tune.cache.entries.entry_problem` (any kernel) and
+Which entries serve is then :func:`~pallas_tune.cache.entries.entry_problem` (any kernel: the
+entry's structure and its figures, e.g. a ``median_ms`` that is 0, negative, NaN or huge) and
 :meth:`~pallas_tune.runtime.tunable.TunableKernel.entry_problems` (the kernel's names, types
-and space),
-for the runtime and the tools alike.
+and space), for the runtime and the tools alike; ``cache.write`` and ``merge`` apply the same
+two (:mod:`~pallas_tune.cache.declared`, :mod:`~pallas_tune.cache.merge`), so that nothing is
+written that a lookup would skip.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pallas_tune import _settings, chips, keys
-from pallas_tune.cache import atomic, files, names, reader, writer
+from pallas_tune.cache import atomic, declared, files, names, reader, writer
 from pallas_tune.cache.entries import entry_problem, split_entry
 from pallas_tune.errors import CacheFormatError, warn
 
@@ -318,6 +318,12 @@ class TuningCache:
               kind: str = "measured") -> str:
         """Merges one entry (as the tuner makes it, ``"trials"`` included) into the user cache.
 
+        An entry a lookup would skip is refused (CacheFormatError naming the field and the
+        fix, nothing written): a figure that is not a time (``median_ms`` must be finite,
+        > 0 and at most :data:`~pallas_tune.cache.entries.MAX_MS`), a malformed entry, or a
+        config that no kernel of that name declared in this process takes (see
+        :mod:`pallas_tune.cache.declared`).
+
         The winner goes to the winners file, its trials and bulky provenance to the ledger. If
         the winners file cannot be merged into, it is left untouched and the entry goes to the
         ``*.recovered.json`` side file (read right after it), with a warning. Returns the path
@@ -333,6 +339,7 @@ class TuningCache:
         for key, entry in entries.items():
             if not isinstance(key, str) or not key:
                 raise ValueError(f"cache key {key!r} must be a non-empty string")
+            declared.refuse_skipped(kernel, key, entry, several=len(entries) > 1)
             winners[key], record = split_entry(key, entry, kind=kind)
             if record is not None:
                 records.append(record)

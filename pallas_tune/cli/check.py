@@ -155,9 +155,24 @@ def _kernel_of(wf: Any, registry: KernelRegistry) -> tuple[Any, str | None]:
     return registry.find(name)
 
 
+def _call_problems(kernel: Any, key: str, config: Any) -> list[str]:
+    """Why a call of ``kernel`` at ``key``'s shapes refuses ``config``, traced as a call does.
+    Raises CLIUsageError when ``key`` is not a shape spec of the kernel."""
+    from pallas_tune.cli.shapes import build_call
+
+    args, kwargs = build_call(kernel, key)
+    return kernel.violations(config, args, kwargs)  # type: ignore[no-any-return]
+
+
+def _merge_call_problems(kernel: Any, key: str, config: Any) -> list[str]:
+    try:
+        return _call_problems(kernel, key, config)
+    except CLIUsageError:  # A key that names no shapes (a key= function's): not traced.
+        return []
+
+
 def _check_entries(wf: Any, kernel: Any, path: str) -> list[str]:
     from pallas_tune.cache.entries import entry_problem
-    from pallas_tune.cli.shapes import build_call
 
     problems = []
     for key, value, problem in wf.items():
@@ -166,8 +181,7 @@ def _check_entries(wf: Any, kernel: Any, path: str) -> list[str]:
             found = kernel.entry_problems(value)
             if not found:
                 try:
-                    args, kwargs = build_call(kernel, key)
-                    found = kernel.violations(value["config"], args, kwargs)
+                    found = _call_problems(kernel, key, value["config"])
                 except CLIUsageError as e:
                     found = [f"key is not a shape spec of {kernel.name} ({e})"]
             problem = "; ".join(found) or None
@@ -287,67 +301,70 @@ def _coverage(request: CheckRequest, problems: list[str], stale: list[str]) -> l
     return summaries
 
 
-def _better(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
-    """Whether ``b`` should replace ``a``: faster, or ``a`` has no time."""
-    if a is None:
-        return True
-    ta, tb = a.get("median_ms"), b.get("median_ms")
-    ok = [isinstance(t, int | float) and not isinstance(t, bool) and t == t for t in (ta, tb)]
-    return (ok[1] and not ok[0]) or (all(ok) and tb < ta)
-
-
 def cmd_merge(request: MergeRequest) -> int:
-    """Per (chip, kernel, kind, key), the fastest valid entry of the inputs and the target
-    wins; written with the cache's atomic merge (inputs are only read)."""
+    """Per (chip, kernel, kind, key), the fastest entry of the inputs and the target that a
+    call would serve wins (:mod:`pallas_tune.cache.merge`); written with the cache's atomic
+    merge (inputs are only read). Every input entry is counted: written, skipped (with its
+    reason) or not faster."""
     from pallas_tune import chips
-    from pallas_tune.cache import TuningCache, default_cache
-    from pallas_tune.cache.entries import entry_problem
+    from pallas_tune.cache import TuningCache, default_cache, merge
 
     cache = TuningCache(request.into) if request.into else default_cache()
+    registry = KernelRegistry()  # Shipped kernels and entry points: their spaces judge configs.
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     sources: dict[tuple[str, str, str, str], str] = {}  # The file each kept entry came from.
-    skipped = 0
+    skips: dict[str, int] = {}  # Why, and how many.
+    slower = 0
     for path, chip_dir in _winners_files(list(request.inputs)):
         wf, error = _read(path, as_named=False)
-        if wf is None:
-            print(f"pallas-tune merge: skipped {path}: {error}", file=sys.stderr)
-            skipped += 1
+        fault = merge.file_fault(wf.header) if wf is not None else None
+        if wf is None or fault is not None:
+            print(f"pallas-tune merge: skipped {path}: {error or fault}", file=sys.stderr)
+            why = fault.reason if fault is not None else "file unreadable"
+            skips[why] = skips.get(why, 0) + 1
             continue
-        kernel, kind = wf.header.get("kernel"), wf.header.get("kind", "measured")
+        kernel, kind = wf.header["kernel"], wf.header.get("kind", "measured")
         chip = chips.normalize_chip(str(wf.header.get("chip") or chip_dir))
-        if not isinstance(kernel, str):
-            print(f"pallas-tune merge: skipped {path}: no kernel name", file=sys.stderr)
-            skipped += 1
-            continue
+        found = registry.find(kernel)[0]
+        kernels = [found] if found is not None else None  # None: those declared here.
         target = groups.setdefault((chip, kernel, kind), {})
         for damage in wf.damage:
             print(f"pallas-tune merge: {path}: {damage}", file=sys.stderr)
         for key, value, problem in wf.items():
-            problem = problem or entry_problem(value) or (None if key else "the key is empty")
-            if problem is not None:
-                print(f"pallas-tune merge: skipped {path}, key {key!r}: {problem}",
+            fault = merge.input_fault(kernel, key, value, problem, kernels=kernels,
+                                      call_problems=_merge_call_problems)
+            if fault is not None:
+                print(f"pallas-tune merge: skipped {path}, key {key!r}: {fault}",
                       file=sys.stderr)
-                skipped += 1
+                skips[fault.reason] = skips.get(fault.reason, 0) + 1
                 continue
-            if _better(target.get(key), value):
-                target[key] = dict(value)
-                sources[(chip, kernel, kind, key)] = path
+            if not merge.better(target.get(key), value):
+                slower += 1
+                continue
+            slower += key in target
+            target[key] = dict(value)
+            sources[(chip, kernel, kind, key)] = path
     written = 0
     if request.into_file is not None:
         groups = _only_into_file(cache, groups, request.into_file)
     for (chip, kernel, kind), entries in groups.items():
         keep = {}
+        found = registry.find(kernel)[0]
         for key, entry in entries.items():
-            current = cache.lookup(chip, kernel, key)
-            if current is None or _better(current[0], entry):
+            there = merge.current(cache, chip, kernel, kind, key,
+                                  kernels=[found] if found is not None else None,
+                                  call_problems=_merge_call_problems)
+            if merge.better(there, entry):
                 keep[key] = _with_history(entry, sources[(chip, kernel, kind, key)], kernel,
                                           kind, key)
+            else:
+                slower += 1
         if keep:
             path = cache.write_many(chip, kernel, keep, kind=kind)
             written += len(keep)
             print(f"merged {len(keep)} entries of {kernel} on {chip} into {path}")
-    print(f"pallas-tune merge: {written} entries written, {skipped} skipped")
-    return 1 if skipped and not written else 0
+    print(f"pallas-tune merge: {merge.summary(written, skips, slower)}")
+    return 1 if skips and not written else 0
 
 
 def _only_into_file(cache: Any, groups: dict[tuple[str, str, str], dict[str, Any]],

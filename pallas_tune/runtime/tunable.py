@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pallas_tune import chips, keys
-from pallas_tune.cache import TuningCache, default_cache
+from pallas_tune.cache import TuningCache, declared, default_cache, entries
 from pallas_tune.constraints import Constraint
 from pallas_tune.errors import SearchSpaceError, warn
 from pallas_tune.runtime import dispatch
@@ -104,6 +104,7 @@ class TunableKernel:
         self._memo: dict[Any, Config] = {}
         self._warned: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        declared.declare(self)  # cache.write refuses what its lookups would skip.
 
     @property
     def fingerprint(self) -> str | None:
@@ -267,9 +268,7 @@ class TunableKernel:
         """Why a cache entry (``{"config": ..., "outside_space": ...}``) cannot be this
         kernel's whatever the shapes: unknown or missing parameters, values of other types,
         values outside the declared space (unless marked ``"outside_space": true``)."""
-        from pallas_tune.cache.entries import entry_problem
-
-        problem = entry_problem(entry)
+        problem = entries.entry_problem(entry)
         return [problem] if problem else dispatch.entry_problems(self, entry)
 
     # ---- tuning --------------------------------------------------------------------------
