@@ -62,8 +62,9 @@ def format_value(v: Any, like: Any = None) -> str:
     (normalized by :func:`normalize_static` to the type of ``like``, the default)."""
     if _is_array(v):
         return _array_str(v)
-    if isinstance(v, tuple | list) and v and all(_is_array(x) for x in v):
-        return "(" + ";".join(_array_str(x) for x in v) + ")"
+    if isinstance(v, tuple | list) and v and any(_is_array(x) for x in v):
+        # Arrays beside other values (SegmentIds(q, None)): the arrays by shape, never by data.
+        return "(" + ";".join(_array_str(x) if _is_array(x) else format_value(x) for x in v) + ")"
     v = normalize_static(v, like)
     if _is_static_scalar(v):
         return json.dumps(v)

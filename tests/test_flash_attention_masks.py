@@ -227,8 +227,10 @@ def test_blocks_no_query_sees_are_not_computed(monkeypatch, sq, sk, causal, wind
         o, (*_, lse) = fa_module._residuals(q, k, v, causal=causal, bq=128, bkv=128, **masks)
     flash_attention_bwd(q, k, v, o, lse, do, causal=causal, **masks, **SMALL)
     flash_attention_bwd(q, k, v, o, lse, do, causal=causal, **masks, **FUSED)
-    # The forward, then dK/dV and dQ, then the fused pass.
-    assert sorted(ran) == ["b1", "b2", "b3", "f0"]
+    # The forward, then dK/dV and dQ, then the fused pass (the explicit configs' validity
+    # check traces the backward too, without running it: those tags stay empty).
+    ran = {tag: steps for tag, steps in ran.items() if steps}
+    assert sorted(tag[0] for tag in ran) == ["b", "b", "b", "f"]
     for tag, steps in ran.items():
         assert len(steps) == len(set(steps)) and set(steps) == want, tag
 
@@ -354,8 +356,9 @@ def test_masks_property(case):
     (hq, hkv, sq, sk), window, segments, causal, b = case
     q, k, v, do = _qkv(hq, hkv, sq, sk, 8, seed=sq * 7 + sk)
     _check(q, k, v, do, causal=causal, window=window, segments=segments,
-           fwd=dict(bq=b[0], bkv=b[1]), bwd=dict(bq_dq=b[2], bkv_dq=b[3], bq_dkv=b[4],
-                                                 bkv_dkv=b[5], fused=b[6]))
+           fwd=dict(bq=b[0], bkv=b[1]), bwd=dict(bq_dq=128 if b[6] else b[2],  # The space's
+                                                 bkv_dq=128 if b[6] else b[3],  # fused pin.
+                                                 bq_dkv=b[4], bkv_dkv=b[5], fused=b[6]))
 
 
 @pytest.mark.libtpu

@@ -23,26 +23,17 @@ from pallas_tune import chips, keys
 from pallas_tune.cache import TuningCache, declared, default_cache, entries
 from pallas_tune.constraints import Constraint
 from pallas_tune.errors import SearchSpaceError, warn
+from pallas_tune.runtime import arguments as _arguments
 from pallas_tune.runtime import dispatch
 from pallas_tune.runtime import record as _record
 from pallas_tune.runtime import vjp as _vjp
+from pallas_tune.runtime.arguments import fast_part as _fast_part
 from pallas_tune.runtime.declare import declared_space, default_name, key_names, library_cache
 from pallas_tune.space import Config, SearchSpace
 
 __all__ = ["TunableKernel", "tunable"]
 
 _UNSET: Any = object()
-
-
-def _fast_part(v: Any) -> Any:
-    shape = getattr(v, "shape", None)
-    if shape is not None:
-        return (shape, v.dtype)
-    if isinstance(v, list):
-        return tuple(_fast_part(x) for x in v)
-    if isinstance(v, tuple):
-        return tuple(_fast_part(x) for x in v)
-    return v
 
 
 class TunableKernel:
@@ -101,7 +92,9 @@ class TunableKernel:
         self._sig = inspect.signature(fn)
         self.signature = self._sig
         self._tuned = frozenset(space.names)
+        self._statics = _arguments.Statics(self.name, self._sig, self._tuned)
         self._memo: dict[Any, Config] = {}
+        self._checked: set[Any] = set()  # Explicit configs that passed violations(), by shapes.
         self._warned: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         declared.declare(self)  # cache.write refuses what its lookups would skip.
@@ -135,18 +128,19 @@ class TunableKernel:
     # ---- the hot path --------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._statics.apply(args, kwargs)  # Static numpy/JAX scalars: Python values.
         tuned = self._tuned
         explicit = {k: kwargs.pop(k) for k in tuned.intersection(kwargs)} if kwargs else {}
         if len(explicit) != len(tuned):
             config = self._resolve(args, kwargs)
             if explicit:
-                config = {**config, **explicit}
+                config = _arguments.explicit(self, args, kwargs, {**config, **explicit})
             elif config.implementation != "pallas":
                 if config.implementation == "xla":  # Its cache entry: XLA wins at these shapes.
                     return self.reference(*args, **kwargs)  # type: ignore[misc]
                 return _ALTERNATIVES[config.implementation](self, args, kwargs, config)
         else:
-            config = explicit
+            config = _arguments.explicit(self, args, kwargs, explicit)
         if self.backward_backend is not None:  # Differentiable: its declared backward.
             return _vjp.call_with_vjp(self, args, kwargs, config)
         if chips.should_interpret():
@@ -182,6 +176,7 @@ class TunableKernel:
     def cache_key(self, *args: Any, **kwargs: Any) -> str:
         """The cache key of a call with these arguments (tuned keywords are ignored)."""
         kwargs = {k: v for k, v in kwargs.items() if k not in self._tuned}
+        args = self._statics.apply(args, kwargs)
         if self.key_fn is not None:
             return keys.custom_key(self.key_fn(*args, **kwargs))
         return keys.call_key(self._sig, self._tuned, args, kwargs, self.key_names,
@@ -208,6 +203,7 @@ class TunableKernel:
         them, the source is ``"explicit"``.
         """
         explicit = {k: kwargs.pop(k) for k in list(kwargs) if k in self._tuned}
+        args = self._statics.apply(args, kwargs)
         if len(explicit) == len(self._tuned):
             return Config(explicit, source="explicit")
         config = self._resolve(args, kwargs)
@@ -290,6 +286,7 @@ class TunableKernel:
         """
         from pallas_tune import tuning
 
+        args = self._statics.apply(args, kwargs)
         result = tuning.tune(self, *args, options=options, **kwargs)
         with self._lock:
             self._memo.clear()
@@ -385,8 +382,9 @@ def tunable(
     Args:
       default: the config used on a cache miss when it is valid for the call (else the best
         valid point of the space by the roofline cost model).
-      name: cache name of the kernel (default: ``module.qualname``; required for kernels
-        defined inside a function or as lambdas, whose qualified names are not unique).
+      name: cache name of the kernel (default: ``module.qualname``, a script's module named as
+        when imported: ``tune.matmul`` for ``python tune.py``; required for kernels defined
+        inside a function, as lambdas or with no file, whose qualified names are not unique).
       key: maps the call's arguments to the cache key (default: shapes and dtypes of array
         arguments plus the values of static non-tuned arguments, see :mod:`pallas_tune.keys`),
         or, like Triton's ``key=``, a list of the argument names that make the key (the
