@@ -31,12 +31,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["TABLES", "Blocks", "Masks", "SegmentIds", "kv_clamp", "masks_of", "pallas_call",
-           "q_clamp", "segment_tables", "some_query_block_blind", "standin_kwargs", "visible"]
+__all__ = ["TABLES", "Blocks", "Masks", "SegmentIds", "ids32", "kv_clamp", "masks_of",
+           "pallas_call", "q_clamp", "segment_tables", "some_query_block_blind", "standin_kwargs", "visible"]
 
 TABLES = 6  # SMEM tables of a call with segment ids: q_lo, q_hi, k_lo, k_hi, first, last.
 
@@ -63,13 +64,47 @@ class Masks:
 
 def _window(local_window_size: Any) -> tuple[int, int]:
     w = local_window_size
-    if isinstance(w, int) and not isinstance(w, bool):
+    if isinstance(w, int | np.integer) and not isinstance(w, bool | np.bool_):
         w = (w, w)
-    if (not isinstance(w, tuple | list) or len(w) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in w)):
+    if (not isinstance(w, tuple | list) or len(w) != 2 or not all(
+            isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) and x >= 0
+            for x in w)):
         raise ValueError(f"local_window_size={local_window_size!r} must be an int >= 0 or a "
                          "(left, right) pair of them")
     return int(w[0]), int(w[1])
+
+
+def _ids(segment_ids: Any) -> tuple[Any, Any]:
+    """The (q, kv) ids of ``segment_ids``, or a ValueError saying what to give instead."""
+    if not isinstance(segment_ids, tuple | list) or len(segment_ids) != 2:
+        raise ValueError("segment_ids must be SegmentIds(q, kv) (or a (q, kv) pair) of "
+                         f"(batch, q_len) and (batch, kv_len) integers; got {segment_ids!r}")
+    for name, x in zip(("q", "kv"), segment_ids, strict=True):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            same = " (for self-attention, the same array as q's)" if name == "kv" else ""
+            raise ValueError(
+                f"segment_ids.{name} is {type(x).__name__}, not an integer array: give both "
+                f"ids as arrays{same}, e.g. SegmentIds(jnp.asarray(q_ids, jnp.int32), "
+                "jnp.asarray(kv_ids, jnp.int32))")
+    return segment_ids[0], segment_ids[1]
+
+
+def ids32(segment_ids: Any) -> tuple[jax.Array, jax.Array]:
+    """The ids as int32, equal exactly where the given ids are equal. Ids of 32 bits or fewer
+    are cast (a bijection); 64-bit ids (x64) are replaced by their dense rank among the ids of
+    their batch row (q's and kv's together): a cast would wrap ids at or past 2**31 onto
+    others, making two documents one. The rank keeps order, so blocks skip as before."""
+    qs, ks = (jnp.asarray(x) for x in segment_ids)
+    if max(qs.dtype.itemsize, ks.dtype.itemsize) <= 4:
+        return qs.astype(jnp.int32), ks.astype(jnp.int32)
+    both = jnp.concatenate([qs.astype(jnp.int64), ks.astype(jnp.int64)], axis=1)
+    order = jnp.argsort(both, axis=1)
+    ranked = jnp.take_along_axis(both, order, axis=1)
+    step = jnp.concatenate([jnp.zeros_like(ranked[:, :1], jnp.int32),
+                            (ranked[:, 1:] != ranked[:, :-1]).astype(jnp.int32)], axis=1)
+    rows = jnp.arange(both.shape[0])[:, None]
+    rank = jnp.zeros(both.shape, jnp.int32).at[rows, order].set(jnp.cumsum(step, axis=1))
+    return rank[:, :qs.shape[1]], rank[:, qs.shape[1]:]
 
 
 def masks_of(q: Any, k: Any, *, causal: bool, local_window_size: Any, segment_ids: Any
@@ -81,13 +116,12 @@ def masks_of(q: Any, k: Any, *, causal: bool, local_window_size: Any, segment_id
     left = right = None
     if local_window_size is not None:
         left, right = _window(local_window_size)
+        far = max(q.shape[2], k.shape[2])  # Past every position a window bounds nothing.
+        left, right = min(left, far), min(right, far)
     if causal:
         right = 0 if right is None else min(right, 0)
     if segment_ids is not None:
-        if not isinstance(segment_ids, tuple | list) or len(segment_ids) != 2:
-            raise ValueError("segment_ids must be SegmentIds(q, kv) (or a (q, kv) pair) of "
-                             f"(batch, q_len) and (batch, kv_len) integers; got {segment_ids!r}")
-        qs, ks = segment_ids
+        qs, ks = _ids(segment_ids)
         want = ((q.shape[0], q.shape[2]), (k.shape[0], k.shape[2]))
         if (tuple(qs.shape), tuple(ks.shape)) != want or not all(
                 jnp.issubdtype(x.dtype, jnp.integer) for x in (qs, ks)):
@@ -109,7 +143,7 @@ def segment_tables(segment_ids: Any, bq: int, bkv: int, *, per: str) -> list[jax
     """The SMEM tables of a call with segment ids, flat int32 (batch-major): each query and
     each KV block's (min, max) id, then, for each block along ``per`` ("q": query blocks; "kv":
     KV blocks), the first and the last block of the other axis whose ids can meet its own."""
-    qs, ks = (jnp.asarray(x, jnp.int32) for x in segment_ids)
+    qs, ks = ids32(segment_ids)
     q_lo, q_hi = _ranges(qs, bq)
     k_lo, k_hi = _ranges(ks, bkv)
     meet = (q_lo[:, :, None] <= k_hi[:, None, :]) & (k_lo[:, None, :] <= q_hi[:, :, None])
@@ -135,8 +169,8 @@ def pallas_call(kernel: Any, masks: Masks, segment_ids: Any, axes: tuple[int, in
     bq, bkv = kernel.keywords["bq"], kernel.keywords["bkv"]
     tables = []
     if masks.segments:
-        tables = segment_tables(segment_ids, bq, bkv, per=per)
-        qs, ks = (jnp.asarray(x, jnp.int32) for x in segment_ids)
+        qs, ks = ids32(segment_ids)
+        tables = segment_tables((qs, ks), bq, bkv, per=per)
         operands = [*operands, qs[:, None, :], ks[:, :, None]]
 
         def q_ids(*a):
