@@ -62,9 +62,30 @@ def key_names(fn: Callable[..., Any], names: Any, tuned: frozenset[str], *,
     return frozenset(names)
 
 
+def main_module_name() -> str:
+    """The name the ``__main__`` module would have if imported: ``pkg.tune`` for ``python -m
+    pkg.tune``, ``tune`` for ``python tune.py`` (the file's stem), so that a kernel defined in
+    a script is named, and cached, the same whether the script is run or imported (by another
+    script, or by ``pallas-tune sweep tune:matmul --path DIR``). ``__main__`` where there is no
+    file (an interactive session, a notebook, ``python -c``): give such kernels ``name=``."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name and name != "__main__":
+        return name  # type: ignore[no-any-return]
+    stem = os.path.splitext(os.path.basename(getattr(main, "__file__", None) or ""))[0]
+    return stem if stem.isidentifier() and stem != "__main__" else "__main__"
+
+
 def default_name(fn: Callable[..., Any]) -> str:
+    """``module.qualname``; a kernel of the ``__main__`` module is named by the module the
+    script would be when imported (:func:`main_module_name`): ``tune.matmul``."""
     qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", "")
     module = getattr(fn, "__module__", None) or ""
+    if module == "__main__":
+        module = main_module_name()
     if not qualname or "<" in qualname:
         raise SearchSpaceError(
             f"@tunable on {module}.{qualname or fn!r}: a kernel defined inside a function or as "

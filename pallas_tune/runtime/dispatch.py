@@ -193,6 +193,10 @@ def resolve(kernel: Declared, chip: str, key: str, args: Sequence[Any],
         what = (f"using {found.to_dict()}, the fastest of {found.origin} by the roofline cost "
                 "model (a model, not a measurement)")
     refusals = f" Refused first: {'; '.join(notes)}." if notes else ""
+    if kernel.name.startswith("__main__."):  # Defined with no file: an interactive session.
+        refusals += (f" The kernel is named {kernel.name!r} after a session with no file; "
+                     "other processes name theirs otherwise: give @tunable(name=\"mylib.kernel\")"
+                     " to share cache entries.")
     kernel._warn_once(key, f"{head}; {what}.{refusals} Tune this shape with: "
                            f"{tune_hint(kernel, key)}", topic=f"miss:{found.source}")
     return found
