@@ -301,3 +301,32 @@ def test_no_entry_a_call_skips_replaces_a_served_one_nor_crashes_a_reader(entry,
         assert (_user_entry(user, NEW) is not None) == served[NEW]
         if served[NEW]:
             assert dict(_served(user, NEW)[0]) == other["config"]
+
+
+def test_the_merge_command_checks_shipped_kernels_and_says_what_it_could_not(tmp_path):
+    """In a fresh `pallas-tune merge` (no test module imported): a shipped kernel's entry
+    outside its space is skipped with its reason; a kernel merge may not import gets a note
+    that its configs were checked for format only."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+    from pallas_tune.kernels.matmul import matmul
+
+    key = "x=256x256:float32,y=256x256:float32"
+    good = {"config": {**matmul.space.default, "semantics": list(matmul.space.default[
+        "semantics"])}, "median_ms": 1.0}
+    files = [_winners(tmp_path / "host" / "cpu" / f"{matmul.name}.json", {
+        key: {**good, "config": {**good["config"], "bm": 7}, "median_ms": 0.5},
+        "x=512x512:float32,y=512x512:float32": good}, kernel=matmul.name),
+        _winners(tmp_path / "host" / "cpu" / "mine.kern.json",
+                 {"k": {"config": {"b": 1}, "median_ms": 1.0}}, kernel="mine.kern")]
+    r = subprocess.run([sys.executable, "-m", "pallas_tune", "merge", *files, "--into",
+                        str(tmp_path / "user")], capture_output=True, text=True, timeout=300,
+                       env=subprocess_env(), check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == (
+        "pallas-tune merge: 2 entries written, 1 skipped: 1 config not in the kernel's space")
+    assert f"key {key!r}: its config bm=7" in r.stderr, r.stderr
+    assert "note: mine.kern is neither" in r.stderr and "format only" in r.stderr, r.stderr
+    assert matmul.name not in r.stderr.split("note:")[1], r.stderr

@@ -307,14 +307,14 @@ def cmd_merge(request: MergeRequest) -> int:
     merge (inputs are only read). Every input entry is counted: written, skipped (with its
     reason) or not faster."""
     from pallas_tune import chips
-    from pallas_tune.cache import TuningCache, default_cache, merge
+    from pallas_tune.cache import TuningCache, declared, default_cache, merge
 
     cache = TuningCache(request.into) if request.into else default_cache()
     registry = KernelRegistry()  # Shipped kernels and entry points: their spaces judge configs.
     groups: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     sources: dict[tuple[str, str, str, str], str] = {}  # The file each kept entry came from.
     skips: dict[str, int] = {}  # Why, and how many.
-    slower = 0
+    slower, unchecked = 0, set()
     for path, chip_dir in _winners_files(list(request.inputs)):
         wf, error = _read(path, as_named=False)
         fault = merge.file_fault(wf.header) if wf is not None else None
@@ -327,6 +327,11 @@ def cmd_merge(request: MergeRequest) -> int:
         chip = chips.normalize_chip(str(wf.header.get("chip") or chip_dir))
         found = registry.find(kernel)[0]
         kernels = [found] if found is not None else None  # None: those declared here.
+        if found is None and not declared.kernels_named(kernel) and kernel not in unchecked:
+            unchecked.add(kernel)
+            print(f"pallas-tune merge: note: {kernel} is neither a pallas-tune kernel nor a "
+                  "declared entry point, so its entries' configs were checked for format only, "
+                  "not against its space", file=sys.stderr)
         target = groups.setdefault((chip, kernel, kind), {})
         for damage in wf.damage:
             print(f"pallas-tune merge: {path}: {damage}", file=sys.stderr)
