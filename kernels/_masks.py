@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 __all__ = ["TABLES", "Blocks", "Masks", "SegmentIds", "ids32", "kv_clamp", "masks_of",
-           "pallas_call", "q_clamp", "segment_tables", "some_query_block_blind", "standin_kwargs", "visible"]
+           "pallas_call", "q_clamp", "segment_tables", "some_query_block_blind", "standin_kwargs",
+           "visible"]
 
 TABLES = 6  # SMEM tables of a call with segment ids: q_lo, q_hi, k_lo, k_hi, first, last.
 

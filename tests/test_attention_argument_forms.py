@@ -44,6 +44,15 @@ def test_numpy_int64_ids_past_int32_are_refused_without_x64(cache_dir):
     np.testing.assert_array_equal(_attend(segment_ids=SegmentIds(small, small)), _intended())
 
 
+def test_unsigned_ids_past_int31_are_kept_apart(cache_dir):
+    """uint64 ids JAX narrows to uint32 without loss, then a bijective int32 cast."""
+    ids = _two_documents(np.uint64, 2**31 + 1, 2**31 + 2)
+    np.testing.assert_array_equal(_attend(segment_ids=SegmentIds(ids, ids)), _intended())
+    with pytest.raises(ValueError, match=r"uint64 array .* outside uint32"):
+        wide = _two_documents(np.uint64, 1, 2**32 + 1)
+        _attend(segment_ids=SegmentIds(wide, wide))
+
+
 @pytest.mark.parametrize("how", ["numpy", "jax", "jit"])
 def test_int64_ids_past_int32_keep_documents_apart_under_x64(cache_dir, how):
     want = _intended()

@@ -182,9 +182,11 @@ def _wide(kernel: str, where: str, v: Any) -> None:
     if jax.config.jax_enable_x64:
         return  # JAX keeps 64 bits; the kernel sees them.
     lo, hi = int(np.min(v)), int(np.max(v))
-    if lo < -(2**31) or hi >= 2**31:
+    narrow = "uint32" if dtype.kind == "u" else "int32"  # What JAX makes of it.
+    if lo < -(2**31) or hi >= (2**32 if dtype.kind == "u" else 2**31):
         raise ValueError(
-            f"{kernel}: {where} is an {dtype} array with values from {lo} to {hi}, outside int32; "
-            "with JAX's x64 off it would be wrapped to int32 silently (two different ids could "
-            "become one). Renumber the values into int32 range (for ids only equality matters: "
-            "np.unique(ids, return_inverse=True)[1]), or enable jax_enable_x64.")
+            f"{kernel}: {where} is an {dtype} array with values from {lo} to {hi}, outside "
+            f"{narrow}; with JAX's x64 off it would be wrapped to {narrow} silently (two "
+            "different ids could become one). Renumber the values into int32 range (for ids "
+            "only equality matters: np.unique(ids, return_inverse=True)[1]), or enable "
+            "jax_enable_x64.")
