@@ -1,6 +1,9 @@
 """The per-chip, per-kernel cache of tuned configs: winners files read at trace time, and the
 trial ledger beside them. See :mod:`pallas_tune.cache.store` for the layout and lookup order,
-:mod:`pallas_tune.cache.files` for the file format, :mod:`pallas_tune.cache.writer` for merges.
+:mod:`pallas_tune.cache.files` for the file format, :mod:`pallas_tune.cache.entries` for what an
+entry must be (its figures included), :mod:`pallas_tune.cache.declared` for what a write is
+checked against, :mod:`pallas_tune.cache.writer` for merges into a file and
+:mod:`pallas_tune.cache.merge` for what ``pallas-tune merge`` keeps.
 """
 
 from __future__ import annotations
