@@ -288,8 +288,8 @@ def test_temp_files_of_killed_writers_are_ignored_and_cleaned(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
     mine = atomic.temp_path(d).replace(f"-{os.getpid()}-", f"-{dead}-")
-    old = os.path.join(d, ".tmp-abcdef.json")  # pallas-tune 0.1's mkstemp names.
-    fresh_foreign = os.path.join(d, ".tmp-otherhost-1-abc.json")
+    old = os.path.join(d, ".tmp-abc_1234.json")  # pallas-tune 0.1's mkstemp names.
+    fresh_foreign = os.path.join(d, ".tmp-otherhost-1-0123456789ab.json")
     for p in (mine, old, fresh_foreign):
         open(p, "w").write("{half a fil")
     os.utime(old, (time.time() - 7200, time.time() - 7200))
@@ -297,6 +297,30 @@ def test_temp_files_of_killed_writers_are_ignored_and_cleaned(tmp_path):
     c.write("cpu", "k", "key2", _entry(2))
     left = sorted(f for f in os.listdir(d) if f.startswith(".tmp-"))
     assert left == [os.path.basename(fresh_foreign)]  # Another host's writer may be alive.
+
+
+def test_temp_cleaning_removes_only_what_a_writer_made(tmp_path):
+    """A cache directory may be one the user keeps other things in (PALLAS_TUNE_CACHE_DIR=~):
+    only files named exactly as our writers name them, owned by us, are ever removed; a user's
+    look-alike, a link named like a temp of ours and a directory are left, however old."""
+    c = TuningCache(str(tmp_path), use_shipped=False)
+    d = os.path.dirname(c.write("cpu", "k", "key", _entry(1)))
+    outside = tmp_path / "outside.json"
+    outside.write_text("the user's")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    kept = [".tmp-notes", ".tmp-notes.json", ".probe-mine", f".tmp-{atomic.HOST}-{dead}-x.json"]
+    for name in kept:
+        open(os.path.join(d, name), "w").write("mine")
+    link = os.path.basename(atomic.temp_path(d)).replace(f"-{os.getpid()}-", f"-{dead}-")
+    os.symlink(outside, os.path.join(d, link))
+    os.mkdir(os.path.join(d, ".tmp-abc_1234.json"))
+    kept += [link, ".tmp-abc_1234.json"]
+    for name in kept:
+        os.utime(os.path.join(d, name), (time.time() - 7200,) * 2, follow_symlinks=False)
+    assert atomic.clean_stale_temps(d) == []
+    assert all(os.path.lexists(os.path.join(d, name)) for name in kept)
+    assert outside.read_text() == "the user's"
 
 
 def test_ledger_survives_a_partial_line(tmp_path):

@@ -4,7 +4,9 @@ A writer writes a whole new file under a temp name that says which host and proc
 (``.tmp-<host>-<pid>-<random>.json``), syncs it, and renames it over the old one: readers see the
 old file or the new one, never half of one. A writer killed before the rename leaves its temp
 file; readers never look at dot files, and the next writer removes those of dead processes on
-this host, and any older than an hour.
+this host, and any older than an hour: only files named exactly as ``temp_path`` (and the
+store's write probe) names them, owned by this user, never through a link, so that a user's own
+``.tmp-notes`` in a cache directory is never touched.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from typing import Final
 
@@ -21,7 +24,11 @@ __all__ = ["HOST", "clean_stale_temps", "fsync_dir", "temp_path", "write_temp"]
 
 
 HOST: Final = re.sub(r"[^A-Za-z0-9]+", "", socket.gethostname())[:32] or "host"
-_TEMP_RE: Final = re.compile(r"^\.(tmp|probe)-(?:(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-)?")
+# Exactly the names we make: temp_path's (12 hex digits, .json), the store's mkstemp probe and
+# pallas-tune 0.1's mkstemp temps (8 characters of tempfile's alphabet; no owner, so only old).
+_TEMP_RE: Final = re.compile(r"^\.(?:tmp-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]{12}\.json"
+                             r"|probe-(?P<phost>[A-Za-z0-9]+)-(?P<ppid>\d+)-[a-z0-9_]{8}"
+                             r"|tmp-[a-z0-9_]{8}\.json)$")
 STALE_TEMP_S: Final = 3600.0
 
 
@@ -88,12 +95,16 @@ def clean_stale_temps(directory: str, *, now: float | None = None) -> list[str]:
         if not m:
             continue
         path = os.path.join(directory, name)
-        dead = (m.group("host") == HOST and m.group("pid") is not None
-                and int(m.group("pid")) != os.getpid() and not _alive(int(m.group("pid"))))
+        host, pid = m.group("host") or m.group("phost"), m.group("pid") or m.group("ppid")
+        dead = (host == HOST and pid is not None and int(pid) != os.getpid()
+                and not _alive(int(pid)))
         try:
-            old = now - os.stat(path).st_mtime > STALE_TEMP_S
+            st = os.lstat(path)
         except OSError:
             continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            continue  # A link, a directory, or another user's file: never ours to remove.
+        old = now - st.st_mtime > STALE_TEMP_S
         if dead or old:
             _unlink(path)
             removed.append(name)
