@@ -37,12 +37,13 @@ from pallas_tune.measure.evaluate import PoolEvaluator
 from pallas_tune.measure.loops import (FLAG, NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE, Census,
                                       abort_message, below_floor, blind_fetch_message,
                                       dynamic_loop_message, estimate_flag_missing_message,
-                                      floor_message, kernel_census)
+                                      floor_message, kernel_census, unfigured_message)
 from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.pool import worker_memory_limit as _memory_limit
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
-from pallas_tune.measure.unprofiled import UnprofiledCheck, settle
+from pallas_tune.measure.unprofiled import (MODEL_NAMES, MODEL_TIMERS, UnprofiledCheck,
+                                            one_scale, settle)
 
 __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator",
            "estimate_flag_missing_message", "shrink_parallel",
@@ -207,12 +208,13 @@ class EstimateSession:
                                detail="; ".join(filter(None, (_detail(r), said))), **common)
         if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE) and self.fallback in ("roofline", "model"):
             from pallas_tune.feasibility.fitted import fitted_calls
-            fitted, spec = self.fallback == "model", chip_spec(self.chip)
-            s = fitted_calls(p.calls, spec) if fitted else roofline_calls(p.calls, spec).time_s
-            return TrialRecord(outcome=Outcome.OK, detail=f"{'fitted' if fitted else 'roofline'}"
-                               " model (libtpu returned no estimate)", measurement=Measurement(
+            spec = chip_spec(self.chip)
+            s = (fitted_calls(p.calls, spec) if self.fallback == "model"
+                 else roofline_calls(p.calls, spec).time_s)
+            return TrialRecord(outcome=Outcome.OK, detail=f"{MODEL_NAMES[self.fallback]} (libtpu "
+                               "returned no estimate)", measurement=Measurement(
                                    times_ms=(s * 1e3,), compile_ms=r.compile_s * 1e3,
-                                   timer="roofline"), **common)
+                                   timer=MODEL_TIMERS[self.fallback]), **common)
         outcome = (Outcome.COMPILE_ERROR if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE)
                    else cand._failure_outcome(r.kind))
         source = "not estimable" if r.kind == NOT_ESTIMABLE else "compiler"
@@ -295,6 +297,8 @@ class EstimateEvaluator(PoolEvaluator):
         super().__init__(pool, reference=False)
         self.fallback = fallback
         self._name, self._aborts, self._estimated = parts.name, 0, 0
+        self._checked: dict[str, tuple[bool | None, str]] = {}  # Abort kind: unprofiled check.
+        self._unfigured = 0  # Candidates with no libtpu figure (aborts, VMEM under the flag).
         self._target = (refs, wire)
         self._unprofiled = UnprofiledCheck(
             _SESSION, (None, None, None, False, None, False), env=_ENV,
@@ -318,23 +322,37 @@ class EstimateEvaluator(PoolEvaluator):
         return [self._settle(r) for r in records]
 
     def _settle(self, r: TrialRecord) -> TrialRecord:
-        """A trial libtpu gave no figure for (an abort, or VMEM only under the profiling
-        flag): see unprofiled.settle. After ``ABORTS_TO_STOP`` aborts with no estimate yet,
-        the tune stops (each abort costs a compile and a worker)."""
+        """A trial libtpu gave no figure for: see unprofiled.settle. After ``ABORTS_TO_STOP``
+        aborts with no estimate yet, the tune stops (each costs a compile and a worker)."""
         refs, wire = self._target
-        r, why = settle(r, fallback=self.fallback, model=self._model,
+        r, why = settle(r, fallback=self.fallback, model=self._model, checked=self._checked,
                         fits=lambda c: self._unprofiled.fits(refs, wire.args, wire.kwargs, c,
                                                              self.device["chip"]))
+        self._unfigured += not r.outcome.timed and (why != "" or r.detail == NOT_ESTIMABLE)
         if not why or r.outcome.timed:
             self._estimated += r.outcome.timed and not why
             return r
         self._aborts += 1
         if self._aborts >= ABORTS_TO_STOP and not self._estimated:
             from pallas_tune.errors import NoFeasibleConfigError
+            from pallas_tune.measure.loops import abort_kind
 
-            raise NoFeasibleConfigError(abort_message(self._name, why, self._aborts) + (
+            raise NoFeasibleConfigError(abort_message(
+                self._name, why, self._aborts, self._checked[abort_kind(why)][1]) + (
                 f"\n{self.pool.logs.note()}" if self.pool.logs.note() else ""))
         return r
+
+    def one_scale(self, records: Sequence[TrialRecord]) -> tuple[list[TrialRecord], dict]:
+        """The run's figures on one scale (unprofiled.one_scale); a pick made among fewer
+        candidates than libtpu was asked for says so (a warning, and the note)."""
+        changed, note = one_scale(list(records), lambda configs: [
+            s * 1e3 if (s := self._model(c)) else None for c in configs])
+        if self._unfigured and self.fallback not in ("roofline", "model"):
+            from pallas_tune import errors
+
+            errors.warn(f"{self._name}: {unfigured_message(self._unfigured, self._aborts)}")
+            note["unfigured"] = unfigured_message(self._unfigured, self._aborts)
+        return changed, note
 
     def _model(self, config: Mapping[str, Any]) -> float | None:
         """The fallback's figure (s): the roofline model or (``"model"``) the fitted one."""

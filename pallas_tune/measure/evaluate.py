@@ -106,6 +106,14 @@ class Evaluator(abc.ABC):
         """The roofline model's time (s) of each config, None where it breaks the block rules
         or cannot be traced."""
 
+    def one_scale(self, records: Sequence[TrialRecord]
+                  ) -> tuple[list[TrialRecord], dict[str, Any]]:
+        """After the search: the records whose figure is put on the run's one scale (or
+        ranked apart), and what the figures are (see measure.unprofiled.one_scale). Measured
+        figures are one scale already: nothing changes."""
+        del records  # Unused.
+        return [], {}
+
     def close(self) -> None:
         """Releases workers and their resources."""
 

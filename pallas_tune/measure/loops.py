@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 __all__ = ["FLAG", "FLOOR_SHARE", "NOT_ESTIMABLE", "NO_ESTIMATE", "PREFETCH_NOTE", "Census",
-           "below_floor", "blind_fetch_message", "dynamic_loop_message", "floor_flops",
-           "floor_message", "kernel_census"]
+           "abort_kind", "abort_message", "below_floor", "blind_fetch_message",
+           "dynamic_loop_message", "floor_flops", "floor_message", "kernel_census",
+           "profiler_abort", "unfigured_message"]
 
 # The kinds of an estimate refused (a trial's ``detail``): NO_ESTIMATE, no config of the kernel
 # can be estimated (the tune stops); NOT_ESTIMABLE, this config cannot (a failed trial, the
@@ -260,25 +261,60 @@ PREFETCH_NOTE = ("libtpu's static profile takes scalar-prefetch values as 0 (mea
 
 _ABORT_RE = re.compile(r"LLO_CHECK failure \([^)]*\)\s*(?:type_check_result\.ok\(\)\s*)?"
                        r"(?P<what>[^\n]*?)(?:, for operand|\)?\s*$)", re.MULTILINE)
+# libtpu 7x, fp8 (issue 55): "Cannot schedule FIFO push instruction when the FIFO is full ...
+# vmatpush1.f8e4m3.xpose".
+_FIFO_RE = re.compile(r"(?P<what>Cannot schedule FIFO push instruction[^\n]*)")
+# A worker that died of a fatal signal while compiling (pool.Pool's crash message). SIGKILL is
+# not among them: that is the worker's memory limit or a kill, not the compiler aborting.
+_SIGNAL_RE = re.compile(r"the worker died from signal (?P<sig>SIG(?:ABRT|SEGV|BUS|ILL|FPE|TRAP)|"
+                        r"6|11)\b[^\n]* during compile")
 
 
 def profiler_abort(error: str) -> str:
-    """What made libtpu's static profiler abort, from a crashed worker's output ("" if that
-    is not what it shows): the flag that asks for the profile makes libtpu 0.0.50 abort on
-    programs that compile without it (a bf16 vector times a packed bf16 constant: ``LLO_CHECK
-    failure ... Expected vector-bf16packed, got vector-int32``)."""
-    m = _ABORT_RE.search(error or "")
+    """What a crashed compile worker's output shows of an abort ("" if it shows none): the
+    known texts of libtpu's static profiler (``LLO_CHECK failure ... Expected
+    vector-bf16packed, got vector-int32``, libtpu 0.0.50 on v6e; ``Cannot schedule FIFO push
+    instruction when the FIFO is full``, fp8 on 7x), else a fatal signal during the compile.
+    Whether it is the profiler's abort, not the compiler's failure, only an unprofiled compile
+    of the same program says (:func:`pallas_tune.measure.unprofiled.settle` checks it)."""
+    text = error or ""
+    m = _ABORT_RE.search(text)
     if m:
         return f"LLO_CHECK failure: {m.group('what').strip()[:200]}"
+    m = _FIFO_RE.search(text)
+    if m:
+        return f"FIFO: {m.group('what').strip()[:200]}"
+    m = _SIGNAL_RE.search(text)
+    if m:
+        sig = {"6": "SIGABRT", "11": "SIGSEGV"}.get(m.group("sig"), m.group("sig"))
+        return f"{sig} with no known message"
     return ""
 
 
-def abort_message(ref: str, why: str, count: int) -> str:
+def abort_kind(why: str) -> str:
+    """The class of an abort :func:`profiler_abort` named (what the unprofiled compile is
+    checked once per tuning run for): its text up to the first colon or space."""
+    return why.split(":", 1)[0].split(" ", 1)[0]
+
+
+def abort_message(ref: str, why: str, count: int, checked: str = "") -> str:
+    """Why a tune stops: the profiler aborted on its first ``count`` candidates; ``checked``:
+    what the unprofiled compile of one of them said (never assumed)."""
+    said = f"; checked once on one of them: the same program {checked}" if checked else ""
     return (f"no static estimate for {ref}: libtpu's static profiler aborted on each of the "
-            f"first {count} candidates ({why}; the same program compiles without the "
-            "profiling flag). Rank by pallas-tune's roofline model instead, labelled as such "
-            "(--estimate-fallback roofline, estimate_fallback='roofline'), or time it on the "
-            "chip (--timer wallclock).")
+            f"first {count} candidates ({why}{said}). Rank them by pallas-tune's fitted model "
+            "instead, labelled as such and calibrated onto libtpu's figures where libtpu "
+            "estimates some configs (--estimate-fallback model, estimate_fallback='model'), or "
+            "time it on the chip (--timer wallclock).")
+
+
+def unfigured_message(count: int, aborts: int) -> str:
+    """What a pick made without a fallback leaves out: ``count`` candidates libtpu gave no
+    figure, ``aborts`` of them by a profiler abort."""
+    return (f"{count} candidate(s) got no libtpu figure ({aborts} by a profiler abort; the "
+            "others out of VMEM only under the profiling flag, or not estimable), so the pick "
+            "is among those libtpu estimated; --estimate-fallback model ranks them by the "
+            "fitted model, calibrated onto libtpu's figures")
 
 
 def estimate_flag_missing_message() -> str:
@@ -290,4 +326,4 @@ def estimate_flag_missing_message() -> str:
         version = "not installed"
     return (f"libtpu {version} compiled the kernel but reported no \"estimated_cycles\" with "
             f"{FLAG}; the flag is internal to libtpu and may have changed. Pin libtpu 0.0.42-0.0.50 "
-            "(tested), or allow the roofline fallback (tune(..., estimate_fallback='roofline')).")
+            "(tested), or allow the model fallback (tune(..., estimate_fallback='model')).")

@@ -7,7 +7,7 @@ import dataclasses
 import enum
 import math
 import statistics
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["Measurement", "Outcome", "TrialRecord", "describe_tally", "tally"]
 
@@ -140,3 +140,29 @@ def describe_tally(t: dict[str, int]) -> str:
     n = t.get("trials", 0)
     return f"{n} trial{'' if n == 1 else 's'}" + (": " + ", ".join(parts) if parts else "")
 
+
+
+# The estimate's shortlist: how many of its best configs a tpu-estimate entry keeps for
+# ``--confirm-top`` to measure on the chip. 8 by default: on the real-hardware winners the
+# fidelity benchmark was judged on (issue 55: tpu-inference's v6e int8 matmul keys and its v7
+# table), the winner was inside libtpu's top 8 on 11 of 11 keys, and inside its top 3 on only
+# 6 of 12. Per kernel where a stratified sample has measured it (none yet).
+DEFAULT_SHORTLIST_K: Final = 8
+SHORTLIST_K: Final[dict[str, int]] = {}
+
+
+def shortlist(records: Any, kernel: str) -> dict[str, Any] | None:
+    """The best ``k`` distinct configs of an estimate run (``k`` for ``kernel`` as above), by
+    the figure each was ranked by, with those figures and where ``k`` comes from; None when
+    nothing ranked."""
+    k = SHORTLIST_K.get(kernel, DEFAULT_SHORTLIST_K)
+    ranked = sorted((r for r in records if r.outcome is Outcome.OK and r.duplicate_of is None),
+                    key=lambda r: r.median_ms)[:k]
+    if not ranked:
+        return None
+    return {"k": k, "k_from": (f"measured for {kernel}" if kernel in SHORTLIST_K else
+                               "default: the winner inside libtpu's top 8 on 11 of 11 "
+                               "real-hardware keys (issue 55), not yet measured per kernel"),
+            "configs": [dict(r.config) for r in ranked],
+            "figures_ms": [r.median_ms for r in ranked],
+            "figures": [r.measurement.timer for r in ranked]}

@@ -12,13 +12,20 @@ roofline fallback) and says why.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Final
 
 from pallas_tune.feasibility.compile import VMEM_PHYSICAL, VMEM_SCOPED
+from pallas_tune.measure.loops import NOT_ESTIMABLE
 from pallas_tune.measure.pool import Pool
+from pallas_tune.measure.records import Measurement, Outcome
 
-__all__ = ["VMEM_KINDS", "UnprofiledCheck", "settle"]
+__all__ = ["MODEL_NAMES", "MODEL_TIMERS", "VMEM_KINDS", "UnprofiledCheck", "settle"]
+
+# A fallback's figure, named: the trial's detail and its Measurement.timer.
+MODEL_NAMES: Final = {"model": "fitted model", "roofline": "roofline model"}
+MODEL_TIMERS: Final = {"model": "fitted-model", "roofline": "roofline-model"}
 
 VMEM_KINDS: Final = (VMEM_SCOPED, VMEM_PHYSICAL)  # The compile's out-of-VMEM failure kinds.
 
@@ -69,20 +76,32 @@ class UnprofiledCheck:
             self._pool = None
 
 
-def settle(r: Any, *, fallback: str | None, model: Any, fits: Any) -> tuple[Any, str]:
+def settle(r: Any, *, fallback: str | None, model: Any, fits: Any,
+           checked: dict[str, tuple[bool | None, str]] | None = None) -> tuple[Any, str]:
     """What an estimate trial becomes when libtpu could not give its figure: a config whose
-    worker the profiler aborted, or whose profiled compile ran out of VMEM but that compiles
-    without the flag (``fits(config)``), is not refused as infeasible: with the roofline
-    fallback it gets the model's figure (``model(config)``, seconds), labelled; else it is
-    not estimable, and says why. Returns the record and, for an abort, its cause ("" else)."""
-    import dataclasses
+    compile worker died of a profiler abort (:func:`.loops.profiler_abort`: a known text, or a
+    fatal signal) or whose profiled compile ran out of VMEM, where the same program compiles
+    without the flag (``fits(config)``), is not refused as infeasible: with a fallback it gets
+    the model's figure (``model(config)``, seconds), labelled (:func:`one_scale` then puts it on
+    libtpu's scale or ranks it apart); else it is not estimable, and says why. An abort is
+    checked without the flag once per kind of abort (``checked``: the tuning run's memo); where
+    that compile fails too, it is the compiler's failure, not the profiler's, and the record
+    says so. Returns the record and, for an abort, its cause ("" else)."""
+    from pallas_tune.measure.loops import abort_kind, profiler_abort
 
-    from pallas_tune.measure.loops import NOT_ESTIMABLE, profiler_abort
-    from pallas_tune.measure.records import Measurement, Outcome
-
+    checked = {} if checked is None else checked
     why = profiler_abort(r.error or "") if r.detail == "worker_crashed" else ""
     if why:
-        label = f"libtpu's static profile aborted: {why}"
+        kind = abort_kind(why)
+        if kind not in checked:
+            checked[kind] = fits(r.config)
+        ok, said = checked[kind]
+        if not ok:
+            return dataclasses.replace(r, error=(
+                f"{r.error}\nnot a profiler abort: the same program without the profiling flag "
+                f"does not compile either ({'the check failed: ' if ok is None else ''}"
+                f"{said[:300]})")), ""
+        label = f"libtpu's static profile aborted: {why}; checked once: the same program {said}"
     elif r.detail in VMEM_KINDS:
         ok, said = fits(r.config)
         if not ok:
@@ -92,14 +111,66 @@ def settle(r: Any, *, fallback: str | None, model: Any, fits: Any) -> tuple[Any,
         return r, ""
     seconds = model(r.config) if fallback in ("roofline", "model") else None
     if seconds is not None:
-        name = "fitted model" if fallback == "model" else "roofline model"
         return dataclasses.replace(
-            r, outcome=Outcome.OK, error="", detail=f"{name} ({label})",
+            r, outcome=Outcome.OK, error="", detail=f"{MODEL_NAMES[fallback]} ({label})",
             measurement=Measurement(times_ms=(seconds * 1e3,), compile_ms=0.0,
-                                    timer="roofline")), why
+                                    timer=MODEL_TIMERS[fallback])), why
     if why:
-        return r, why
+        return dataclasses.replace(r, error=f"{r.error}\n{label}"), why
     return dataclasses.replace(
         r, outcome=Outcome.COMPILE_ERROR, detail=NOT_ESTIMABLE,
-        error=f"not estimable: {label}; --estimate-fallback model (or roofline) ranks it by "
-              "a model"), ""
+        error=f"not estimable: {label}; --estimate-fallback model ranks it by a model, "
+              "calibrated onto libtpu's figures"), ""
+
+
+MIN_PAIRS: Final = 3  # Configs with both figures needed to calibrate a model onto libtpu's.
+MAX_PAIRS: Final = 16  # libtpu's best this many are given a model figure to calibrate on.
+
+
+def one_scale(records: list[Any], model_ms: Any) -> tuple[list[Any], dict[str, Any]]:
+    """Every ranked figure of a run on one scale (issue 55: the model runs 0.54 to 2.73 times
+    libtpu's figure on 7x, so ranked raw, whether a model-figured config wins is an accident
+    of scale). Where libtpu estimated some candidates and a model figured others, the model is
+    calibrated on libtpu's best ``MAX_PAIRS`` (``model_ms(configs)``: their model figures, ms):
+    each model figure times the median of libtpu/model over the configs with both, said in the
+    trial; with fewer than ``MIN_PAIRS`` such configs, model-figured trials are ranked apart:
+    not in the pick, their figure kept in their error. Where every candidate has a model figure
+    they are one scale already. Returns the records that changed and what the figures are
+    (``figure``: the entry's timer; ``note``)."""
+    import statistics
+
+    ranked = [r for r in records if r.outcome is Outcome.OK and r.duplicate_of is None
+              and r.measurement is not None]
+    models = set(MODEL_TIMERS.values())
+    modelled = [r for r in ranked if r.measurement.timer in models]
+    libtpu = [r for r in ranked if r.measurement.timer not in models]
+    if not modelled:
+        return [], {}
+    timer = "+".join(sorted({r.measurement.timer for r in modelled}))
+    if not libtpu:
+        return [], {"figure": timer, "note": f"every ranked candidate has a {timer} figure and "
+                    "none a libtpu estimate: one scale, the model's, labelled as such"}
+    base = sorted(libtpu, key=lambda r: r.median_ms)[:MAX_PAIRS]
+    pairs = [(r.median_ms, m) for r, m in zip(base, model_ms([r.config for r in base]),
+                                              strict=True) if m is not None and m > 0]
+    if len(pairs) < MIN_PAIRS:
+        note = (f"{len(modelled)} candidate(s) with only a {timer} figure ranked apart, not in "
+                f"the pick: {len(pairs)} config(s) have both figures, {MIN_PAIRS} are needed to "
+                "calibrate the model onto libtpu's scale")
+        return [dataclasses.replace(
+            r, outcome=Outcome.COMPILE_ERROR, detail=NOT_ESTIMABLE, measurement=None,
+            error=f"not ranked: {timer} figure {r.median_ms:.4g} ms, on another scale than "
+                  f"libtpu's, and {len(pairs)} config(s) have both figures ({MIN_PAIRS} needed "
+                  f"to calibrate it); {r.detail}") for r in modelled], {
+            "figure": "tpu-estimate", "note": note}
+    ratio = statistics.median(a / b for a, b in pairs)
+    out = [dataclasses.replace(
+        r, measurement=dataclasses.replace(r.measurement, times_ms=(r.median_ms * ratio,),
+                                           timer=f"{r.measurement.timer} calibrated"),
+        detail=f"{r.measurement.timer} figure {r.median_ms:.4g} ms calibrated on {len(pairs)} "
+               f"configs with both (x{ratio:.3g}, the median of libtpu/model): {r.detail}")
+        for r in modelled]
+    return out, {"figure": f"tpu-estimate+{timer} calibrated",
+                 "note": f"{len(modelled)} candidate(s) by the {timer} figure calibrated on "
+                         f"{len(pairs)} configs with both (x{ratio:.3g})",
+                 "calibration": {"pairs": len(pairs), "ratio": ratio}}

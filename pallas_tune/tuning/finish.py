@@ -15,7 +15,7 @@ from pallas_tune._kernel_hash import source_changed
 from pallas_tune.errors import MeasurementError, NoFeasibleConfigError
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.loops import PREFETCH_NOTE
-from pallas_tune.measure.records import Outcome, spread
+from pallas_tune.measure.records import Outcome, shortlist, spread
 from pallas_tune.tuning import footing, noise
 from pallas_tune.tuning.log import TrialLog
 from pallas_tune.tuning.options import TuneOptions
@@ -166,9 +166,9 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
         default_ms = next((row["median_ms"] for row in ranking if row.get("default")),
                           math.nan)
     xla_ms, implementation, xla_note = footing.xla_decision(xla_row, best_ms)
-    roofline_used = any(r.measurement is not None and r.measurement.timer == "roofline"
-                        for r in log.records if r.outcome.timed)  # A model's figure.
-    prov = provenance(plan, chip, options, device, {**extra, "roofline_used": roofline_used})
+    prov = provenance(plan, chip, options, device, extra)
+    if plan.estimating:  # The estimate's best K, for --confirm-top to measure on the chip.
+        prov["shortlist"] = shortlist(log.records, kernel.name)
     if space is not kernel.space:  # Clamped: one point per distinct effective config.
         prov["space"] = {"declared": kernel.space.size, "distinct_for_call": space.size}
     notes = {"stopped": log.stopped, "not_searched": extra.get("not_searched"),
@@ -260,10 +260,13 @@ def provenance(plan: Plan, chip: str, options: TuneOptions, device: Mapping[str,
         if prov["standin_check"].get("unverified"):
             prov["timing_note"] += ("; on a stand-in problem NOT checked against a full "
                                     "compile (the full problem did not fit in a worker)")
-        if extra.get("roofline_used"):
-            prov["timer"] = "tpu-estimate+roofline"
-            prov["timing_note"] += ("; some candidates by a MODEL (roofline or fitted: no "
-                                    "estimate; each such trial's detail says which)")
+        figures = extra.get("figures") or {}  # measure.unprofiled.one_scale: what they are.
+        if figures.get("figure"):
+            prov["timer"] = figures["figure"]
+            prov["timing_note"] += (f"; {figures['note']}" + (
+                " (by a MODEL: each such trial's detail says which, and how calibrated)"
+                if figures["figure"] != "tpu-estimate" else ""))
+        prov.update({k: figures[k] for k in ("calibration", "unfigured") if k in figures})
         return prov
     interpret = bool(device.get("interpret"))
     from pallas_tune.measure.timing import resolve_timer

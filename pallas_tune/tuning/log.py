@@ -122,6 +122,16 @@ class TrialLog:
                 self._best is None or record.median_ms < self._best.median_ms):
             self._best = record
 
+    def rescale(self, records: Sequence[TrialRecord]) -> None:
+        """Puts ``records`` (figures the evaluator put on the run's one scale, or ranked
+        apart: measure.unprofiled.one_scale) in place of the trials of their numbers; the
+        best follows them."""
+        for record in records:
+            self.records[record.number] = record
+            self.by_config[config_key(record.config)] = record
+        ok = [r for r in self.records if r.outcome is Outcome.OK and r.duplicate_of is None]
+        self._best = min(ok, key=lambda r: r.median_ms, default=None)
+
     # ---- budget and stop rules ------------------------------------------------------------
 
     def wants_more(self, pending: int = 0) -> bool:

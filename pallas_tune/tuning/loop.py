@@ -113,6 +113,8 @@ def run(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any], options: Tu
             search.release()  # Ctrl-C, a crash: our running trials go back to the queue.
             raise
         search.close()
+        changed, extra["figures"] = evaluator.one_scale(log.records)
+        log.rescale(changed)  # One scale for every ranked figure (issue 55).
         if log.stopped and space.size > options.trials:  # The sampler's run ended early.
             finish.logger.warning("%s %s: %s", kernel.name, plan.key, log.stopped)
         xla = finish.xla_wanted(kernel, options, plan, evaluator.device)
@@ -288,13 +290,15 @@ def _confirm(kernel: Any, space: Any, chip: str, plan: Any, options: TuneOptions
     """``confirm_top``: the estimate's best configs for this chip and key as the only
     candidates (the options' budget cut to them), recorded in ``extra["confirmed"]``."""
     from pallas_tune.errors import TuneOptionError
-    from pallas_tune.tuning.transfer import estimate_top
+    from pallas_tune.tuning.transfer import entry_shortlist, estimate_top
 
     if plan.estimating:
         raise TuneOptionError("confirm_top measures the estimate's best configs: give a "
                               "measuring timer (wallclock, profiler), not tpu-estimate.")
-    configs, estimates, source = estimate_top(kernel, chip, plan.key, options.confirm_top,
-                                              space, space.default)
+    # The estimate entry's shortlist where it keeps one; else the latest estimate run's trials.
+    configs, estimates, source = (
+        entry_shortlist(kernel, chip, plan.key, options.confirm_top, space, space.default)
+        or estimate_top(kernel, chip, plan.key, options.confirm_top, space, space.default))
     if not configs:
         raise TuneOptionError(f"confirm_top={options.confirm_top}: no compiler estimates of "
                               f"{kernel.name} are recorded for {chip} at {plan.key}; "

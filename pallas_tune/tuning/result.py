@@ -224,7 +224,11 @@ class TuningResult:
         return pd.DataFrame(rows)
 
     def to_entry(self) -> dict[str, Any]:
-        """The cache entry: the winner, its re-ranked time, every trial, the provenance."""
+        """The cache entry: the winner, its re-ranked time, every trial, the provenance; an
+        estimate's shortlist (its best K, for --confirm-top) beside the provenance, so that
+        the winners file keeps it whole."""
+        provenance = dict(self.provenance)
+        shortlist = provenance.pop("shortlist", None)
         return {
             "key": self.key,
             "config": self.best,
@@ -234,7 +238,8 @@ class TuningResult:
             **({"default_ms": self.default_ms} if math.isfinite(self.default_ms) else {}),
             **({"effective": self.effective} if self.effective else {}),
             **xla_fields(self.xla_ms, self.best_ms, self.xla_partial, self.implementation),
-            "provenance": self.provenance,
+            "provenance": provenance,
+            **({"shortlist": shortlist} if shortlist else {}),
             "trials": [r.to_json() for r in self.records],
         }
 

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PRIOR_TASKS", "estimate_top", "prior_for"]
+__all__ = ["PRIOR_TASKS", "entry_shortlist", "estimate_top", "prior_for"]
 
 # At most this many other (chip, key) runs inform one search, nearest keys first.
 PRIOR_TASKS = 8
@@ -93,6 +93,32 @@ def estimate_top(kernel: Any, chip: str, key: str, k: int, space: Any,
         if len(out) >= k:
             break
     return [c for _, c in out], [ms for ms, _ in out], f"{here}:{key} (estimate)"
+
+
+def entry_shortlist(kernel: Any, chip: str, key: str, k: int, space: Any,
+                    defaults: Mapping[str, Any] | None = None
+                    ) -> tuple[list[dict[str, Any]], list[float], str] | None:
+    """The shortlist the estimate's cache entry for (chip, key) keeps (its best K, see
+    measure.records.shortlist), its first ``k`` in the space, their figures and its label:
+    what ``--confirm-top`` measures, no estimate run again; None where no such entry is."""
+    from pallas_tune.chips import normalize_chip
+
+    here = normalize_chip(chip)
+    for hit in kernel.cache.lookup_all(here, kernel.name, key):
+        kept = (hit.entry or {}).get("shortlist")
+        if hit.kind != "estimate" or not isinstance(kept, dict):
+            continue
+        configs, figures = [], []
+        for config, ms in zip(kept.get("configs") or [], kept.get("figures_ms") or [],
+                              strict=False):
+            full = {**(defaults or {}), **config} if isinstance(config, dict) else None
+            if full is not None and set(full) == set(space.names) and full in space:
+                configs.append(full)
+                figures.append(ms)
+        if configs:
+            return (configs[:k], figures[:k],
+                    f"{here}:{key} (estimate entry's shortlist of {kept.get('k')}, {hit.path})")
+    return None
 
 
 class _Runs:

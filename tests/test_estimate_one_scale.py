@@ -1,0 +1,168 @@
+"""Issue 55, items 1 and 4: every figure a tpu-estimate run ranks is on one scale (a model's
+figure for a candidate libtpu gave none is calibrated on the configs with both, or ranked apart
+and kept out of the pick), every trial and the entry name the figure they have, and the entry
+keeps the estimate's shortlist, which ``confirm_top`` then measures without estimating again.
+Fake evaluators: no libtpu, no device."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import pytest
+
+import pallas_tune as pt
+from pallas_tune.measure.evaluate import Evaluator
+from pallas_tune.measure.records import (DEFAULT_SHORTLIST_K, Measurement, Outcome,
+                                         TrialRecord)
+from pallas_tune.measure.unprofiled import MIN_PAIRS, one_scale
+
+
+def _libtpu(a):  # libtpu's figure: big a is fast.
+    return 10.0 - a
+
+
+def _model(a):  # The model's: the same order, on half the scale.
+    return 0.5 * (10.0 - a)
+
+
+class FakeEstimate(Evaluator):
+    """libtpu's figure for most configs; the fitted model's (raw) for those in ``modelled``
+    (as a profiler abort with --estimate-fallback model leaves them)."""
+
+    kind = "estimate"
+
+    def __init__(self, modelled):
+        super().__init__()
+        self.modelled = set(modelled)
+
+    def start(self):
+        self.device = {"chip": "v6e", "platform": "tpu", "device_kind": "TPU v6 lite",
+                       "interpret": False}
+        return self.device
+
+    def _evaluate(self, candidates):
+        out = []
+        for number, config in candidates:
+            a = config["a"]
+            by_model = a in self.modelled
+            rec = TrialRecord(
+                number=number, config=dict(config), outcome=Outcome.OK,
+                fingerprint=f"p{a}", detail="fitted model (libtpu's static profile aborted: "
+                "FIFO: ...)" if by_model else "",
+                measurement=Measurement(times_ms=(_model(a) if by_model else _libtpu(a),),
+                                        compile_ms=0.0,
+                                        timer="fitted-model" if by_model else "tpu-estimate"))
+            self._note(rec)
+            out.append(rec)
+        return out
+
+    def one_scale(self, records):
+        return one_scale(list(records), lambda configs: [_model(c["a"]) for c in configs])
+
+    def roofline(self, configs, chip):
+        return [None for _ in configs]
+
+
+@pytest.fixture
+def kern(cache_dir):
+    @pt.tunable(a=list(range(8)), name="one_scale_toy")
+    def kern(x, *, a):
+        return x
+
+    return kern, jnp.ones((64, 128))
+
+
+def _estimate(kern, x, modelled, **options):
+    from pallas_tune.tuning import TuneOptions, run
+
+    opts = TuneOptions(timer="tpu-estimate", chip="v6e", trials=8, retime_top=0, seed=0,
+                       warm_start=0, transfer=False, **{"write": False, **options})
+    return run(kern, (x,), {}, opts, evaluator=FakeEstimate(modelled))
+
+
+def test_a_model_figure_never_decides_the_pick_raw(kern):
+    """a=6 has only the model's figure, 2.0 ms raw: below libtpu's best (a=7, 3.0 ms), but
+    on libtpu's scale (x2, from the 7 configs with both) 4.0 ms. Ranked raw, it won."""
+    kern, x = kern
+    res = _estimate(kern, x, modelled={6})
+    assert res.best == {"a": 7} and res.best_ms == 3.0
+    six = next(r for r in res.records if r.config == {"a": 6})
+    assert six.median_ms == pytest.approx(4.0)
+    assert six.measurement.timer == "fitted-model calibrated"
+    assert six.detail.startswith("fitted-model figure 2 ms calibrated on 7 configs with both")
+    assert res.provenance["timer"] == "tpu-estimate+fitted-model calibrated"
+    assert res.provenance["calibration"] == {"pairs": 7, "ratio": 2.0}
+    assert all(r.measurement.timer == "tpu-estimate" for r in res.records if r.config != {"a": 6})
+
+
+def test_uncalibrated_model_figures_are_ranked_apart(kern):
+    """With fewer than MIN_PAIRS configs that have both figures, the model's figures are not
+    in the pick at all (a=7, 1.5 ms raw, stays out; libtpu's best of a=0, a=1 wins)."""
+    kern, x = kern
+    res = _estimate(kern, x, modelled=set(range(2, 8)))
+    assert MIN_PAIRS > 2 and res.best == {"a": 1}
+    apart = [r for r in res.records if r.config["a"] >= 2]
+    assert all(not r.outcome.timed and r.error.startswith("not ranked: fitted-model figure")
+               for r in apart)
+    assert res.provenance["timer"] == "tpu-estimate"
+    assert "ranked apart, not in the pick" in res.provenance["timing_note"]
+
+
+def test_when_every_candidate_has_a_model_figure_the_entry_names_the_model(kern):
+    kern, x = kern
+    res = _estimate(kern, x, modelled=set(range(8)))
+    assert res.best == {"a": 7} and res.provenance["timer"] == "fitted-model"
+    assert "tpu-estimate+" not in res.provenance["timer"]
+    assert "by a MODEL" in res.provenance["timing_note"]
+
+
+class OnTheChip(Evaluator):
+    """A measuring fake on a v6e: what the chip says (a=5 beats a=7)."""
+
+    kind = "fake"
+
+    def __init__(self):
+        super().__init__()
+        self.evaluated = []
+
+    def start(self):
+        self.device = {"chip": "v6e", "platform": "tpu", "device_kind": "TPU v6 lite"}
+        return self.device
+
+    def _evaluate(self, candidates):
+        out = []
+        for number, config in candidates:
+            self.evaluated.append(dict(config))
+            rec = TrialRecord(number=number, config=dict(config), outcome=Outcome.OK,
+                              fingerprint=f"p{config['a']}", measurement=Measurement(
+                                  times_ms=(1.0 + abs(config["a"] - 5),), compile_ms=0.0))
+            self._note(rec)
+            out.append(rec)
+        return out
+
+    def roofline(self, configs, chip):
+        return [None for _ in configs]
+
+
+def test_the_entry_keeps_its_shortlist_and_confirm_top_measures_exactly_it(kern):
+    from pallas_tune.tuning import TuneOptions, run
+
+    kern, x = kern
+    key = kern.cache_key(x)
+    res = _estimate(kern, x, modelled=set(), write=True)
+    entry, path = kern.cache.lookup("v6e", kern.name, key)
+    kept = entry["shortlist"]
+    assert kept["k"] == DEFAULT_SHORTLIST_K == 8 and "top 8 on 11 of 11" in kept["k_from"]
+    assert kept["configs"] == [{"a": a} for a in range(7, -1, -1)]
+    assert kept["figures_ms"] == [_libtpu(a) for a in range(7, -1, -1)]
+    assert "shortlist" not in entry["provenance"] and res.cache_path
+    # The ledger's trials are gone: confirm_top reads the entry's shortlist, estimates nothing.
+    os.remove(kern.cache.ledger_path("v6e", kern.name, kind="estimate"))
+    chip = OnTheChip()
+    confirmed = run(kern, (x,), {}, TuneOptions(confirm_top=4, write=False, retime_top=0,
+                                                seed=0), evaluator=chip)
+    assert chip.evaluated == [{"a": 7}, {"a": 6}, {"a": 5}, {"a": 4}]
+    assert confirmed.best == {"a": 5}
+    source = confirmed.provenance["confirmed"]["from"]
+    assert source.startswith(f"tpu_v6e:{key} (estimate entry's shortlist of 8")
