@@ -161,14 +161,16 @@ def one_scale(records: list[Any], model_ms: Any) -> tuple[list[Any], dict[str, A
             r, outcome=Outcome.COMPILE_ERROR, detail=NOT_ESTIMABLE, measurement=None,
             error=f"not ranked: {timer} figure {r.median_ms:.4g} ms, on another scale than "
                   f"libtpu's, and {len(pairs)} config(s) have both figures ({MIN_PAIRS} needed "
-                  f"to calibrate it); {r.detail}") for r in modelled], {
+                  f"to calibrate it)" + (f"; {r.detail}" if r.detail else ""))
+        for r in modelled], {
             "figure": "tpu-estimate", "note": note}
     ratio = statistics.median(a / b for a, b in pairs)
     out = [dataclasses.replace(
         r, measurement=dataclasses.replace(r.measurement, times_ms=(r.median_ms * ratio,),
                                            timer=f"{r.measurement.timer} calibrated"),
         detail=f"{r.measurement.timer} figure {r.median_ms:.4g} ms calibrated on {len(pairs)} "
-               f"configs with both (x{ratio:.3g}, the median of libtpu/model): {r.detail}")
+               f"configs with both (x{ratio:.3g}, the median of libtpu/model)"
+               + (f": {r.detail}" if r.detail else ""))
         for r in modelled]
     return out, {"figure": f"tpu-estimate+{timer} calibrated",
                  "note": f"{len(modelled)} candidate(s) by the {timer} figure calibrated on "
