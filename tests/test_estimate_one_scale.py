@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -166,3 +167,43 @@ def test_the_entry_keeps_its_shortlist_and_confirm_top_measures_exactly_it(kern)
     assert confirmed.best == {"a": 5}
     source = confirmed.provenance["confirmed"]["from"]
     assert source.startswith(f"tpu_v6e:{key} (estimate entry's shortlist of 8")
+
+
+@pt.tunable(br=[8, 16, 32], bc=[128, 256], f32=[False, True])
+def half_aborting(x, *, factor=1.4427, br, bc, f32):
+    """x * factor: in bf16 libtpu 0.0.50's profiler aborts on it (a bf16 vector times a packed
+    bf16 constant: tests/test_profiler_abort.py); through f32 it estimates."""
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, o_ref):
+        v = x_ref[...]
+        o_ref[...] = ((v.astype(jnp.float32) * factor).astype(v.dtype) if f32
+                      else v * factor)
+
+    r, c = x.shape
+    return pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          grid=(r // br, c // bc),
+                          in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))],
+                          out_specs=pl.BlockSpec((br, bc), lambda i, j: (i, j)),
+                          name="half_aborting")(x)
+
+
+@pytest.mark.libtpu
+@pytest.mark.slow
+def test_a_real_run_half_aborted_ranks_the_model_calibrated(cache_dir, monkeypatch):
+    """Deviceless libtpu: the bf16 configs abort the profiler, the f32 ones estimate; with
+    the model fallback the aborted ones get the fitted model's figure calibrated on the f32
+    configs, never the raw one, and the entry names both figures."""
+    monkeypatch.setenv("PALLAS_TUNE_TPU_LOGS", "off")
+    x = jnp.ones((256, 512), jnp.bfloat16)
+    res = half_aborting.tune(x, timer="tpu-estimate", chip="v6e", trials=12, write=False,
+                             transfer=False, workers=2, warm_start=0, estimate_fallback="model")
+    libtpu = [r for r in res.records if r.outcome.timed and r.measurement.timer == "tpu-estimate"]
+    modelled = [r for r in res.records if r.outcome.timed and r is not None
+                and r.measurement.timer != "tpu-estimate"]
+    assert libtpu and all(r.config["f32"] for r in libtpu), [r.config for r in libtpu]
+    assert modelled and all(not r.config["f32"] for r in modelled)
+    assert all(r.measurement.timer == "fitted-model calibrated" and
+               " calibrated on " in r.detail and "aborted" in r.detail for r in modelled)
+    assert res.provenance["timer"] == "tpu-estimate+fitted-model calibrated"
+    assert res.provenance["calibration"]["pairs"] >= 3
