@@ -44,6 +44,7 @@ SMOKE = os.environ.get(SMOKE_ENV, "").strip() not in ("", "0")
 SMOKE_DIR = (os.environ.get(f"{SMOKE_ENV}_DIR") or tempfile.mkdtemp(prefix="pt-bench-smoke-")
              if SMOKE else "")
 if SMOKE:
+    os.makedirs(SMOKE_DIR, exist_ok=True)
     os.environ[f"{SMOKE_ENV}_DIR"] = SMOKE_DIR  # The script's child processes write there too.
 
 

@@ -14,7 +14,7 @@ measurement. Configs are only traced (never compiled): traced features are cache
 
     python benchmarks/estimates/model_fidelity.py --out benchmarks/results/model_fidelity.md
 
-Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 3 configs of one key per kernel, features cached in the
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): 2 configs of one key per kernel, features cached in the
 smoke folder.
 """
 
@@ -366,7 +366,7 @@ def main() -> int:
     ap.add_argument("--features", help="traced features, cached between runs",
                     default=bench.smoke("/tmp/model_fidelity_features.json",
                                         os.path.join(bench.SMOKE_DIR, "features.json")))
-    ap.add_argument("--max-trials", type=int, default=bench.smoke(40, 3),
+    ap.add_argument("--max-trials", type=int, default=bench.smoke(40, 2),
                     help="configs per key, at most")
     ap.add_argument("--max-keys", type=int, default=bench.smoke(40, 1),
                     help="keys per kernel, at most")

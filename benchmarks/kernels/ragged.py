@@ -240,7 +240,8 @@ def main() -> None:
     def new_pool():  # One compile per worker process: libtpu's memory grows compile by compile.
         return concurrent.futures.ProcessPoolExecutor(
             a.workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=me._init_worker, initargs=(limit,), max_tasks_per_child=1)
+            initializer=me._init_worker, initargs=(limit,),
+            max_tasks_per_child=bench.smoke(1, None))  # Smoke: one worker's start, not five.
 
     pool = new_pool()
 

@@ -21,8 +21,8 @@ they measure the tuners' overheads and search, not TPU kernel speed.
 
     python benchmarks/search/loop_efficiency.py --before /tmp/loop-before
 
-Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): matmul 256^2, 3 trials, this checkout in-process and in
-workers (and tune-jax where it is installed).
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): matmul 256^2, 3 trials, this checkout in-process (and
+tune-jax where it is installed).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ TRIALS = bench.smoke(32, 3)
 def _smoke_tuners() -> str:
     import importlib.util
 
-    return ",".join(["after", "after-workers"]
+    return ",".join(["after"]
                     + (["tune-jax"] if importlib.util.find_spec("tune_jax") else []))
 
 

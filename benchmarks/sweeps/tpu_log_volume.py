@@ -9,7 +9,7 @@ the bytes on disk under the log location every 0.2 s (the peak) and at the end.
 
     python benchmarks/sweeps/tpu_log_volume.py                      # this tree: bounded, off
     python benchmarks/sweeps/tpu_log_volume.py --tree /tmp/old-tree # another checkout: before
-    PALLAS_TUNE_BENCH_SMOKE=1 python benchmarks/sweeps/tpu_log_volume.py  # 2 candidates, 1 worker
+    PALLAS_TUNE_BENCH_SMOKE=1 python benchmarks/sweeps/tpu_log_volume.py  # bounded, 2 candidates
 
 "FATAL logs seen" counts the aborts whose FATAL file the sampler saw (one per aborting
 process; none where logs are off). ``--tree`` runs another checkout's ``pallas_tune`` (e.g. ``git worktree add /tmp/old-tree
@@ -111,7 +111,7 @@ def main() -> None:
         rows.append(run(f"before ({os.path.basename(a.tree.rstrip('/'))}: libtpu's default "
                         "logs)", a.tree, {"TPU_LOG_DIR": where}, where, a.trials))
     for label, value in (("after (default: bounded, 64 MiB)", "bounded"),
-                         ("after (PALLAS_TUNE_TPU_LOGS=off)", "off")):
+                         ("after (PALLAS_TUNE_TPU_LOGS=off)", "off"))[:bench.smoke(2, 1)]:
         where = os.path.join(scratch, value)
         os.makedirs(where, exist_ok=True)
         env = {"PALLAS_TUNE_TPU_LOGS": where if value == "bounded" else "off",
