@@ -87,7 +87,8 @@ class Param:
         value = _freeze(value)
         if any(typed_equal(value, c) for c in self.choices):
             return None
-        if outside_ok and any(_same_kind(value, c) for c in self.choices):
+        if outside_ok and (any(_same_kind(value, c) for c in self.choices)
+                           or set(self.choices) == {None}):  # Pinned off: no type to compare.
             return self._sign_problem(value)
         kinds = sorted({type(c).__name__ for c in self.choices})
         if not any(_same_kind(value, c) for c in self.choices):
@@ -95,13 +96,12 @@ class Param:
                     f"{' or '.join(kinds)} like the declared choices {self.choices}")
         return f"{self.name}={value!r} is not one of the declared choices {self.choices}"
 
-    def _sign_problem(self, value: Any) -> str | None:
-        """An outside number of a sign no choice has (``bm=0`` where every choice is > 0)."""
+    def _sign_problem(self, value: Any) -> str | None:  # A sign no choice has: bm=0, all > 0.
         nums = [c for c in self.choices if isinstance(c, int | float) and not isinstance(c, bool)]
         low = min(nums) if nums and type(value) in (int, float) else None
         if low is not None and ((low > 0 and not value > 0) or (low >= 0 and value < 0)):
-            sign = "positive" if low > 0 else "non-negative"
-            return f"{self.name}={value!r} is not {sign}, unlike every choice {self.choices}"
+            return (f"{self.name}={value!r} is not {'positive' if low > 0 else 'non-negative'}"
+                    f", unlike every choice {self.choices}")
         return None
 
     @property

@@ -85,3 +85,14 @@ def test_the_reason_is_the_one_a_cache_entry_gets(cache_dir):
     assert any(reason in str(w.message) for w in cached)
     dk.rowsum._memo.clear()  # noqa: SLF001
     dk.rowsum._warned.clear()  # noqa: SLF001
+
+
+def test_a_setting_the_space_pins_off_takes_any_explicit_value():
+    """``megacore_mode`` declared ``[None]`` (paged attention): ``"kv_head"`` given explicitly
+    is for the kernel to judge, not refused as "a str, not a NoneType"."""
+    from pallas_tune.space import Param
+
+    pinned = Param(name="megacore_mode", choices=(None,))
+    assert pinned.value_problem("kv_head", outside_ok=True) is None
+    assert pinned.value_problem("kv_head") is not None  # Inside the space: None only.
+    assert "is a float" in Param(name="bm", choices=(128, 256)).value_problem(128.5, outside_ok=True)
