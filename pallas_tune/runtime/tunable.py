@@ -382,9 +382,8 @@ def tunable(
     Args:
       default: the config used on a cache miss when it is valid for the call (else the best
         valid point of the space by the roofline cost model).
-      name: cache name of the kernel (default: ``module.qualname``, a script's module named as
-        when imported: ``tune.matmul`` for ``python tune.py``; required for kernels defined
-        inside a function, as lambdas or with no file, whose qualified names are not unique).
+      name: cache name (default: ``module.qualname``, ``tune.matmul`` for ``python tune.py``;
+        required inside a function, for lambdas or with no file: names are not unique there).
       key: maps the call's arguments to the cache key (default: shapes and dtypes of array
         arguments plus the values of static non-tuned arguments, see :mod:`pallas_tune.keys`),
         or, like Triton's ``key=``, a list of the argument names that make the key (the
