@@ -21,16 +21,8 @@ from typing import Any, Final
 from pallas_tune import _settings
 
 __all__ = [
-    "ChipSpec",
-    "chip_spec",
-    "current_chip",
-    "interpret_mode",
-    "known_chips",
-    "normalize_chip",
-    "recognized",
-    "should_interpret",
-    "target",
-    "tpu_device_kind",
+    "ChipSpec", "chip_spec", "current_chip", "interpret_mode", "known_chips", "normalize_chip",
+    "recognized", "should_interpret", "target", "tpu_device_kind"
 ]
 
 # Canonical chip name -> device_kind strings seen from jax (notes/pallas-on-cpu.md §6).
@@ -129,17 +121,15 @@ def _abstract_tpu_mesh(name: str) -> Any:
         return None
 
 
-def _abstract_mesh_platform() -> str | None:
+def _abstract_mesh_device() -> Any:
+    """The device of the mesh being traced for (a shard_map's, a deviceless topology's)."""
     import jax
 
     get = getattr(jax.sharding, "get_abstract_mesh", None)
-    if get is None:
-        return None
     try:
-        device = getattr(get(), "abstract_device", None)
+        return getattr(get(), "abstract_device", None) if get is not None else None
     except Exception:  # noqa: BLE001 - no mesh context is fine.
         return None
-    return getattr(device, "platform", None)
 
 
 def _detected_chip() -> str:
@@ -175,12 +165,18 @@ def _host() -> dict[str, object]:
 def current_chip() -> str:
     """The chip whose cache entries a call resolves against.
 
-    Order: the innermost :func:`target`, then ``PALLAS_TUNE_CHIP``, then the first local device.
+    Order: the innermost :func:`target`; on a CPU host, the TPU or GPU of the mesh traced for
+    (a deviceless multi-chip compile); ``PALLAS_TUNE_CHIP``; the first local device.
     """
     t = _TARGET.get()
     if t is not None:
         return t
-    return (_HOST or _host())["chip"]  # type: ignore[return-value]
+    host = _HOST or _host()
+    if host["cpu"]:  # On a CPU host, a mesh of TPU devices (deviceless compiles) is the chip.
+        device = _abstract_mesh_device()
+        if getattr(device, "platform", None) in ("tpu", "gpu") and device.device_kind:
+            return normalize_chip(device.device_kind)
+    return host["chip"]  # type: ignore[no-any-return]
 
 
 def should_interpret() -> bool:
@@ -195,7 +191,7 @@ def should_interpret() -> bool:
         return setting == "on"
     if not host["cpu"] or _TARGET.get() is not None:
         return False
-    return _abstract_mesh_platform() not in ("tpu", "gpu")
+    return getattr(_abstract_mesh_device(), "platform", None) not in ("tpu", "gpu")
 
 
 # ---- interpret mode ------------------------------------------------------------------------

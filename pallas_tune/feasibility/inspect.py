@@ -15,6 +15,7 @@ from typing import Any, Final
 import jax
 import numpy as np
 
+from pallas_tune import _vma
 from pallas_tune.feasibility.rules import block_rule_violations
 
 __all__ = ["BlockInfo", "PallasCallInfo", "block_rule_violations", "find_pallas_calls"]
@@ -360,7 +361,10 @@ def find_pallas_calls(
     """Traces ``fn(*args, **kwargs)`` abstractly and returns every pallas_call it makes.
 
     Non-array arguments are closed over (treated as static). Raises whatever tracing raises.
+    Inside a ``shard_map`` that checks varying axes, the kernel is traced with the checks off
+    (its config is judged by its blocks, not by how its outputs are typed: see ``_vma``).
     """
     flat_fn, arrays = array_function(fn, args, kwargs)
-    closed = jax.make_jaxpr(flat_fn)(*arrays)
+    with _vma.unchecked():
+        closed = jax.make_jaxpr(flat_fn)(*arrays)
     return [_info(e) for e in _walk(closed.jaxpr)]

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import chips, keys
+from pallas_tune import _vma, chips, keys
 from pallas_tune.cache import TuningCache, declared, default_cache, entries
 from pallas_tune.constraints import Constraint
 from pallas_tune.errors import SearchSpaceError, warn
@@ -129,6 +129,8 @@ class TunableKernel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args = self._statics.apply(args, kwargs)  # Static numpy/JAX scalars: Python values.
+        if _vma.checking():  # Inside jax.shard_map with its defaults: see pallas_tune._vma.
+            args, kwargs = _vma.align(args, kwargs)
         tuned = self._tuned
         explicit = {k: kwargs.pop(k) for k in tuned.intersection(kwargs)} if kwargs else {}
         if len(explicit) != len(tuned):
@@ -137,16 +139,13 @@ class TunableKernel:
                 config = _arguments.explicit(self, args, kwargs, {**config, **explicit})
             elif config.implementation != "pallas":
                 if config.implementation == "xla":  # Its cache entry: XLA wins at these shapes.
-                    return self.reference(*args, **kwargs)  # type: ignore[misc]
+                    return _vjp.call_plain(self.reference, args, kwargs, {})
                 return _ALTERNATIVES[config.implementation](self, args, kwargs, config)
         else:
             config = _arguments.explicit(self, args, kwargs, explicit)
         if self.backward_backend is not None:  # Differentiable: its declared backward.
             return _vjp.call_with_vjp(self, args, kwargs, config)
-        if chips.should_interpret():
-            with chips.interpret_mode():
-                return self.fn(*args, **kwargs, **config)
-        return self.fn(*args, **kwargs, **config)
+        return _vjp.call_plain(self.fn, args, kwargs, config)
 
     def _resolve(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config:
         if _HOOK is not None:  # pallas_tune.autotune: recording calls, or applying a result.

@@ -34,7 +34,7 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pallas_tune import chips
+from pallas_tune import _vma, chips
 
 __all__ = ["BACKENDS", "call_with_vjp", "check_declaration", "check_signatures"]
 
@@ -45,8 +45,19 @@ def _is_array(a: Any) -> bool:
     return hasattr(a, "shape") and hasattr(a, "dtype")
 
 
-def _interpreting() -> Any:
+def interpreting() -> Any:
+    """Interpret mode where kernels are interpreted on this host; else nothing."""
     return chips.interpret_mode() if chips.should_interpret() else contextlib.nullcontext()
+
+
+def call_plain(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+               config: Mapping[str, Any]) -> Any:
+    """``fn(*args, **kwargs, **config)`` for a kernel with no backward declared here (or its
+    reference), interpreted where kernels are on this host, typed inside a shard_map."""
+    with interpreting():
+        if _vma.checking():
+            return _vma.typed_vjp_call(fn, *args, **kwargs, **config)
+        return fn(*args, **kwargs, **config)
 
 
 def call_with_vjp(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -77,16 +88,19 @@ def call_with_vjp(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any],
 
     @jax.custom_vjp
     def call(*operands: Any) -> Any:
-        with _interpreting():
-            return kernel.fn(*full(operands[:n]), **keywords(operands), **config)
+        with interpreting():
+            return _vma.typed_call(kernel.fn, *full(operands[:n]), **keywords(operands),
+                                   **config)
 
     def fwd(*operands: Any) -> tuple[Any, Any]:
         arrays, kw = operands[:n], keywords(operands)
-        with _interpreting():
+        with interpreting():
             if kernel.backward_residuals is not None:
-                out, res = kernel.backward_residuals(*full(arrays), **kw, **config)
+                out, res = _vma.typed_call(kernel.backward_residuals, *full(arrays), **kw,
+                                           **config)
             else:
-                out, res = kernel.fn(*full(arrays), **kw, **config), tuple(arrays)
+                out = _vma.typed_call(kernel.fn, *full(arrays), **kw, **config)
+                res = tuple(arrays)
         return out, ((res, operands[n:]) if held else res)  # Residuals must be arrays.
 
     def bwd(residuals: Any, g: Any) -> tuple[Any, ...]:
