@@ -49,6 +49,9 @@ def test_the_xla_margin_is_said_plainly():
                     "chip varies that much between calls); Pallas kept")
     _, impl, note = xla_decision(row, 1.0)
     assert impl == "xla" and "its figure is 2.00x lower" in note and "must win by" in note
+    # Nearly level: a percentage, never "1.00x lower" (the v6e how-to's 512^2 matmul said so).
+    _, impl, note = xla_decision(row, 0.502)
+    assert impl == "pallas" and note.startswith("XLA's figure is 0.4% lower (")
 
 
 def test_the_trials_table_and_best_state_one_figure_per_config(cache_dir):
