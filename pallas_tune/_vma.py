@@ -33,13 +33,18 @@ from typing import Any
 __all__ = ["align", "checking", "typed_call", "typed_vjp_call", "unchecked"]
 
 
-def _flag() -> Any:
-    try:
-        from jax._src import config as jax_config
+_FLAG: list[Any] = []  # JAX's check_vma state, looked up once (a call's hot path reads it).
 
-        return jax_config._check_vma
-    except (ImportError, AttributeError):  # A JAX without varying-axis types.
-        return None
+
+def _flag() -> Any:
+    if not _FLAG:
+        try:
+            from jax._src import config as jax_config
+
+            _FLAG.append(jax_config._check_vma)
+        except (ImportError, AttributeError):  # A JAX without varying-axis types.
+            _FLAG.append(None)
+    return _FLAG[0]
 
 
 def checking() -> bool:
