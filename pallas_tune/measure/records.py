@@ -144,7 +144,7 @@ def describe_tally(t: dict[str, int]) -> str:
 
 # The estimate's shortlist: how many of its best configs a tpu-estimate entry keeps for
 # ``--confirm-top`` to measure on the chip. 8 by default: on the real-hardware winners the
-# fidelity benchmark was judged on (issue 55: tpu-inference's v6e int8 matmul keys and its v7
+# fidelity benchmark was judged on (tpu-inference's v6e int8 matmul keys and its v7
 # table), the winner was inside libtpu's top 8 on 11 of 11 keys, and inside its top 3 on only
 # 6 of 12. Per kernel where a stratified sample has measured it (none yet).
 DEFAULT_SHORTLIST_K: Final = 8
@@ -161,8 +161,9 @@ def shortlist(records: Any, kernel: str) -> dict[str, Any] | None:
     if not ranked:
         return None
     return {"k": k, "k_from": (f"measured for {kernel}" if kernel in SHORTLIST_K else
-                               "default: the winner inside libtpu's top 8 on 11 of 11 "
-                               "real-hardware keys (issue 55), not yet measured per kernel"),
+                               "default: the winner inside libtpu's top 8 on 11 of 11 of "
+                               "tpu-inference's real-hardware keys, not yet measured per "
+                               "kernel"),
             "configs": [dict(r.config) for r in ranked],
             "figures_ms": [r.median_ms for r in ranked],
             "figures": [r.measurement.timer for r in ranked]}
