@@ -28,7 +28,8 @@ BENCHMARKS = os.path.join(REPO, "benchmarks")
 # Imported by the scripts, never run: no smoke of their own (they run inside the scripts').
 HELPERS = {"_common.py", "search/search_harness.py", "feasibility/feasibility_cases.py",
            "kernels/xla_gradient.py", "profiles/llo_profile.py", "steps/layers.py",
-           "steps/render.py", "steps/upstream.py"}
+           "steps/render.py", "steps/upstream.py", "steps/sharded_layers.py",
+           "steps/collectives.py", "steps/sharded_render.py"}
 STEP_ROWS = "benchmarks/results/data/step_tuning_2026-11-25/mamba2.512.json"
 
 
@@ -113,6 +114,9 @@ SMOKES = {
     "steps/step_tuning.py": Smoke(("| matmul |",), args=("--combine", STEP_ROWS),
                                   note="tuning a layer (minutes): its rows re-rendered"),
     "steps/attention_long.py": Smoke(("XLA reference, forward + VJP",), libtpu=True),
+    "steps/sharded_step.py": Smoke(("| tiny (smoke) | TP8", "all-reduce x"), libtpu=True,
+                                   note="a tiny layer at 256 tokens, all-XLA and tuned; no "
+                                        "upstream (splash's stand-in), no per-chip compile"),
     "steps/glue_footing.py": Smoke(("Llama-3.1-8B step glue, 128 tokens",), libtpu=True,
                                    args=("128", "unprofiled")),
 }

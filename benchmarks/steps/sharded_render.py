@@ -1,0 +1,181 @@
+"""The Markdown of ``sharded_step.py``'s rows: per layer, layout and tokens, each setting's
+compute (ESTIMATE), collectives (MODEL) and their sum; the collectives libtpu reported; the
+per-chip composition against the whole multi-chip compile; what the tuned setting ran."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as bench  # noqa: E402
+
+SETTING_NAMES = {"xla": "all-XLA", "upstream": "upstream Pallas (MaxText's splash)",
+                 "tuned": "pallas-tune (cached configs)"}
+MODEL_NAMES = {"8b": "Llama-3.1-8B", "70b": "Llama-3.1-70B", "tiny": "tiny (smoke)"}
+LAYOUT_NAMES = {"tp8": "TP8 (Megatron), 1 sequence", "fsdp": "FSDP, 8 sequences (1 a chip)"}
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _groups(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    out: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["model"], r["layout"], r["tokens"])
+        out.setdefault(key, {})[(r["setting"], r["program"])] = r
+    return out
+
+
+def total(r: dict | None) -> float | None:
+    """A mesh row's step: compute ESTIMATE plus collectives MODEL, serial (no overlap)."""
+    if not r or r.get("compute_ms") is None or "error" in r:
+        return None
+    return r["compute_ms"] + r["collectives_model_ms"]
+
+
+def _share(r: dict | None) -> str:
+    t = total(r)
+    return f"{100 * r['collectives_model_ms'] / t:.1f}%" if t else "-"
+
+
+def _compute_cell(r: dict | None) -> str:
+    if r is None:
+        return "not run"
+    if "error" in r:
+        return "failed: " + r["error"].strip().splitlines()[-1][:140].replace("|", "/")
+    cell = _f(r["compute_ms"])
+    if r.get("splash_standin"):
+        cell += f" (splash {_f(r['splash_standin']['ms'])}, stand-in)"
+    elif r.get("splash_error"):
+        cell += " (splash: no stand-in figure)"
+    unread = [k for k in r.get("kernels_without_estimate", []) if "splash" not in k]
+    if r.get("ops_without_estimate") and unread:
+        cell += f" partial ({len(unread)} kernels unread)"
+    return cell
+
+
+def main_table(groups: dict) -> list[str]:
+    lines = bench.table(
+        ["layer", "layout", "tokens", "setting", "compute ms (ESTIMATE)",
+         "collectives ms (MODEL)", "step ms (estimate + model)", "collectives' share",
+         "vs all-XLA"], _main_rows(groups))
+    return lines
+
+
+def _main_rows(groups: dict):
+    for (model, layout, tokens), g in sorted(groups.items()):
+        xla = total(g.get(("xla", "mesh")))
+        for s in ("xla", "upstream", "tuned"):
+            r = g.get((s, "mesh"))
+            if r is None:
+                continue
+            t = total(r)
+            yield [MODEL_NAMES.get(model, model), LAYOUT_NAMES.get(layout, layout), tokens,
+                   SETTING_NAMES[s], _compute_cell(r),
+                   _f(r.get("collectives_model_ms")), _f(t), _share(r),
+                   f"{xla / t:.2f}x" if xla and t else "-"]
+
+
+def collectives_table(groups: dict) -> list[str]:
+    rows = []
+    for (model, layout, tokens), g in sorted(groups.items()):
+        for s in ("xla", "upstream", "tuned"):
+            r = g.get((s, "mesh"))
+            if not r or "collectives" not in r:
+                continue
+            kinds = "; ".join(f"{k} x{v['count']}: {v['bytes'] / 2**20:.1f} MiB, profile "
+                              f"{v['profile_cycles']} cycles, model {_f(v['model_ms'])} ms"
+                              for k, v in sorted(r["collectives"].items()))
+            algos = sorted({o.get("algorithm", "") for o in r.get("collective_ops", [])} - {""})
+            rows.append([MODEL_NAMES.get(model, model), layout, tokens, s, kinds or "none",
+                         ", ".join(algos) or "-"])
+    return bench.table(["layer", "layout", "tokens", "setting",
+                        "collectives in the compiled program (bytes: the full array)",
+                        "libtpu's algorithm (emitter/strategy)"], rows)
+
+
+def composition_table(groups: dict) -> list[str]:
+    rows = []
+    for (model, layout, tokens), g in sorted(groups.items()):
+        for s in ("xla", "upstream", "tuned"):
+            mesh, chip = g.get((s, "mesh")), g.get((s, "chip"))
+            if not chip or not mesh or "error" in mesh:
+                continue
+            if "error" in chip:
+                rows.append([MODEL_NAMES.get(model, model), layout, tokens, s,
+                             _f(mesh["compute_ms"]), _compute_cell(chip), "-", "-", "-"])
+                continue
+            composed = chip["compute_ms"] + mesh["collectives_model_ms"]
+            rows.append([MODEL_NAMES.get(model, model), layout, tokens, s,
+                         _f(mesh["compute_ms"]), _f(chip["compute_ms"]),
+                         f"{100 * (mesh['compute_ms'] / chip['compute_ms'] - 1):+.1f}%",
+                         _f(composed), _f(total(mesh))])
+    return bench.table(["layer", "layout", "tokens", "setting",
+                        "8-chip compile: compute ms", "per-chip program alone: compute ms",
+                        "8-chip vs per-chip", "per-chip + collectives (composed)",
+                        "8-chip compile + collectives"], rows)
+
+
+def receipts_table(groups: dict) -> list[str]:
+    rows = []
+    for (model, layout, tokens), g in sorted(groups.items()):
+        r = g.get(("tuned", "mesh"))
+        if not r or not r.get("receipts"):
+            continue
+        by = {}
+        for rec in r["receipts"]:
+            name = rec["kernel"].rsplit(".", 1)[-1]
+            by.setdefault(rec["source"], []).append(name)
+        rows.append([MODEL_NAMES.get(model, model), layout, tokens,
+                     "; ".join(f"{src}: {len(v)} ({', '.join(sorted(set(v)))})"
+                               for src, v in sorted(by.items()))])
+    return bench.table(["layer", "layout", "tokens", "the tuned setting's calls, by where "
+                        "their config came from (per-shard keys)"], rows)
+
+
+def _headline_rows(groups: dict, goal: float):
+    for (model, layout, tokens), g in sorted(groups.items()):
+        xla, tuned = g.get(("xla", "mesh")), g.get(("tuned", "mesh"))
+        up = g.get(("upstream", "mesh"))
+        tx, tt, tu = total(xla), total(tuned), total(up)
+        if not tx or not tt:
+            continue
+        short, coll = tt - tx / goal, _f(tuned["collectives_model_ms"])
+        yield [MODEL_NAMES.get(model, model), layout, tokens, _f(tx), _f(tu), _f(tt),
+               f"{tx / tt:.2f}x", f"{tu / tt:.2f}x" if tu else "-",
+               f"{xla['compute_ms'] / tuned['compute_ms']:.2f}x",
+               f"{_share(xla)} / {_share(tuned)}",
+               "met" if short <= 0 else f"{short:.3f} ms short; collectives {coll} ms of "
+               "the tuned step"]
+
+
+def headline(groups: dict, goal: float = 1.2) -> list[str]:
+    """Tuned (with collectives) against all-XLA and upstream; the collectives' share."""
+    return bench.table(["layer", "layout", "tokens", "all-XLA ms", "upstream ms", "tuned ms",
+                        "tuned vs all-XLA (with collectives)", "tuned vs upstream",
+                        "tuned vs all-XLA, compute only", "collectives' share: all-XLA / tuned",
+                        f"goal {goal}x vs all-XLA"], _headline_rows(groups, goal))
+
+
+def render(rows: list[dict], commands: list[str], notes: str = "") -> str:
+    groups = _groups(rows)
+    out = ["# Sharded step figures: 8-chip v6e, with collectives (issue 54 item 4)", "",
+           "Every compute figure is a v6e compiler ESTIMATE (libtpu's static profile of a "
+           "deviceless compile); every collective figure is a MODEL (bytes over ICI "
+           "bandwidth, `benchmarks/steps/collectives.py`). Neither is a measurement. "
+           f"Generated {bench.today()} on {bench.host()}; "
+           f"{bench.versions('jax', 'jaxlib', 'libtpu')}.", "", "Commands:", ""]
+    out += [f"    {c}" for c in commands] + ["", "## Headline", ""] + headline(groups)
+    out += ["", notes.strip(), ""] if notes.strip() else []
+    out += ["", "## Steps", ""] + main_table(groups)
+    out += ["", "## Collectives", ""] + collectives_table(groups)
+    out += ["", "## Composition: the per-chip program alone against the 8-chip compile", ""]
+    out += composition_table(groups) + ["", "## What the tuned setting ran", ""]
+    out += receipts_table(groups)
+    return "\n".join(out) + "\n"
+
+
+__all__ = ["render", "total"]
