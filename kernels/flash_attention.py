@@ -402,4 +402,11 @@ flash_attention = pt.tunable(space="flash_attention", reference=flash_attention_
                              standin=_standin, backward=flash_attention_bwd,
                              backward_args=flash_attention_bwd_args,
                              backward_residuals=_residuals,
-                             key_optional=("local_window_size", "segment_ids"))(flash_attention)
+                             key_optional=("local_window_size", "segment_ids"),
+                             # Sharded jit: batch and heads (query heads with their KV heads)
+                             # split; queries too, where no causal mask or window ties them to
+                             # their positions; keys and head dim kept whole.
+                             partition=lambda q, k, v, *, causal=False, local_window_size=None,
+                             **_: ("b h S D, b h T D, b h T D -> b h S D" if causal or
+                                   local_window_size is not None else
+                                   "b h s D, b h T D, b h T D -> b h s D"))(flash_attention)

@@ -117,5 +117,7 @@ def matmul_reference(x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 # Differentiable: jax.grad calls matmul_bwd (its own tunable kernel and cache entries).
+# Under jax.jit on sharded arrays: split along m and n; the contracted k is kept whole.
 matmul = pt.tunable(space="matmul", reference=matmul_reference, standin=_standin,
-                    backward=matmul_bwd, backward_args=matmul_bwd_args)(matmul)
+                    backward=matmul_bwd, backward_args=matmul_bwd_args,
+                    partition="m K, K n -> m n")(matmul)

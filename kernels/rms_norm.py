@@ -87,5 +87,7 @@ def rms_norm_reference(x, weight, *, eps: float = 1e-6):
 
 
 # Differentiable: jax.grad calls rms_norm_bwd (its own tunable kernel and cache entries).
+# Under jax.jit on sharded arrays: split along the rows; the normalised axis is kept whole.
 rms_norm = pt.tunable(space="rms_norm", reference=rms_norm_reference, standin=_standin,
-                      backward=rms_norm_bwd, backward_args=rms_norm_bwd_args)(rms_norm)
+                      backward=rms_norm_bwd, backward_args=rms_norm_bwd_args,
+                      partition="... D, D -> ... D")(rms_norm)

@@ -99,8 +99,9 @@ def source_fingerprint(source: str, scheme: int = SCHEME) -> str:
     return _digest("".join(out).encode("utf-8"))
 
 
-# ``@tunable(backward=..., backward_args=..., backward_residuals=...)``: the forward's gradient.
-GRADIENT_KEYWORDS: Final = ("backward", "backward_args", "backward_residuals")
+# ``@tunable(backward=..., backward_args=..., backward_residuals=...)``: the forward's gradient;
+# ``partition=``: how a sharded call splits (around the kernel, not its program), left out alike.
+GRADIENT_KEYWORDS: Final = ("backward", "backward_args", "backward_residuals", "partition")
 
 
 def _without_gradient(tree: ast.Module) -> ast.Module:

@@ -24,7 +24,7 @@ from pallas_tune.cache import TuningCache, declared, default_cache, entries
 from pallas_tune.constraints import Constraint
 from pallas_tune.errors import SearchSpaceError, warn
 from pallas_tune.runtime import arguments as _arguments
-from pallas_tune.runtime import dispatch
+from pallas_tune.runtime import dispatch, partition as _partition
 from pallas_tune.runtime import record as _record
 from pallas_tune.runtime import vjp as _vjp
 from pallas_tune.runtime.arguments import fast_part as _fast_part
@@ -48,7 +48,7 @@ class TunableKernel:
                  fallback: str | None = None, backward: Any = None,
                  backward_args: Callable[..., Any] | None = None,
                  backward_residuals: Callable[..., Any] | None = None,
-                 key_optional: Sequence[str] = ()):
+                 key_optional: Sequence[str] = (), partition: Any = None):
         space.check_function(fn)
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -87,6 +87,7 @@ class TunableKernel:
                                   backward_residuals)
         self.backward_args = backward_args
         self.backward_residuals = backward_residuals
+        self.partition = _partition.declared(self.name, partition)  # runtime.partition
         self._fingerprint: Any = _UNSET
         self._cache = cache
         self._sig = inspect.signature(fn)
@@ -121,14 +122,15 @@ class TunableKernel:
     def __repr__(self) -> str:
         return f"<tunable {self.name} over {dict((p.name, p.choices) for p in self.space.params)}>"
 
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        # Support use on methods: bind like a function would.
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # On methods: bind as functions.
         return self if obj is None else functools.partial(self, obj)
 
     # ---- the hot path --------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args = self._statics.apply(args, kwargs)  # Static numpy/JAX scalars: Python values.
+        if self.partition is not None and _partition.sharded(self, args):  # Split by its rule.
+            return _partition.call(self, args, kwargs)
         if _vma.checking():  # Inside jax.shard_map with its defaults: see pallas_tune._vma.
             args, kwargs = _vma.align(args, kwargs)
         tuned = self._tuned
@@ -358,11 +360,11 @@ def tunable(
     constraints: Mapping[str, str | Callable[..., Any]] | Sequence[Constraint] | None = None,
     clamp: Mapping[str, str | Callable[..., Any]] | None = None,
     cache: TuningCache | str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
-    version: str | None = None,
-    fallback: str | None = None,
+    version: str | None = None, fallback: str | None = None,
     backward: Any = None,
     backward_args: Callable[..., Any] | None = None,
     backward_residuals: Callable[..., Any] | None = None,
+    partition: str | Callable[..., str] | None = None,
     **choices: Sequence[Any],
 ) -> Any:
     """Declares the tunable keyword-only parameters of a kernel function.
@@ -424,11 +426,11 @@ def tunable(
         gradient with no tile keywords, or ``"xla"`` (``jax.vjp`` of ``reference``);
         ``backward_args(args, kwargs) -> (bwd_args, bwd_kwargs)`` its example arguments for
         ``tune(..., grad=True)``. The contract is :mod:`pallas_tune.runtime.vjp`'s docstring.
+      partition: how a sharded call splits under ``jax.jit``: :mod:`pallas_tune.runtime.partition`.
       **choices: parameter name → list of choices.
 
     Raises:
-      SearchSpaceError: a declared name is not a keyword-only parameter of the function, or a
-        choice list is empty or unhashable.
+      SearchSpaceError: a name is not a keyword-only parameter, or choices are empty or unhashable.
     """
 
     def wrap(f: Callable[..., Any]) -> TunableKernel:
@@ -438,7 +440,7 @@ def tunable(
                              standin=standin, cache=library_cache(cache), version=version,
                              fallback=fallback if fallback is not None else file_fallback,
                              backward=backward, backward_args=backward_args,
-                             backward_residuals=backward_residuals)
+                             backward_residuals=backward_residuals, partition=partition)
 
     if fn is not None and not callable(fn):
         raise SearchSpaceError(f"@tunable expects a function, got {fn!r}.")

@@ -184,7 +184,9 @@ def _tune(found: Sequence[tuple[Call, TunedCall | None]], options: Any,
     from pallas_tune.measure import shared
 
     calls, results = [], {}
-    with shared.shared_pools():  # The calls' estimate runs share their compile workers.
+    # The calls' estimate runs share their compile workers; each call is tuned on one device,
+    # at the shapes found (a sharded step's: the shard's), outside the step's mesh.
+    with shared.shared_pools(), _outside_mesh():
         for call, done in found:
             if done is not None:
                 calls.append(done)
@@ -200,6 +202,20 @@ def _tune(found: Sequence[tuple[Call, TunedCall | None]], options: Any,
             results[(call.kernel.name, call.key)] = (call.kernel, result)
             calls.append(_tuned(call, result))
     return AutotuneResult(calls, results=results)
+
+
+def _outside_mesh() -> Any:
+    """``jax.set_mesh(None)`` where a mesh of this host's devices is set (a sharded step's,
+    e.g. explicit axes): a candidate traced under it would take its arrays as sharded over
+    it. A deviceless mesh (another platform's) is left: it names the chip tuned for."""
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    if (getattr(jax, "set_mesh", None) is None or mesh.empty
+            or getattr(device, "platform", None) != jax.default_backend()):
+        return _nothing()
+    return jax.set_mesh(None)
 
 
 def _time_step(out: AutotuneResult, fn: Callable[..., Any], args: Sequence[Any],

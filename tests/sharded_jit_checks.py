@@ -1,0 +1,165 @@
+"""Shipped kernels under ``jax.jit`` on sharded arrays (no ``shard_map`` of the caller's), on
+four host devices, and the calls ``autotune`` finds in sharded training steps.
+
+Run as a script (the device count must be set before JAX starts): ``python
+sharded_jit_checks.py MODE [MODE ...]`` with MODE ``explicit`` or ``auto`` (the mesh's axis
+types; kernels, forward and gradient), ``steps`` (FSDP and TP steps, sharded-jit and
+shard_map forms: the calls found) or ``tuned`` (an FSDP step autotuned), one JSON line per
+check. tests/test_sharded_jit.py runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import warnings
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from pallas_tune.kernels.flash_attention import (  # noqa: E402
+    flash_attention,
+    flash_attention_reference,
+)
+from pallas_tune.kernels.matmul import matmul, matmul_reference  # noqa: E402
+from pallas_tune.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E402
+from pallas_tune.runtime import tunable  # noqa: E402
+
+
+def _normal(seed, shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _err(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
+                               strict=True))
+
+
+def _cases():
+    """name -> (kernel call, reference, inputs, specs)."""
+    q, kv = _normal(3, (2, 4, 128, 64)), _normal(4, (2, 2, 128, 64))
+    return {
+        "matmul": (matmul, matmul_reference, (_normal(0, (256, 256)), _normal(1, (256, 256))),
+                   (P("x", None), P(None, "y"))),
+        "rms_norm": (rms_norm, rms_norm_reference,
+                     (_normal(2, (4, 64, 256)), 1 + _normal(5, (256,))), (P("x", "y"), P())),
+        "flash_attention": (lambda q, kv: flash_attention(q, kv, kv),
+                            lambda q, kv: flash_attention_reference(q, kv, kv), (q, kv),
+                            (P("x", "y"), P("x", "y"))),
+        "flash_attention_causal": (lambda q, kv: flash_attention(q, kv, kv, causal=True),
+                                   lambda q, kv: flash_attention_reference(q, kv, kv, causal=True),
+                                   (q, kv), (P("x", "y"), P("x", "y"))),
+        # The contracted axis sharded: gathered for the call, warned about.
+        "matmul_k_sharded": (matmul, matmul_reference,
+                             (_normal(0, (256, 256)), _normal(1, (256, 256))),
+                             (P(None, "x"), P("x", None))),
+    }
+
+
+def kernels(mode: str) -> None:
+    types = (AxisType.Explicit if mode == "explicit" else AxisType.Auto,) * 2
+    mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=types)
+    for name, (fn, ref, inputs, specs) in _cases().items():
+        loss = lambda f: (lambda *a: jnp.sum(f(*a) ** 2))  # noqa: E731
+        want = (ref(*inputs), jax.grad(loss(ref), argnums=(0, 1))(*inputs))
+        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(inputs, specs)]
+        shapes = set()
+
+        def hook(kernel, a, kw, shapes=shapes):
+            shapes.add((kernel.name.rsplit(".", 1)[-1], tuple(x.shape for x in a)))
+
+        ctx = jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext()
+        with ctx, tunable.resolution_hook(hook), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = jax.jit(fn)(*args)
+            grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(*args)
+            hlo = jax.jit(fn).lower(*args).compile().as_text()
+        print(json.dumps({
+            "mode": mode, "name": name, "forward": _err(out, want[0]),
+            "grads": _err(grads, want[1]),
+            "scale": float(np.max(np.abs(np.asarray(want[1][0])))),
+            "spec": str(out.sharding.spec), "shapes": sorted(map(str, shapes)),
+            "gathered": [str(w.message) for w in seen if "is gathered" in str(w.message)],
+            "all_gather": "all-gather" in hlo}), flush=True)
+
+
+def _step(params, x):
+    h = rms_norm(x, params["norm"])
+    return jnp.sum(matmul(h, params["w"]) ** 2)
+
+
+def steps() -> None:
+    """The calls find_calls (autotune's) meets in FSDP and TP steps, as sharded jit on an
+    explicit mesh and as shard_map; the shapes they are keyed by."""
+    from pallas_tune.step.program import find_calls
+
+    params = {"norm": jnp.ones((256,)), "w": _normal(0, (256, 512))}
+    x = _normal(1, (64, 256))
+    layouts = {  # name -> (params' specs, the batch's spec)
+        "fsdp": ({"norm": P(), "w": P("d", None)}, P("d", None)),
+        "tp": ({"norm": P(), "w": P(None, "d")}, P()),
+    }
+    for layout, (pspec, xspec) in layouts.items():
+        mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+        put = lambda a, s, mesh=mesh: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+        p = jax.tree_util.tree_map(put, params, pspec)
+        with jax.set_mesh(mesh), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = find_calls(jax.grad(_step), p, put(x, xspec))
+        print(json.dumps({"step": f"{layout}/jit", "calls": sorted(
+            f"{c.kernel.name.rsplit('.', 1)[-1]} {c.key}" for c in found)}), flush=True)
+        auto = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+        # check_vma=False: JAX 0.10 refuses a checking shard_map's kernels on a CPU host.
+        def local(params, x, fsdp=layout == "fsdp"):  # The step as shard_map code writes it.
+            if fsdp:  # FSDP: the weight gathered where it is used.
+                params = {**params, "w": jax.lax.all_gather(params["w"], "d", tiled=True)}
+            return _step(params, x)
+
+        mapped = jax.shard_map(jax.grad(local), mesh=auto, in_specs=(pspec, xspec),
+                               out_specs=pspec, check_vma=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = find_calls(mapped, params, x)
+        print(json.dumps({"step": f"{layout}/shard_map", "calls": sorted(
+            f"{c.kernel.name.rsplit('.', 1)[-1]} {c.key}" for c in found)}), flush=True)
+
+
+def tuned() -> None:
+    """autotune of an FSDP step as sharded jit (explicit mesh axes): each call tuned at its
+    per-shard shapes, on one device, its result applied to the sharded step."""
+    import pallas_tune as pt
+
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    params = {"norm": jnp.ones((128,)), "w": _normal(0, (128, 128))}
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+    p = {"norm": put(params["norm"], P()), "w": put(params["w"], P("d", None))}
+    x = put(_normal(1, (64, 128)), P("d", None))
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = pt.autotune(jax.grad(_step), p, x, trials=1)
+        with result:
+            grads = jax.jit(jax.grad(_step))(p, x)
+    def reference(q, y):
+        return jnp.sum(matmul_reference(rms_norm_reference(y, q["norm"]), q["w"]) ** 2)
+
+    want = jax.grad(reference)(params, _normal(1, (64, 128)))
+    print(json.dumps({"autotune": [[c.kernel.rsplit(".", 1)[-1], c.key, c.source]
+                                   for c in result.calls],
+                      "grads": _err(grads, want), "spec": str(grads["w"].sharding.spec),
+                      "scale": float(np.max(np.abs(np.asarray(want["w"]))))}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        {"steps": steps, "tuned": tuned}.get(arg, lambda: kernels(arg))()
