@@ -175,4 +175,7 @@ def grouped_matmul_reference(lhs, rhs, group_sizes):
 # tunable kernel and cache entries).
 grouped_matmul = pt.tunable(space="grouped_matmul", reference=grouped_matmul_reference,
                             standin=_standin, inputs=_inputs, backward=grouped_matmul_bwd,
-                            backward_args=grouped_matmul_bwd_args)(grouped_matmul)
+                            backward_args=grouped_matmul_bwd_args,
+                            # Sharded jit: split along n; rows and experts follow the routing
+                            # (group_sizes), so they stay whole (experts: shard_map + all-to-all).
+                            partition="M K, G K n, G -> M n")(grouped_matmul)

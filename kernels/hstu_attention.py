@@ -200,7 +200,8 @@ def _standin(args, kwargs, config):
 # Its gradient is hstu_attention_bwd's two Pallas passes (dK/dV with the bias table's gradient,
 # then dQ), a tunable kernel of its own resolved when the gradient is traced.
 @pt.tunable(space="hstu_attention", reference=hstu_attention_reference, standin=_standin,
-            backward=hstu_attention_bwd, backward_args=hstu_attention_bwd_args)
+            backward=hstu_attention_bwd, backward_args=hstu_attention_bwd_args,
+            partition="b h S D, b h S D, b h S E, R -> b h S E")  # Sharded jit: batch, heads.
 def hstu_attention(q, k, v, rel_bias, *, alpha: float | None = None, norm: float | None = None,
                    bq: int, bkv: int):
     """Causal HSTU attention; see the module docstring. ``rel_bias``: (num_buckets,), any float.

@@ -145,4 +145,7 @@ def linear_attention_reference(q, k, v, *, decay: float = 1.0):
 # jax.grad runs linear_attention_bwd, a tunable kernel of its own (two Pallas passes).
 linear_attention = pt.tunable(space="linear_attention", reference=linear_attention_reference,
                               standin=_standin, backward=linear_attention_bwd,
-                              backward_args=linear_attention_bwd_args)(linear_attention)
+                              backward_args=linear_attention_bwd_args,
+                              # Sharded jit: batch, heads and v's features split; the causal
+                              # sequence and the q/k dim kept whole.
+                              partition="b h S D, b h S D, b h S e -> b h S e")(linear_attention)

@@ -186,4 +186,5 @@ def quantized_grouped_matmul_reference(lhs, rhs_q, rhs_scale, group_sizes):
 
 quantized_grouped_matmul = inputs_checked(pt.tunable(
     space="quantized_grouped_matmul", reference=quantized_grouped_matmul_reference,
-    standin=_standin, inputs=_inputs, backward="xla")(quantized_grouped_matmul), _check_call)
+    standin=_standin, inputs=_inputs, backward="xla",
+    partition="M K, G K n, G n, G -> M n")(quantized_grouped_matmul), _check_call)  # Sharded jit.

@@ -275,4 +275,4 @@ def _inputs(x, w_q, w_scale, **kwargs):
 
 quantized_matmul = inputs_checked(
     pt.tunable(space="quantized_matmul", reference=quantized_matmul_reference, standin=_standin,
-               inputs=_inputs)(quantized_matmul), _check_call)
+               inputs=_inputs, partition="m K, K n, n -> m n")(quantized_matmul), _check_call)

@@ -66,12 +66,51 @@ def _cases():
     }
 
 
+def _more_cases():
+    """The other shipped kernels with a rule (explicit axes only): name -> as _cases, and
+    whether to differentiate."""
+    from pallas_tune.kernels import grouped_matmul as gm
+    from pallas_tune.kernels import hstu_attention as hs
+    from pallas_tune.kernels import linear_attention as la
+    from pallas_tune.kernels import quantized_matmul as qm
+
+    q = _normal(3, (2, 4, 128, 64))
+    heads = P("x", "y")
+    return {
+        "linear_attention": (la.linear_attention, la.linear_attention_reference,
+                             (q, _normal(5, q.shape), _normal(6, q.shape)), (heads,) * 3, True),
+        "hstu_attention": (hs.hstu_attention, hs.hstu_attention_reference,
+                           (q, _normal(5, q.shape), _normal(6, q.shape), _normal(7, (16,))),
+                           (heads, heads, heads, P()), True),
+        # Experts' columns split (the rows follow the routing: kept whole).
+        "grouped_matmul": (gm.grouped_matmul, gm.grouped_matmul_reference,
+                           (_normal(8, (256, 64)), _normal(10, (3, 64, 256)),
+                            jnp.array([40, 0, 216], jnp.int32)), (P(), P(None, None, "y"), P()),
+                           True),
+        "quantized_matmul": (qm.quantized_matmul, qm.quantized_matmul_reference,
+                             (_normal(11, (32, 128)).astype(jnp.bfloat16),
+                              (_normal(9, (128, 256)) * 40).astype(jnp.int8),
+                              jnp.abs(_normal(12, (256,))) / 40), (P("x"), P(None, "y"), P("y")),
+                             False),
+    }
+
+
+AUTO = ("matmul", "rms_norm", "matmul_k_sharded")
+
+
 def kernels(mode: str) -> None:
     types = (AxisType.Explicit if mode == "explicit" else AxisType.Auto,) * 2
     mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=types)
-    for name, (fn, ref, inputs, specs) in _cases().items():
-        loss = lambda f: (lambda *a: jnp.sum(f(*a) ** 2))  # noqa: E731
-        want = (ref(*inputs), jax.grad(loss(ref), argnums=(0, 1))(*inputs))
+    cases = {k: (*v, True) for k, v in _cases().items()}
+    if mode == "explicit":
+        cases.update(_more_cases())
+    else:  # The same split through custom_partitioning: two kernels show it.
+        cases = {k: v for k, v in cases.items() if k in AUTO}
+    for name, (fn, ref, inputs, specs, differentiable) in cases.items():
+        loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2))  # noqa: E731
+        grad = (jax.grad(loss(ref), argnums=(0, 1)) if differentiable else
+                lambda *a: jnp.zeros(()))
+        want = (ref(*inputs), grad(*inputs))
         args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(inputs, specs)]
         shapes = set()
 
@@ -82,12 +121,14 @@ def kernels(mode: str) -> None:
         with ctx, tunable.resolution_hook(hook), warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             out = jax.jit(fn)(*args)
-            grads = jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(*args)
+            grads = (jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(*args) if differentiable
+                     else jnp.zeros(()))
             hlo = jax.jit(fn).lower(*args).compile().as_text()
         print(json.dumps({
             "mode": mode, "name": name, "forward": _err(out, want[0]),
             "grads": _err(grads, want[1]),
-            "scale": float(np.max(np.abs(np.asarray(want[1][0])))),
+            "scale": float(np.max(np.abs(np.asarray(jax.tree_util.tree_leaves(want[1])[0])))),
+            "out_scale": float(np.max(np.abs(np.asarray(want[0], np.float32)))),
             "spec": str(out.sharding.spec), "shapes": sorted(map(str, shapes)),
             "gathered": [str(w.message) for w in seen if "is gathered" in str(w.message)],
             "all_gather": "all-gather" in hlo}), flush=True)
