@@ -144,6 +144,7 @@ def summary(text: str, clock_hz: float) -> dict[str, Any]:
             "pallas_ms": sum(o["cycles"] for o in kernels) / clock_hz * 1e3,
             "ops": len(compute), "ops_without_estimate": sum(o["cycles"] == 0 for o in compute),
             "kernels_without_estimate": sorted({o["kernel"] for o in kernels if not o["cycles"]}),
+            "ops_without_estimate_names": [o["name"] for o in compute if not o["cycles"]][:40],
             "kernels": sorted({o["kernel"] for o in kernels}),
             "collectives": by_kind,
             "top_ops": [(o["name"], o["cycles"] / clock_hz * 1e3) for o in sorted(

@@ -51,9 +51,12 @@ def _compute_cell(r: dict | None) -> str:
         cell += f" (splash {_f(r['splash_standin']['ms'])}, stand-in)"
     elif r.get("splash_error"):
         cell += " (splash: no stand-in figure)"
-    unread = [k for k in r.get("kernels_without_estimate", []) if "splash" not in k]
-    if r.get("ops_without_estimate") and unread:
-        cell += f" partial ({len(unread)} kernels unread)"
+    splash = sum("splash" in k for k in r.get("ops_without_estimate_names", []))
+    if r.get("splash_standin") and "ops_without_estimate_names" not in r:
+        splash = len(r.get("kernels_without_estimate", []))  # Rows made before the names.
+    zero = r.get("ops_without_estimate", 0) - splash
+    if zero > 0:
+        cell += f" partial ({zero} ops without an estimate)"
     return cell
 
 
@@ -160,7 +163,60 @@ def headline(groups: dict, goal: float = 1.2) -> list[str]:
                         f"goal {goal}x vs all-XLA"], _headline_rows(groups, goal))
 
 
-def render(rows: list[dict], commands: list[str], notes: str = "") -> str:
+D_MODEL = {"8b": 4096, "70b": 8192}
+
+
+def collectives_for(groups: dict, model: str, layout: str, tokens: int, setting: str
+                    ) -> tuple[float | None, str]:
+    """The collectives MODEL (ms) of a step, from its own 8-chip compile, else from the
+    nearest one: FSDP's move weights (the same at any token count), TP8's activations (scaled
+    by tokens and by d_model); the upstream setting's dots are XLA's, so all-XLA's stand in."""
+    tries = [(setting, "")] + ([("xla", "all-XLA's")] if setting != "xla" else [])
+    for s, label in tries:
+        for (m, lay, t), g in sorted(groups.items(), key=lambda kv: kv[0][2] != tokens):
+            r = g.get((s, "mesh"))
+            if lay != layout or not r or "collectives_model_ms" not in r:
+                continue
+            if m != model and layout != "tp8":
+                continue
+            scale = 1.0 if layout == "fsdp" else tokens / t * D_MODEL.get(model, 1) / D_MODEL.get(
+                m, 1)
+            if (m, t) == (model, tokens) and not label:
+                return r["collectives_model_ms"], "its own"
+            what = ", ".join(x for x in (label, f"{MODEL_NAMES.get(m, m)} {t} tokens",
+                                         f"x{scale:g}" if scale != 1 else "") if x)
+            return r["collectives_model_ms"] * scale, what
+    return None, "none"
+
+
+def composed_table(groups: dict, per_chip: dict) -> list[str]:
+    rows = []
+    for pc in per_chip.get("rows", []):
+        key = (pc["model"], pc["layout"], pc["tokens"])
+        g = groups.get(key, {})
+        figures = {}
+        for s in ("xla", "upstream", "tuned"):
+            if pc.get(s) is None:
+                continue
+            coll, src = collectives_for(groups, *key, s)
+            whole = g.get((s, "mesh"))
+            step = pc[s] + coll if coll is not None else None
+            figures[s] = step
+            rows.append([MODEL_NAMES.get(pc["model"]), pc["layout"], pc["tokens"],
+                         SETTING_NAMES[s], _f(pc[s]), f"{_f(coll)} ({src})", _f(step),
+                         f"{100 * coll / step:.1f}%" if step else "-",
+                         _f(whole["compute_ms"]) if whole and "error" not in whole else "-",
+                         f"{figures['xla'] / step:.2f}x" if step and figures.get("xla")
+                         else "-"])
+    return bench.table(["layer", "layout", "tokens", "setting",
+                        "per-chip program ms (ESTIMATE, step_tuning.md)",
+                        "collectives ms (MODEL; from which 8-chip compile)",
+                        "composed step ms", "collectives' share",
+                        "8-chip whole compile: compute ms (ESTIMATE)", "vs all-XLA"], rows)
+
+
+def render(rows: list[dict], commands: list[str], notes: str = "",
+           per_chip: dict | None = None) -> str:
     groups = _groups(rows)
     out = ["# Sharded step figures: 8-chip v6e, with collectives (issue 54 item 4)", "",
            "Every compute figure is a v6e compiler ESTIMATE (libtpu's static profile of a "
@@ -173,7 +229,12 @@ def render(rows: list[dict], commands: list[str], notes: str = "") -> str:
     out += ["", "## Steps", ""] + main_table(groups)
     out += ["", "## Collectives", ""] + collectives_table(groups)
     out += ["", "## Composition: the per-chip program alone against the 8-chip compile", ""]
-    out += composition_table(groups) + ["", "## What the tuned setting ran", ""]
+    out += composition_table(groups)
+    if per_chip:
+        out += ["", "## Composed: step_tuning.md's per-chip figures plus modelled collectives",
+                "", per_chip.get("source", ""), per_chip.get("note", ""), ""]
+        out += composed_table(groups, per_chip)
+    out += ["", "## What the tuned setting ran", ""]
     out += receipts_table(groups)
     return "\n".join(out) + "\n"
 

@@ -52,7 +52,14 @@ def _mesh_and_args(model, layout: str, tokens: int, chip: bool):
 
 
 def child(model_name: str, layout: str, tokens: int, setting: str, chip: bool) -> dict:
-    """One compile, in this process (its libtpu profile set before JAX loads)."""
+    """One compile, in this process (its libtpu profile set before JAX loads), its address
+    space capped at $PALLAS_TUNE_SHARDED_MEMORY_GB (default 9: a profiled compile grew past 15
+    GB on this 24 GB host), so that it dies alone rather than starve the host."""
+    import resource
+
+    cap = int(float(os.environ.get("PALLAS_TUNE_SHARDED_MEMORY_GB", "9")) * (1 << 30))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # libtpu's abort would dump core.
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     bench.static_profile_env("pt-sharded-")
     receipts = tempfile.mktemp(prefix="pt-receipts-", suffix=".jsonl")
     os.environ["PALLAS_TUNE_RECEIPTS"] = receipts
@@ -62,7 +69,6 @@ def child(model_name: str, layout: str, tokens: int, setting: str, chip: bool) -
     from steps import collectives
     from steps import sharded_layers as sl
 
-    from pallas_tune import chips
 
     model = (sl.Model("tiny", 1024, 8, 8, 2048, False) if model_name == "tiny"
              else sl.MODELS[model_name])
@@ -73,13 +79,14 @@ def child(model_name: str, layout: str, tokens: int, setting: str, chip: bool) -
     t0 = time.perf_counter()
     with warnings.catch_warnings(), ctx:
         warnings.simplefilter("ignore")
-        if chip:  # One chip of the topology: its kind from the target, no mesh.
-            from jax.sharding import SingleDeviceSharding
+        if chip:  # Under shard_map on a 1-chip mesh (no collective): Pallas sees the chip.
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
 
-            one = SingleDeviceSharding(mesh.devices.flat[0])
-            args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in args]
-            with chips.target("v6e", abstract_mesh=False):
-                compiled = jax.jit(step).lower(*args).compile()
+            rep = NamedSharding(mesh, P())
+            args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep) for x in args]
+            step = jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P())
+            compiled = jax.jit(step).lower(*args).compile()
         else:
             compiled = jax.jit(step).lower(*args).compile()
     wall = time.perf_counter() - t0
@@ -147,6 +154,8 @@ def main() -> None:
     p.add_argument("--rows-out", help="rows JSON, added to as rows finish (and resumed)")
     p.add_argument("--render", nargs="*", help="render these rows files only")
     p.add_argument("--notes", help="a Markdown file put under the headline (findings)")
+    p.add_argument("--per-chip", help="a JSON of per-chip step figures (step_tuning.md's) to "
+                   "compose with the modelled collectives")
     p.add_argument("--command", action="append", default=[],
                    help="with --render: the commands that made the rows (repeatable)")
     p.add_argument("--out", default=bench.result("sharded_step.md"))
@@ -160,8 +169,9 @@ def main() -> None:
     if a.render:
         rows = [r for path in a.render for r in json.load(open(path, encoding="utf-8"))["rows"]]
         notes = open(a.notes, encoding="utf-8").read() if a.notes else ""
+        per_chip = json.load(open(a.per_chip, encoding="utf-8")) if a.per_chip else None
         bench.write(a.out, sharded_render.render(
-            rows, [*a.command, bench.command(__file__)], notes))
+            rows, [*a.command, bench.command(__file__)], notes, per_chip))
         return
     if not bench.have_libtpu("compile"):
         return

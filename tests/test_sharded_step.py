@@ -1,0 +1,76 @@
+"""benchmarks/steps/sharded_step.py's pure parts: the collectives read from a compiled
+program's text (tuple all-reduces, async starts, reduce-scatters, replica groups) and their
+bandwidth model; and the per-chip programs of its layouts, which must be step_tuning's
+single-chip programs (70B under TP8, 8B under FSDP) for its composition to mean anything."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+
+HLO = """\
+ENTRY %main {
+  %fusion.1 = bf16[4096,4096]{1,0} fusion(%p), kind=kOutput, backend_config={"bundle_analysis_data":{"estimated_cycles":"1750000","flops":"0"}}
+  %mm_1.2 = bf16[256,256]{1,0} custom-call(%a, %b), custom_call_target="tpu_custom_call", backend_config={"flag_configs":[]}
+  %all-reduce.7 = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) all-reduce(%x, %y), channel_id=1, replica_groups=mesh['x'=8] {'x'}, to_apply=%add, backend_config={"collective_algorithm_config":{"emitter":"RotatedPincerEmitter","strategy":"UniDirection1DRingStrategy"},"bundle_analysis_data":{"estimated_cycles":"0"}}
+  %all-gather-start = (bf16[128,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%w), replica_groups=[1,8]<=[8], dimensions={0}
+  %all-gather-done = bf16[1024,1024]{1,0} all-gather-done(%all-gather-start)
+  %reduce_scatter.3 = f32[128,1024]{1,0} reduce-scatter(%g), replica_groups={{0,1,2,3}}, dimensions={0}, backend_config={"bundle_analysis_data":{"estimated_cycles":"0"}}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def steps():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        yield (importlib.import_module("steps.collectives"),
+               importlib.import_module("steps.sharded_layers"),
+               importlib.import_module("steps.layers"))
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+
+def test_collectives_read_from_the_compiled_text(steps):
+    coll, _, _ = steps
+    ops = {o["name"]: o for o in coll.ops(HLO)}
+    assert ops["all-reduce.7"]["bytes"] == 2 * 1024 * 1024 * 2  # A tuple: both arrays.
+    assert ops["all-reduce.7"]["group"] == 8
+    assert ops["all-reduce.7"]["algorithm"] == "RotatedPincerEmitter/UniDirection1DRingStrategy"
+    assert ops["all-gather-start"]["bytes"] == 1024 * 1024 * 2  # The gathered half only.
+    assert "collective" not in ops["all-gather-done"]  # Not counted twice.
+    assert ops["reduce_scatter.3"]["bytes"] == 4 * 128 * 1024 * 4  # The full input: 4 chips.
+    assert ops["reduce_scatter.3"]["group"] == 4
+    assert ops["mm_1.2"] == {"name": "mm_1.2", "opcode": "custom-call", "cycles": 0,
+                             "kernel": "mm_1"}  # A kernel libtpu left unread: 0, named.
+
+
+def test_collective_model_and_summary(steps):
+    coll, _, _ = steps
+    s = coll.summary(HLO, 1.75e9)
+    assert s["compute_ms"] == pytest.approx(1.0)  # 1.75M cycles at 1.75 GHz.
+    assert s["ops_without_estimate"] == 1 and s["kernels_without_estimate"] == ["mm_1"]
+    assert s["collective_profile_cycles"] == 0
+    ring = coll.RING_BYTES_PER_S
+    assert ring == 200e9  # v6e: 800 GB/s over 4 ports, two ports one way each.
+    expect = (2 * 7 / 8 * 4 * 2**20 + 7 / 8 * 2 * 2**20 + 3 / 4 * 2 * 2**20) / ring * 1e3
+    assert s["collectives_model_ms"] == pytest.approx(expect)
+    assert set(s["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter"}
+
+
+def test_per_chip_programs_are_step_tunings(steps):
+    _, sl, layers = steps
+    shapes = lambda args: [a.shape for a in args]  # noqa: E731
+    assert shapes(sl.chip_args(sl.MODELS["70b"], "tp8", 4096)) == shapes(
+        layers.llama70b_tp8_args(4096))
+    assert shapes(sl.chip_args(sl.MODELS["8b"], "fsdp", 4096)) == shapes(
+        layers.llama8b_args(4096))
+    # The 8B under TP8: 4 of 32 query heads and 1 of 8 KV heads a chip.
+    assert shapes(sl.chip_args(sl.MODELS["8b"], "tp8", 4096))[2] == (4096, 768)
+    with pytest.raises(ValueError, match="choose tp8 or fsdp"):
+        sl.specs(sl.MODELS["8b"], "dp")
