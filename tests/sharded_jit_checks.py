@@ -160,6 +160,13 @@ def steps() -> None:
         print(json.dumps({"step": f"{layout}/jit", "calls": sorted(
             f"{c.kernel.name.rsplit('.', 1)[-1]} {c.key}" for c in found)}), flush=True)
         auto = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+        put = lambda a, s, mesh=auto: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+        with warnings.catch_warnings():  # Split when XLA partitions it (custom_partitioning).
+            warnings.simplefilter("ignore")
+            found = find_calls(jax.grad(_step), jax.tree_util.tree_map(put, params, pspec),
+                               put(x, xspec))
+        print(json.dumps({"step": f"{layout}/jit-auto", "calls": sorted(
+            f"{c.kernel.name.rsplit('.', 1)[-1]} {c.key}" for c in found)}), flush=True)
         # check_vma=False: JAX 0.10 refuses a checking shard_map's kernels on a CPU host.
         def local(params, x, fsdp=layout == "fsdp"):  # The step as shard_map code writes it.
             if fsdp:  # FSDP: the weight gathered where it is used.
@@ -196,6 +203,7 @@ def tuned() -> None:
     want = jax.grad(reference)(params, _normal(1, (64, 128)))
     print(json.dumps({"autotune": [[c.kernel.rsplit(".", 1)[-1], c.key, c.source]
                                    for c in result.calls],
+                      "meshes": sorted({c.mesh for c in result.calls}), "table": str(result),
                       "grads": _err(grads, want), "spec": str(grads["w"].sharding.spec),
                       "scale": float(np.max(np.abs(np.asarray(want["w"]))))}),
           flush=True)

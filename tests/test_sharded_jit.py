@@ -90,11 +90,12 @@ def test_a_dimension_that_cannot_be_split_is_gathered_with_a_warning(checks):
 
 def test_a_sharded_step_s_calls_are_found_at_their_per_shard_shapes(checks):
     """autotune's find_calls on FSDP and TP training steps (rms_norm then matmul, jax.grad) on
-    four devices: the sharded-jit form (explicit mesh) and the shard_map form find the same
+    four devices: the sharded-jit form (explicit mesh axes: at trace time; automatic ones: the
+    program compiled, its calls met as XLA splits them) and the shard_map form find the same
     calls, each at its per-shard shape, each distinct (kernel, key) once."""
     steps = {r["step"]: r["calls"] for r in checks if "step" in r}
-    assert steps["fsdp/jit"] == steps["fsdp/shard_map"]
-    assert steps["tp/jit"] == steps["tp/shard_map"]
+    assert steps["fsdp/jit"] == steps["fsdp/shard_map"] == steps["fsdp/jit-auto"]
+    assert steps["tp/jit"] == steps["tp/shard_map"] == steps["tp/jit-auto"]
     assert "matmul x=16x256:float32,y=256x512:float32" in steps["fsdp/jit"]  # Rows / 4.
     assert "matmul x=64x256:float32,y=256x128:float32" in steps["tp/jit"]  # Columns / 4.
     for calls in steps.values():
@@ -105,12 +106,15 @@ def test_autotune_of_a_sharded_jit_step_tunes_each_shard_shape_once(checks):
     """pt.autotune of an FSDP step's gradient under an explicit 4-device mesh: every call
     tuned (on one device, outside the step's mesh: before, each candidate traced under it was
     refused as a sharding type error, and the matmuls came back untuned) at its shard's
-    shapes, and the result applied to the sharded step gives the reference's gradients."""
+    shapes, each naming the mesh it is a shard of, and the result applied to the sharded step
+    gives the reference's gradients."""
     row = next(r for r in checks if "autotune" in r)
     assert [c[2] for c in row["autotune"]] == ["tuned"] * 4, row
     assert ["matmul", "x=16x128:float32,y=128x128:float32", "tuned"] in row["autotune"]
     assert row["grads"] <= 1e-5 * row["scale"], row
     assert row["spec"] == "P('d', None)"
+    assert row["meshes"] == ["d=4"]  # Each call's key is a shard's of this mesh, and says so.
+    assert "(a shard over d=4)" in row["table"]
 
 
 def test_partition_rules_are_checked_when_declared_and_when_called():

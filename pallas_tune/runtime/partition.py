@@ -50,7 +50,7 @@ from typing import Any
 from pallas_tune import chips
 from pallas_tune.errors import SearchSpaceError, warn
 
-__all__ = ["Rule", "call", "declared", "parse", "sharded"]
+__all__ = ["Rule", "call", "declared", "parse", "sharded", "splitting"]
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
@@ -327,8 +327,12 @@ def _custom_partitioned(kernel: Any, dims: Any, shapes: Any, out_shapes: Any,
         run = summing(specs, out_tree, local)
 
         def lower(*shards: Any) -> Any:
-            with _chip_of(mesh):
-                return run(*shards)
+            _SPLITTING.append(mesh)
+            try:
+                with _chip_of(mesh):
+                    return run(*shards)
+            finally:
+                _SPLITTING.pop()
 
         return mesh, lower, out_tree.unflatten(out_sh), tuple(arg_sh)
 
@@ -364,3 +368,16 @@ def _chip_of(mesh: Any) -> Any:
 
 
 _WARNED: set[Any] = set()
+_SPLITTING: list[Any] = []  # The meshes custom_partitioning's callbacks are splitting over.
+
+
+def splitting() -> str:
+    """The mesh the kernel call traced now runs split over, as ``"data=2,model=2"``: a
+    ``shard_map``'s (the kernel's own or the caller's), or the one a custom_partitioning
+    callback is splitting over; ``""`` outside any."""
+    import jax
+
+    mesh = _SPLITTING[-1] if _SPLITTING else jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not (_SPLITTING or mesh._any_axis_manual):  # noqa: SLF001
+        return ""  # Not inside a shard_map (a mesh merely set, jax.set_mesh, splits nothing).
+    return ",".join(f"{name}={size}" for name, size in dict(mesh.shape).items())

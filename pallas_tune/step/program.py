@@ -30,6 +30,7 @@ from typing import Any
 from pallas_tune import chips
 from pallas_tune.config import Config
 from pallas_tune.errors import NoFeasibleConfigError, PallasTuneError
+from pallas_tune.runtime import partition
 from pallas_tune.runtime.tunable import current_hook, resolution_hook
 from pallas_tune.step import figures as step
 from pallas_tune.step.result import AutotuneResult, TunedCall
@@ -47,6 +48,7 @@ class Call:
     kwargs: dict[str, Any]
     key: str
     error: str = ""
+    mesh: str = ""  # The mesh the call runs split over, where it does (its shapes a shard's).
 
 
 STANDIN_TRACES = 8  # Configs of a call no config can run traced for its result's shape, at most.
@@ -76,7 +78,8 @@ def find_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Call]:
         if at not in found:
             # Keyword arrays (a mask's segment ids) abstracted too: no tracer outlives the trace.
             found[at] = Call(kernel, tuple(abstractify(list(a))),
-                             dict(zip(kw, abstractify(list(kw.values())), strict=True)), key)
+                             dict(zip(kw, abstractify(list(kw.values())), strict=True)), key,
+                             mesh=partition.splitting())
         if at in standins:
             return standins[at]
         config = outer(kernel, a, kw) if outer is not None else None
@@ -104,10 +107,50 @@ def find_calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Call]:
         warnings.simplefilter("default", RecordWarning)  # A receipts file not written: not.
         try:
             jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+            if _auto_sharded(args):  # Split as XLA partitions it: its shards met then.
+                _partition_calls(fn, args, kwargs)
         except NoFeasibleConfigError:
             if not stopped:
                 raise  # Not a refusal this hook met (its calls' are all kept).
     return list(found.values())
+
+
+def _auto_sharded(args: Sequence[Any]) -> bool:
+    """Whether an argument is sharded over a mesh of several devices with automatic axes: a
+    kernel call on it is split when XLA partitions the program (custom_partitioning), so its
+    per-shard calls are met only when the program is compiled."""
+    import jax
+    from jax.sharding import AxisType
+
+    for leaf in jax.tree_util.tree_leaves(args):
+        mesh = getattr(getattr(getattr(leaf, "aval", None) or (
+            leaf if isinstance(leaf, jax.ShapeDtypeStruct) else None), "sharding", None),
+            "mesh", None)
+        if mesh is not None and mesh.size > 1 and any(
+                t == AxisType.Auto for t in mesh.axis_types):
+            return True
+    return False
+
+
+def _partition_calls(fn: Callable[..., Any], args: Sequence[Any],
+                     kwargs: Mapping[str, Any]) -> None:
+    """``fn`` compiled for its arguments' shardings, so that the calls split at partitioning
+    meet the hook at their shards' shapes; a compile that fails is warned about (the calls met
+    so far are kept)."""
+    import jax
+
+    from pallas_tune import errors
+
+    try:
+        jax.jit(lambda *a: fn(*a, **kwargs)).lower(*args).compile()
+    except NoFeasibleConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what was found stands; say what was not.
+        errors.warn(f"autotune: the program could not be compiled for its arguments' "
+                    f"shardings ({type(e).__name__}: {str(e)[:300]}), so kernel calls split "
+                    "when XLA partitions it (a mesh with automatic axes) were not found; give "
+                    "the mesh explicit axes (jax.sharding.AxisType.Explicit) to find them at "
+                    "trace time.")
 
 
 def _stand_in(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Config | None:
@@ -287,7 +330,8 @@ def _tuned(call: Call, result: Any) -> TunedCall:
                      source="tuned", implementation=result.implementation,
                      default_ms=result.default_ms, best_ms=result.best_ms,
                      xla_ms=result.xla_ms, xla_partial=result.xla_partial,
-                     timer=str(result.provenance.get("timer", "")), effective=result.effective)
+                     timer=str(result.provenance.get("timer", "")), effective=result.effective,
+                     mesh=call.mesh)
 
 
 def _untuned(call: Call, error: Exception) -> TunedCall:
@@ -301,7 +345,8 @@ def _untuned(call: Call, error: Exception) -> TunedCall:
                 f"{str(error)[:500]}")
     return TunedCall(kernel=call.kernel.name, key=call.key, chip=chips.current_chip(),
                      config=config.to_dict(), source="untuned",
-                     implementation=config.implementation, error=str(error)[:2000])
+                     implementation=config.implementation, error=str(error)[:2000],
+                     mesh=call.mesh)
 
 
 def _nothing() -> Any:
@@ -316,4 +361,4 @@ def _cached(call: Call) -> TunedCall | None:
         return None
     return TunedCall(kernel=call.kernel.name, key=call.key, chip=chips.current_chip(),
                      config=config.to_dict(), source="cache",
-                     implementation=config.implementation)
+                     implementation=config.implementation, mesh=call.mesh)

@@ -40,6 +40,7 @@ class TunedCall:
     xla_partial: int = 0  # Estimates: the reference's ops without an estimate (a lower bound).
     effective: dict[str, Any] | None = None  # What ``config`` runs as, where clamped.
     error: str = ""  # ``source == "untuned"``: why tuning failed (the call runs as it did).
+    mesh: str = ""  # The mesh the call runs split over ("data=2,model=2"): its key is a shard's.
 
     def as_config(self) -> Config:
         return Config(self.config, source="tuned" if self.source == "tuned" else "cache",
@@ -82,7 +83,8 @@ class AutotuneResult:
                 f"{k}={v}" for k, v in (c.effective or c.config).items())
             lines.append(f"  {c.kernel.rsplit('.', 1)[-1]:<24} {c.source:<8} "
                          f"{c.implementation:<6} default {ms_text(c.default_ms)} ms, tuned "
-                         f"{ms_text(c.best_ms)} ms, XLA {ms_text(c.xla_ms)} ms  {c.key}  {what}")
+                         f"{ms_text(c.best_ms)} ms, XLA {ms_text(c.xla_ms)} ms  {c.key}"
+                         + (f" (a shard over {c.mesh})" if c.mesh else "") + f"  {what}")
         if self.step_ms:
             figures = ", ".join(f"{k} {ms_text(v)} ms" for k, v in self.step_ms.items())
             lines.append(f"  step ({self.step_timer}): {figures}")
