@@ -52,14 +52,15 @@ EXPECTED = {
     "grouped_matmul": ({"grouped_matmul": (256, 64), "grouped_matmul_bwd": (256, 64)},
                        "P(None, 'y')"),
     "quantized_matmul": ({"quantized_matmul": (16, 128)}, "P('x', 'y')"),
+    "quantized_grouped_matmul": ({"quantized_grouped_matmul": (256, 128)}, "P(None, 'y')"),
 }
-AUTO = ("matmul", "rms_norm", "matmul_k_sharded")
+AUTO = ("matmul", "matmul_k_sharded")
 
 
 @pytest.mark.parametrize("mode", ["explicit", "auto"])
 def test_kernels_split_by_their_rule_forward_and_gradient(checks, mode):
     """Explicit mesh axes: the kernel's own shard_map, every shipped kernel with a rule;
-    automatic ones: custom_partitioning (this CPU host's XLA runs its callback), two kernels.
+    automatic ones: custom_partitioning (this CPU host's XLA runs its callback), the matmul.
     Against the reference on the whole arrays; the configs resolved at the shard's shapes,
     never the global ones."""
     rows = {r["name"]: r for r in checks if r.get("mode") == mode}
@@ -67,7 +68,8 @@ def test_kernels_split_by_their_rule_forward_and_gradient(checks, mode):
     assert set(rows) == set(expected)
     for name, (kernels, spec) in expected.items():
         r = rows[name]
-        assert r["forward"] <= 1e-5 * max(r["out_scale"], 1.0), r
+        tol = 2e-2 if name.startswith("quantized") else 1e-5  # bf16 results there.
+        assert r["forward"] <= tol * max(r["out_scale"], 1.0), r
         assert r["grads"] <= 1e-5 * max(r["scale"], 1.0), r
         assert r["spec"].startswith(spec), r
         resolved = {}

@@ -274,7 +274,11 @@ def _partitioned(kernel: Any, rule: Rule, local: Callable[..., Any], whole: Call
 
     shapes = [tuple(a.shape) for a in arrays]
     plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    out_shapes = [tuple(o.shape) for o in jax.tree_util.tree_leaves(jax.eval_shape(whole, *plain))]
+    # The result's shapes, typed apart from any mesh in force (explicit axes would ask some
+    # ops, e.g. ragged_dot, for an out_sharding).
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        result = jax.eval_shape(whole, *plain)
+    out_shapes = [tuple(o.shape) for o in jax.tree_util.tree_leaves(result)]
     dims = plan.expand(kernel.name, rule, shapes, out_shapes)
     mesh = _operand_mesh(arrays)
 
@@ -299,7 +303,7 @@ def _partitioned(kernel: Any, rule: Rule, local: Callable[..., Any], whole: Call
         arrays = tuple(a if tuple(jax.typeof(a).sharding.spec) == tuple(sh.spec) else
                        jax.sharding.reshard(a, NamedSharding(mesh, sh.spec))
                        for a, sh in zip(arrays, arg_sh, strict=True))
-        out_tree = jax.tree_util.tree_structure(jax.eval_shape(whole, *plain))
+        out_tree = jax.tree_util.tree_structure(result)
         body = summing(specs, out_tree, local)
         return jax.shard_map(body, mesh=mesh, in_specs=tuple(sh.spec for sh in arg_sh),
                              out_specs=out_tree.unflatten([sh.spec for sh in out_sh]),
