@@ -220,3 +220,18 @@ def test_a_tpu_mesh_with_automatic_axes_is_left_as_written_and_warned_about():
         text = jax.jit(matmul).lower(x, x).compile().as_text()
     assert "HloModule" in text  # Compiled as it always was (replicated operands).
     assert any("AxisType.Explicit" in str(w.message) for w in seen), [str(w.message) for w in seen]
+
+
+def test_a_result_names_the_mesh_of_its_calls_and_its_step():
+    from pallas_tune.step.result import AutotuneResult, TunedCall
+
+    call = TunedCall(kernel="pallas_tune.kernels.matmul.matmul", key="x=16x128:float32",
+                     chip="cpu", config={"bm": 16}, source="tuned", mesh="data=2,model=2")
+    result = AutotuneResult([call, TunedCall(kernel="k", key="x=4", chip="cpu", config={},
+                                             source="cache")], step_ms={"tuned": 1.0},
+                            step_timer="wall clock")
+    text = str(result)
+    assert "x=16x128:float32 (a shard over data=2,model=2)" in text
+    assert "x=4  " in text and "x=4 (a shard" not in text  # An unsplit call says nothing.
+    assert "step on the mesh data=2,model=2 (wall clock)" in text
+    assert AutotuneResult.from_json(result.to_json()).calls[0].mesh == "data=2,model=2"

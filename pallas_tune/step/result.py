@@ -87,7 +87,9 @@ class AutotuneResult:
                          + (f" (a shard over {c.mesh})" if c.mesh else "") + f"  {what}")
         if self.step_ms:
             figures = ", ".join(f"{k} {ms_text(v)} ms" for k, v in self.step_ms.items())
-            lines.append(f"  step ({self.step_timer}): {figures}")
+            meshes = sorted({c.mesh for c in self.calls if c.mesh})  # A sharded step's.
+            where = f" on the mesh {' and '.join(meshes)}" if meshes else ""
+            lines.append(f"  step{where} ({self.step_timer}): {figures}")
         return "\n".join(lines)
 
     # ---- applying ----------------------------------------------------------------------------
