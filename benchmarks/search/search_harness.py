@@ -257,6 +257,36 @@ def replay_many(units: Sequence[tuple[str, str, int, int]], jobs: int, cache: st
     return [replay_unit(*u, cache=cache) for u in units]
 
 
+def leave_one_device_out(ids: Sequence[str], variants: Sequence[str],
+                         score: dict[tuple[str, str], float],
+                         kernels: dict[str, str] | None = None) -> list[str]:
+    """Report lines: per landscape of a kernel measured on several devices, the variant whose
+    mean ``score`` over every *other* landscape is best (that device left out of the choice),
+    and its score on the one left out. ``score[(landscape id, variant)]``: e.g. mean @50;
+    ``kernels``: each id's kernel (default: the id's folder)."""
+    kernels = kernels or {lid: lid.split("/")[0] for lid in ids}
+    def choose(on: list[str]) -> str:
+        return max(variants, key=lambda v: statistics.mean(score[(lid, v)] for lid in on))
+
+    lines = ["| landscape left out | chosen without it | its score there | best variant "
+             "there |", "|---|---|---|---|"]
+    held: dict[str, float] = {}
+    for lid in ids:
+        if sum(kernels[x] == kernels[lid] for x in ids) < 2:
+            continue
+        v = choose([x for x in ids if x != lid])
+        best = max(variants, key=lambda w: score[(lid, w)])
+        held[lid] = score[(lid, v)]
+        lines.append(f"| {lid} | `{v}` | {held[lid]:.3f} | `{best}` "
+                     f"({score[(lid, best)]:.3f}) |")
+    if not held:
+        return ["No kernel here was measured on two devices: nothing to leave out."]
+    if held:
+        lines.append(f"\nHeld-out mean {statistics.mean(held.values()):.3f}, worst "
+                     f"{min(held.values()):.3f} over {len(held)} landscapes.")
+    return lines
+
+
 # --- Scores -------------------------------------------------------------------------------------
 
 def incumbent_means(land: replay.Landscape, rec: dict[str, Any], n: int) -> np.ndarray:

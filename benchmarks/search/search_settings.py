@@ -118,6 +118,9 @@ def main() -> None:
                      f"worst {min(loko.values()):.3f}; the previous default v0 on all: "
                      f"{statistics.mean(score[(lid, variants[0])] for lid in ids):.3f}, worst "
                      f"{min(score[(lid, variants[0])] for lid in ids):.3f}.")
+    lines += ["", "#### Leave one device out: the variant chosen on every other landscape, "
+              "scored on the device left out"] + h.leave_one_device_out(
+        ids, variants, score, {h.landscape_id(q): h.kernel_of(q) for q in paths})
     tuning = [lid for lid in ids if lid in gp.TUNING_SET]
     if tuning:
         v = choose(tuning)

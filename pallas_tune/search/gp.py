@@ -25,7 +25,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from pallas_tune.search.model import (GP, encode_features, expected_improvement,
+from pallas_tune.search.model import (GP, encode_features, expected_improvement, is_ordinal,
                                       joint_parzen_log_ratio, parzen_log_ratio)
 
 __all__ = ["DEFAULT_STARTUP", "TUNING_SET", "CandidateBO", "CandidateSampler",
@@ -46,6 +46,13 @@ CYCLE = "gl"
 LOCAL_RADIUS = 2
 # Initial design: "random" or "maximin" (greedy farthest points in feature space).
 INIT = "random"
+
+# Integer sizes that mix powers of two with others (16, 32, 48, ... 256) also get a feature
+# saying how near each is to a power of two (model.encode_features): on convolution_milo's five
+# GPUs, where block_size_x steps by 16 and the AMD ones run its non-powers of two 2 to 8x slower,
+# @50 rose from 0.81 to 0.84 on average, and on convolution (RTX 2080 Ti, 3090, Titan) from
+# 0.97 to 0.99 (benchmarks/results/search_efficiency.md).
+POW2 = True
 
 # Landscapes (kernel/device in ../shared/landscapes) whose replays chose the settings above:
 # CYCLE, XI and INIT were chosen by benchmarks/search/search_settings.py on these six alone (the
@@ -107,7 +114,7 @@ class CandidateBO:
                  values: Sequence[Sequence[Any]] | None = None,
                  cap_quantile: float = CAP_QUANTILE, xi: float = XI,
                  cycle: str = CYCLE, local_radius: int = LOCAL_RADIUS, init: str = INIT,
-                 prior: Sequence[float] | np.ndarray | None = None):
+                 prior: Sequence[float] | np.ndarray | None = None, pow2: bool = POW2):
         if not candidates:
             raise ValueError("CandidateBO needs at least one candidate")
         if init not in ("random", "maximin"):
@@ -117,7 +124,8 @@ class CandidateBO:
                              "and 'm'")
         self.candidates = list(candidates)
         self.index = {c: i for i, c in enumerate(self.candidates)}
-        tables = encode_features(values if values is not None else choices)
+        feats = values if values is not None else choices
+        tables = encode_features(feats, pow2=pow2)
         pos = [{v: j for j, v in enumerate(ch)} for ch in choices]
         ranks = np.array([[pos[p][c[p]] for p in range(len(choices))] for c in self.candidates],
                          dtype=np.int32).reshape(len(self.candidates), len(choices))
@@ -125,7 +133,7 @@ class CandidateBO:
         self.x = np.concatenate(cols, axis=1) if cols else np.zeros((len(candidates), 0))
         # Trust-region distances: rank steps for numbers, one step for any categorical change.
         self._ranks = ranks
-        self._ordinal = np.array([t.shape[1] == 1 for t in tables], dtype=bool)
+        self._ordinal = np.array([is_ordinal(v) for v in feats], dtype=bool)
         self.rng = np.random.default_rng(seed)
         self.n_startup = n_startup
         self.refit_every = max(1, refit_every)

@@ -4,6 +4,7 @@ Gaussian process on them (plain numpy/scipy; scipy comes with jax)."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,12 +28,36 @@ def _is_selector(values: Sequence[Any]) -> bool:
     return 3 <= len(values) <= 4 and sorted(values) == list(range(len(values)))
 
 
-def encode_features(choices: Sequence[Sequence[Any]]) -> list[np.ndarray]:
+def is_ordinal(values: Sequence[Any]) -> bool:
+    """Whether a parameter's values are sizes or counts (ordered), not labels."""
+    return (len(values) > 1 and all(_is_number(v) for v in values)
+            and not _is_selector(values))
+
+
+def _pow2_column(values: Sequence[Any]) -> np.ndarray | None:
+    """How close each value is to a power of two, where integer sizes mix powers of two with
+    others (16, 32, 48, ...): 1 for a power of two, else log2 of its largest power-of-two
+    divisor over log2 of the value (48 = 16 * 3: 4 / 5.58). Hardware tiles are powers of
+    two (warps of 32 or 64 lanes, TPU vregs of 8 x 128), so such sizes run unlike their
+    neighbours; a smooth kernel over log2(size) alone cannot see that."""
+    if len(values) < 3 or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                                  and v > 0 for v in values):
+        return None
+    x = np.asarray(values, dtype=np.int64)
+    low = (x & -x).astype(float)  # The largest power-of-two divisor.
+    col = np.where(x == 1, 1.0, np.log2(low) / np.log2(np.maximum(x, 2)))
+    if col.min() == col.max():
+        return None
+    return ((col - col.min()) / (col.max() - col.min())).reshape(-1, 1)
+
+
+def encode_features(choices: Sequence[Sequence[Any]], pow2: bool = False) -> list[np.ndarray]:
     """Per parameter, a (len(choices), width) feature table in [0, 1].
 
     Numbers are min-max scaled, on a log2 scale where all are positive and span at least a
     factor 4 (tile sizes, buffer depths); anything else is one-hot. Constant parameters get
-    width 0."""
+    width 0. ``pow2``: integer sizes that mix powers of two with other values get a second
+    column, how near each is to a power of two (:func:`_pow2_column`)."""
     tables = []
     for values in choices:
         n = len(values)
@@ -44,7 +69,9 @@ def encode_features(choices: Sequence[Sequence[Any]]) -> list[np.ndarray]:
             if x.min() > 0 and x.max() / x.min() >= 4:
                 x = np.log2(x)
             lo, hi = x.min(), x.max()
-            tables.append(((x - lo) / (hi - lo)).reshape(n, 1))
+            col = ((x - lo) / (hi - lo)).reshape(n, 1)
+            extra = _pow2_column(values) if pow2 else None
+            tables.append(col if extra is None else np.concatenate([col, extra], axis=1))
         else:
             tables.append(np.eye(n))
     return tables
