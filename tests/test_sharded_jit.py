@@ -235,3 +235,38 @@ def test_a_result_names_the_mesh_of_its_calls_and_its_step():
     assert "x=4  " in text and "x=4 (a shard" not in text  # An unsplit call says nothing.
     assert "step on the mesh data=2,model=2 (wall clock)" in text
     assert AutotuneResult.from_json(result.to_json()).calls[0].mesh == "data=2,model=2"
+
+
+@pytest.mark.libtpu
+def test_flash_attention_backward_uses_the_forward_s_residuals_on_each_device(monkeypatch):
+    """Explicit axes: the forward keeps each device's o and lse (stacked, one slice per
+    device) for the backward, which no longer runs the forward again on the shard."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_tune.kernels.flash_attention import flash_attention
+
+    traced = {"fn": 0, "residuals": 0}
+    fn, residuals = flash_attention.fn, flash_attention.backward_residuals
+
+    def counted(name, f):
+        def run(*a, **k):
+            traced[name] += 1
+            return f(*a, **k)
+        return run
+
+    monkeypatch.setattr(flash_attention, "fn", counted("fn", fn))
+    monkeypatch.setattr(flash_attention, "backward_residuals", counted("residuals", residuals))
+    mesh = _v6e_mesh(AxisType.Explicit)
+    q = jax.ShapeDtypeStruct((8, 8, 1024, 128), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("data", "model")))
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", PallasTuneWarning)
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda q: jnp.sum(
+            flash_attention(q, q, q, causal=True).astype(jnp.float32))))(q))
+    # The forward with its residuals traced once (the primal's trace aside: never run under
+    # jax.grad), and a device's lse kept stacked for the backward.
+    assert traced["residuals"] == 1, traced
+    assert "f32[1,4,4,1024]" in jaxpr

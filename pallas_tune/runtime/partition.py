@@ -36,8 +36,9 @@ attention's ``segment_ids``) are refused with the way out (``shard_map``).
 
 Gradients: the kernel's declared backward is split by the same rule (the cotangent as the
 result, each operand's cotangent as the operand, summed over the mesh axes it was broadcast
-over); a backward that needs the forward's residuals (``backward_residuals``, e.g. flash
-attention's log-sum-exp) recomputes the forward on the shard.
+over). A backward that needs the forward's residuals (``backward_residuals``, e.g. flash
+attention's output and log-sum-exp) gets each device's own, kept by the forward (explicit
+axes), or recomputes the forward on the shard (custom_partitioning).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from typing import Any
 
 from pallas_tune import chips
 from pallas_tune.errors import SearchSpaceError, warn
+from pallas_tune.runtime import vjp as _vjp
 
 __all__ = ["Rule", "call", "declared", "parse", "sharded", "splitting"]
 
@@ -190,11 +192,35 @@ def call(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     def differentiable(*operands: Any) -> Any:
         return _partitioned(kernel, rule, forward, whole, *operands)
 
-    def fwd(*operands: Any) -> tuple[Any, Any]:
-        return differentiable(*operands), operands
+    mesh = _operand_mesh(arrays)
+    saving = (kernel.backward_residuals is not None and kernel.backward_backend == "pallas"
+              and mesh is not None and _explicit(mesh))
+    trees: list[Any] = []  # The residuals' structure, met when the forward is traced.
 
-    def bwd(operands: Any, g: Any) -> tuple[Any, ...]:
-        return _backward(kernel, rule, args, kwargs, where, operands, g)
+    def keeping(*local: Any) -> Any:  # The forward on a shard, its residuals kept.
+        a = full(local)
+        config = kernel.config_for(*a, **kwargs)
+        if config.implementation != "pallas":
+            raise NotImplementedError  # Caught below: the residuals are recomputed.
+        with _vjp.interpreting():
+            out, res = kernel.backward_residuals(*a, **_untuned(kernel, kwargs), **config)
+        trees.append(jax.tree_util.tree_structure(res))
+        return out, res
+
+    def fwd(*operands: Any) -> tuple[Any, Any]:
+        if saving:  # Flash attention's o and lse kept per device, not recomputed.
+            kept: list[Any] = []
+            try:
+                out = _partitioned(kernel, rule, keeping, whole, *operands, keep=kept)
+                return out, (operands, kept)
+            except NotImplementedError:
+                pass
+        return differentiable(*operands), (operands, [])
+
+    def bwd(res: Any, g: Any) -> tuple[Any, ...]:
+        operands, kept = res
+        return _backward(kernel, rule, args, kwargs, where, operands, g,
+                         (kept, trees[-1]) if kept else None)
 
     differentiable.defvjp(fwd, bwd)
     return jax.jit(differentiable)(*arrays) if concrete else differentiable(*arrays)
@@ -205,12 +231,12 @@ def _untuned(kernel: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _backward(kernel: Any, rule: Rule, args: Sequence[Any], kwargs: Mapping[str, Any],
-              where: Sequence[int], operands: Sequence[Any], g: Any) -> tuple[Any, ...]:
-    """The operands' cotangents: the kernel's backward, partitioned as its forward."""
+              where: Sequence[int], operands: Sequence[Any], g: Any,
+              kept: tuple[list[Any], Any] | None = None) -> tuple[Any, ...]:
+    """The operands' cotangents: the kernel's backward, partitioned as its forward; ``kept``:
+    each device's residuals, stacked, and their structure (else they are recomputed)."""
     import jax
     import jax.numpy as jnp
-
-    from pallas_tune.runtime import vjp as _vjp
 
     diff = [n for n, x in enumerate(operands) if jnp.issubdtype(x.dtype, jnp.inexact)]
     g_leaves, g_tree = jax.tree_util.tree_flatten(g)
@@ -225,8 +251,13 @@ def _backward(kernel: Any, rule: Rule, args: Sequence[Any], kwargs: Mapping[str,
         return out
 
     def grads(*local: Any) -> tuple[Any, ...]:
-        a, ct = full(local[:len(where)]), g_tree.unflatten(local[len(where):])
-        if kernel.backward_backend == "xla" or not _pallas_here(kernel, a, kwargs):
+        n_ct = len(g_leaves)
+        a, ct = full(local[:len(where)]), g_tree.unflatten(local[len(where):len(where) + n_ct])
+        if kept is not None:  # The forward's residuals on this device.
+            res = kept[1].unflatten(local[len(where) + n_ct:])
+            got = _vjp._select(kernel.name, kernel.backward(*res, ct, **plain),  # noqa: SLF001
+                               len(args), where)
+        elif kernel.backward_backend == "xla" or not _pallas_here(kernel, a, kwargs):
             got = _vjp._xla_backward(kernel.reference, a, plain, ct, where)  # noqa: SLF001
         elif kernel.backward_residuals is not None:  # Its residuals: the forward again.
             config = kernel.config_for(*a, **kwargs)
@@ -246,7 +277,8 @@ def _backward(kernel: Any, rule: Rule, args: Sequence[Any], kwargs: Mapping[str,
         got = _vjp._xla_backward(kernel.reference, a, plain, ct, where)  # noqa: SLF001
         return tuple(got[n] for n in diff)
 
-    out = iter(_partitioned(kernel, grad_rule, grads, whole, *operands, *g_leaves, reduce=True))
+    out = iter(_partitioned(kernel, grad_rule, grads, whole, *operands, *g_leaves, reduce=True,
+                            kept=kept[0] if kept is not None else ()))
     cts = [next(out) if n in diff else None for n in range(len(operands))]
     mesh = _operand_mesh(operands)
     if mesh is not None and _explicit(mesh):  # Typed as its operand (a gathered dimension).
@@ -262,12 +294,16 @@ def _pallas_here(kernel: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
 
 
 def _partitioned(kernel: Any, rule: Rule, local: Callable[..., Any], whole: Callable[..., Any],
-                 *arrays: Any, reduce: bool = False) -> Any:
+                 *arrays: Any, reduce: bool = False, keep: list[Any] | None = None,
+                 kept: Sequence[Any] = ()) -> Any:
     """``local`` on each shard of ``arrays``: a ``shard_map`` where their specs are in their
     types (explicit mesh axes), else ``custom_partitioning`` (the specs known when XLA
     partitions; ``whole``, the reference where there is one, is what JAX traces for the
     result's type). ``reduce`` (cotangents): a result is summed over the mesh axes of every
-    split name it lacks (or has only at size 1), as its operand was broadcast over them."""
+    split name it lacks (or has only at size 1), as its operand was broadcast over them.
+    Explicit axes only: ``keep`` (a list): ``local`` returns ``(result, residuals)``, and the
+    residuals, each device's own, are appended to it stacked along a new axis over every mesh
+    axis; ``kept``: such stacks, given back to ``local`` (after the arrays) as each device's."""
     import jax
 
     from pallas_tune.runtime import partition_plan as plan
@@ -304,12 +340,38 @@ def _partitioned(kernel: Any, rule: Rule, local: Callable[..., Any], whole: Call
                        jax.sharding.reshard(a, NamedSharding(mesh, sh.spec))
                        for a, sh in zip(arrays, arg_sh, strict=True))
         out_tree = jax.tree_util.tree_structure(result)
+        out_specs = out_tree.unflatten([sh.spec for sh in out_sh])
+        each = jax.sharding.PartitionSpec(tuple(mesh.axis_names))  # One slice per device.
         body = summing(specs, out_tree, local)
-        return jax.shard_map(body, mesh=mesh, in_specs=tuple(sh.spec for sh in arg_sh),
-                             out_specs=out_tree.unflatten([sh.spec for sh in out_sh]),
-                             check_vma=False)(*arrays)
+        if kept:
+            body = _unstacking(body, len(arrays))
+        if keep is not None:
+            body, out_specs = _stacking(local, out_tree), (out_specs, each)
+        out = jax.shard_map(body, mesh=mesh, in_specs=(*(sh.spec for sh in arg_sh),
+                                                       *[each] * len(kept)),
+                            out_specs=out_specs, check_vma=False)(*arrays, *kept)
+        if keep is None:
+            return out
+        keep.extend(out[1])
+        return out[0]
     return _custom_partitioned(kernel, dims, shapes, out_shapes, summing, local, whole,
                                arrays)
+
+
+def _stacking(local: Callable[..., Any], out_tree: Any) -> Callable[..., Any]:
+    import jax
+
+    def run(*shards: Any) -> Any:
+        out, residuals = local(*shards)
+        return (out_tree.unflatten(jax.tree_util.tree_leaves(out)),
+                [r[None] for r in jax.tree_util.tree_leaves(residuals)])
+    return run
+
+
+def _unstacking(body: Callable[..., Any], n: int) -> Callable[..., Any]:
+    def run(*shards: Any) -> Any:
+        return body(*shards[:n], *[r[0] for r in shards[n:]])
+    return run
 
 
 def _custom_partitioned(kernel: Any, dims: Any, shapes: Any, out_shapes: Any,
