@@ -13,16 +13,23 @@ import pytest
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
 
-HLO = """\
-ENTRY %main {
-  %fusion.1 = bf16[4096,4096]{1,0} fusion(%p), kind=kOutput, backend_config={"bundle_analysis_data":{"estimated_cycles":"1750000","flops":"0"}}
-  %mm_1.2 = bf16[256,256]{1,0} custom-call(%a, %b), custom_call_target="tpu_custom_call", backend_config={"flag_configs":[]}
-  %all-reduce.7 = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) all-reduce(%x, %y), channel_id=1, replica_groups=mesh['x'=8] {'x'}, to_apply=%add, backend_config={"collective_algorithm_config":{"emitter":"RotatedPincerEmitter","strategy":"UniDirection1DRingStrategy"},"bundle_analysis_data":{"estimated_cycles":"0"}}
-  %all-gather-start = (bf16[128,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%w), replica_groups=[1,8]<=[8], dimensions={0}
-  %all-gather-done = bf16[1024,1024]{1,0} all-gather-done(%all-gather-start)
-  %reduce_scatter.3 = f32[128,1024]{1,0} reduce-scatter(%g), replica_groups={{0,1,2,3}}, dimensions={0}, backend_config={"bundle_analysis_data":{"estimated_cycles":"0"}}
-}
-"""
+_BUNDLE = '"bundle_analysis_data":{"estimated_cycles":"%s","flops":"0"}'
+HLO = "\n".join([
+    "ENTRY %main {",
+    "  %fusion.1 = bf16[4096,4096]{1,0} fusion(%p), kind=kOutput, backend_config={"
+    + _BUNDLE % 1750000 + "}",
+    '  %mm_1.2 = bf16[256,256]{1,0} custom-call(%a, %b), custom_call_target="tpu_custom_call", '
+    'backend_config={"flag_configs":[]}',
+    "  %all-reduce.7 = (bf16[1024,1024]{1,0}, bf16[1024,1024]{1,0}) all-reduce(%x, %y), "
+    "channel_id=1, replica_groups=mesh['x'=8] {'x'}, to_apply=%add, backend_config="
+    '{"collective_algorithm_config":{"emitter":"RotatedPincerEmitter","strategy":'
+    '"UniDirection1DRingStrategy"},' + _BUNDLE % 0 + "}",
+    "  %all-gather-start = (bf16[128,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%w), "
+    "replica_groups=[1,8]<=[8], dimensions={0}",
+    "  %all-gather-done = bf16[1024,1024]{1,0} all-gather-done(%all-gather-start)",
+    "  %reduce_scatter.3 = f32[128,1024]{1,0} reduce-scatter(%g), replica_groups={{0,1,2,3}}, "
+    "dimensions={0}, backend_config={" + _BUNDLE % 0 + "}",
+    "}"])
 
 
 @pytest.fixture(scope="module")

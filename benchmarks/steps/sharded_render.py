@@ -45,7 +45,14 @@ def _compute_cell(r: dict | None) -> str:
     if r is None:
         return "not run"
     if "error" in r:
-        return "failed: " + r["error"].strip().splitlines()[-1][:140].replace("|", "/")
+        import re
+
+        why = re.search(r"Ran out of memory in memory space \w+\. Used [\d.]+\w of [\d.]+\w",
+                        r["error"])
+        label = re.search(r"XLA label: (\S+)", r["error"])
+        text = (f"{why.group(0)} ({label.group(1) if label else '?'})" if why
+                else r["error"].strip().splitlines()[-1][:140])
+        return "failed: " + text.replace("|", "/")
     cell = _f(r["compute_ms"])
     if r.get("splash_standin"):
         cell += f" (splash {_f(r['splash_standin']['ms'])}, stand-in)"
@@ -128,9 +135,11 @@ def receipts_table(groups: dict) -> list[str]:
         r = g.get(("tuned", "mesh"))
         if not r or not r.get("receipts"):
             continue
-        by = {}
+        by: dict[str, list[str]] = {}
         for rec in r["receipts"]:
             name = rec["kernel"].rsplit(".", 1)[-1]
+            if rec["source"] != "cache":  # Which shapes were not tuned: their keys' shapes.
+                name += " " + ",".join(p.split(":")[0] for p in rec["key"].split(",")[:2])
             by.setdefault(rec["source"], []).append(name)
         rows.append([MODEL_NAMES.get(model, model), layout, tokens,
                      "; ".join(f"{src}: {len(v)} ({', '.join(sorted(set(v)))})"
@@ -144,7 +153,12 @@ def _headline_rows(groups: dict, goal: float):
         xla, tuned = g.get(("xla", "mesh")), g.get(("tuned", "mesh"))
         up = g.get(("upstream", "mesh"))
         tx, tt, tu = total(xla), total(tuned), total(up)
-        if not tx or not tt:
+        if not tx:
+            continue
+        if not tt:  # No tuned figure (its compile failed, or it was not run): say so.
+            why = _compute_cell(tuned) if tuned else "not run"
+            yield [MODEL_NAMES.get(model, model), layout, tokens, _f(tx), _f(tu), "-",
+                   "-", "-", "-", f"{_share(xla)} / -", f"no tuned figure: {why}"]
             continue
         short, coll = tt - tx / goal, _f(tuned["collectives_model_ms"])
         yield [MODEL_NAMES.get(model, model), layout, tokens, _f(tx), _f(tu), _f(tt),
@@ -224,7 +238,11 @@ def render(rows: list[dict], commands: list[str], notes: str = "",
            "bandwidth, `benchmarks/steps/collectives.py`). Neither is a measurement. "
            f"Generated {bench.today()} on {bench.host()}; "
            f"{bench.versions('jax', 'jaxlib', 'libtpu')}.", "", "Commands:", ""]
-    out += [f"    {c}" for c in commands] + ["", "## Headline", ""] + headline(groups)
+    out += [f"    {c}" for c in commands] + ["", "## Headline", "",
+                                               "The whole 8-chip compiles of this run (compute "
+                                               "ESTIMATE + collectives MODEL, ms); the composed "
+                                               "figures, 8192 tokens among them, are further "
+                                               "down.", ""] + headline(groups)
     out += ["", notes.strip(), ""] if notes.strip() else []
     out += ["", "## Steps", ""] + main_table(groups)
     out += ["", "## Collectives", ""] + collectives_table(groups)

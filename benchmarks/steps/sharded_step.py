@@ -170,8 +170,11 @@ def main() -> None:
         rows = [r for path in a.render for r in json.load(open(path, encoding="utf-8"))["rows"]]
         notes = open(a.notes, encoding="utf-8").read() if a.notes else ""
         per_chip = json.load(open(a.per_chip, encoding="utf-8")) if a.per_chip else None
+        argv = sys.argv[1:]  # The render's own command, without the --command texts.
+        own = [w for i, w in enumerate(argv) if w != "--command" and (
+            i == 0 or argv[i - 1] != "--command")]
         bench.write(a.out, sharded_render.render(
-            rows, [*a.command, bench.command(__file__)], notes, per_chip))
+            rows, [*a.command, bench.command(__file__, own)], notes, per_chip))
         return
     if not bench.have_libtpu("compile"):
         return
