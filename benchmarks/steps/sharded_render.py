@@ -50,7 +50,9 @@ def _compute_cell(r: dict | None) -> str:
         why = re.search(r"Ran out of memory in memory space \w+\. Used [\d.]+\w of [\d.]+\w",
                         r["error"])
         label = re.search(r"XLA label: (\S+)", r["error"])
+        abort = re.search(r"Static LLO profiling of (\S+) failed: \w+: ([^.%]*)", r["error"])
         text = (f"{why.group(0)} ({label.group(1) if label else '?'})" if why
+                else f"libtpu's profile aborted on {abort.group(1)}: {abort.group(2)}" if abort
                 else r["error"].strip().splitlines()[-1][:140])
         return "failed: " + text.replace("|", "/")
     cell = _f(r["compute_ms"])
