@@ -66,7 +66,7 @@ TUNING_SET: frozenset[str] = frozenset({
 
 # Largest number of candidates scored per global proposal: bigger spaces score a random
 # subsample of this size plus the free neighbours (one rank step) of the best measured configs,
-# so a proposal stays cheap on spaces of 10^4 to 10^5 configs (times in search_efficiency.txt).
+# so a proposal stays cheap on spaces of 10^4 to 10^5 configs (times in search_efficiency.md).
 MAX_SCORED = 4096
 
 # With a prior (other tasks' trials, :mod:`.prior`): proposals before the GP takes over (the
