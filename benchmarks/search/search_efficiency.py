@@ -26,6 +26,12 @@ standardised curve against its calculated random-search baseline: 0 = random, 1 
 once; random search itself scores below 0 here because the noisy best-measured config is not
 the best config measured, and the baseline counts expected ranks).
 
+The summary compares the default with the best peer per landscape, its evaluations to 5%
+with random search's expected (N + 1) / (k + 1) (k configs within 5% of the optimum), and the
+default's own CPU time per proposal on the largest space. Leave one device out: among the
+default's variants replayed (`default`, `default[pow2=False]`, any `default[...]`), the one
+chosen by mean @50 on every other landscape, scored on the device left out.
+
 Replays are cached per (landscape, strategy, seed, budget) under benchmarks/results/cache/
 (pallas-tune's own strategies also by a hash of the search package), so a rerun resumes.
 
