@@ -50,8 +50,9 @@ INIT = "random"
 # Integer sizes that mix powers of two with others (16, 32, 48, ... 256) also get a feature
 # saying how near each is to a power of two (model.encode_features): on convolution_milo's five
 # GPUs, where block_size_x steps by 16 and the AMD ones run its non-powers of two 2 to 8x slower,
-# @50 rose from 0.81 to 0.84 on average, and on convolution (RTX 2080 Ti, 3090, Titan) from
-# 0.97 to 0.99 (benchmarks/results/search_efficiency.md).
+# the mean @50 rose from 0.798 to 0.825 (A4000 alone fell, 0.874 to 0.842), and on convolution
+# (RTX 2080 Ti, 3090, Titan) from 0.965 to 0.991 (benchmarks/results/search_efficiency.md, 10
+# seeds; leave one device out chooses it on every landscape).
 POW2 = True
 
 # Landscapes (kernel/device in ../shared/landscapes) whose replays chose the settings above:
