@@ -257,6 +257,12 @@ def replay_many(units: Sequence[tuple[str, str, int, int]], jobs: int, cache: st
     return [replay_unit(*u, cache=cache) for u in units]
 
 
+def choose(variants: Sequence[str], score: dict[tuple[str, str], float],
+           on: Sequence[str]) -> str:
+    """The variant of best mean ``score`` over the landscape ids ``on``."""
+    return max(variants, key=lambda v: statistics.mean(score[(lid, v)] for lid in on))
+
+
 def leave_one_device_out(ids: Sequence[str], variants: Sequence[str],
                          score: dict[tuple[str, str], float],
                          kernels: dict[str, str] | None = None) -> list[str]:
@@ -265,17 +271,14 @@ def leave_one_device_out(ids: Sequence[str], variants: Sequence[str],
     and its score on the one left out. ``score[(landscape id, variant)]``: e.g. mean @50;
     ``kernels``: each id's kernel (default: the id's folder)."""
     kernels = kernels or {lid: lid.split("/")[0] for lid in ids}
-    def choose(on: list[str]) -> str:
-        return max(variants, key=lambda v: statistics.mean(score[(lid, v)] for lid in on))
-
     lines = ["| landscape left out | chosen without it | its score there | best variant "
              "there |", "|---|---|---|---|"]
     held: dict[str, float] = {}
     for lid in ids:
         if sum(kernels[x] == kernels[lid] for x in ids) < 2:
             continue
-        v = choose([x for x in ids if x != lid])
-        best = max(variants, key=lambda w: score[(lid, w)])
+        v = choose(variants, score, [x for x in ids if x != lid])
+        best = choose(variants, score, [lid])
         held[lid] = score[(lid, v)]
         lines.append(f"| {lid} | `{v}` | {held[lid]:.3f} | `{best}` "
                      f"({score[(lid, best)]:.3f}) |")

@@ -92,7 +92,7 @@ def main() -> None:
     lines += [""] + [f"- v{i} = `{v}`" for i, v in enumerate(variants)]
 
     def choose(on: list[str]) -> str:
-        return max(variants, key=lambda v: statistics.mean(score[(lid, v)] for lid in on))
+        return h.choose(variants, score, on)
 
     lines += ["", "#### Leave one kernel out: chosen on the other kernels, scored on the held-out",
               "| held-out kernel | chosen on the others | held-out @50 per landscape | mean | "
