@@ -41,11 +41,25 @@ SMOKE_ENV = "PALLAS_TUNE_BENCH_SMOKE"
 SMOKE = os.environ.get(SMOKE_ENV, "").strip() not in ("", "0")
 # Where smoke runs write what would go under the repository (a fresh temporary folder unless
 # PALLAS_TUNE_BENCH_SMOKE_DIR names one; the smoke tests give each script its tmp_path).
-SMOKE_DIR = (os.environ.get(f"{SMOKE_ENV}_DIR") or tempfile.mkdtemp(prefix="pt-bench-smoke-")
-             if SMOKE else "")
-if SMOKE:
+SMOKE_DIR = ""  # Set below, once scratch() is defined.
+
+
+def scratch(prefix: str) -> str:
+    """A fresh temporary folder, removed when the process that made it exits (a pool worker
+    too: multiprocessing runs its finalizers then; a forked child does not inherit them)."""
+    import multiprocessing.util
+    import shutil
+
+    path = tempfile.mkdtemp(prefix=prefix)
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(path,),
+                                  kwargs={"ignore_errors": True}, exitpriority=0)
+    return path
+
+
+if SMOKE:  # Each script's child processes write there too.
+    SMOKE_DIR = os.environ.get(f"{SMOKE_ENV}_DIR") or scratch("pt-bench-smoke-")
     os.makedirs(SMOKE_DIR, exist_ok=True)
-    os.environ[f"{SMOKE_ENV}_DIR"] = SMOKE_DIR  # The script's child processes write there too.
+    os.environ[f"{SMOKE_ENV}_DIR"] = SMOKE_DIR
 
 
 def smoke(full: Any, tiny: Any) -> Any:
@@ -168,7 +182,7 @@ STATIC_PROFILE = "--xla_jf_dump_static_llo_profile_to"
 def static_profile_env(prefix: str, *, bundles: bool = False) -> str:
     """Call before JAX loads: JAX on the CPU, libtpu loadable beside another process's, and
     libtpu's static LLO profile of every compile (what its cycle estimate reads) dumped to a
-    fresh folder, returned; with ``bundles``, to its ``sp/``, and the final VLIW bundles of every
+    fresh folder (removed when this process exits), returned; with ``bundles``, to its ``sp/``, and the final VLIW bundles of every
     program to its ``jf/``. libtpu's own logs of this process go to a run directory of
     pallas-tune's (``PALLAS_TUNE_TPU_LOGS``), as the CLI's do, not to ``/tmp/tpu_logs``."""
     import atexit
@@ -178,7 +192,7 @@ def static_profile_env(prefix: str, *, bundles: bool = False) -> str:
     own = RunLogs()
     os.environ.update(own.env)
     atexit.register(own.close)
-    dump = tempfile.mkdtemp(prefix=prefix)
+    dump = scratch(prefix)
     os.environ["LIBTPU_INIT_ARGS"] = (
         f"{STATIC_PROFILE}={dump}/sp --xla_jf_dump_to={dump}/jf "
         "--xla_jf_dump_llo_pass_label_regex=final_bundles" if bundles

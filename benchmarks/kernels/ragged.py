@@ -177,10 +177,9 @@ if bench.SMOKE:  # One small matmul: the whole path (divides, masked, padded, un
 def _init_worker(memory_limit_bytes: int) -> None:
     """Spawned compile worker: libtpu's static-profile flag must be set before libtpu loads."""
     import resource
-    import tempfile
 
     resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
-    dump = tempfile.mkdtemp(prefix=f"pallas-tune-ragged-{os.getpid()}-")
+    dump = bench.scratch(f"pallas-tune-ragged-{os.getpid()}-")
     os.environ["LIBTPU_INIT_ARGS"] = (os.environ.get("LIBTPU_INIT_ARGS", "") + f" {FLAG}={dump}")
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     os.environ["JAX_PLATFORMS"] = "cpu"

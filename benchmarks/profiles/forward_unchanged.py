@@ -30,7 +30,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 
 import jax
 
@@ -45,7 +44,7 @@ def _old_module(kernel: str, rev: str):
     """The kernel module at REV, declared with its search-space files at REV too (a space that
     gained a parameter since would not fit the old function)."""
     source = bench.git_show(rev, f"kernels/{kernel}.py")
-    tmp = tempfile.mkdtemp()
+    tmp = bench.scratch("pt-forward-unchanged-")
     for name in sorted(set(re.findall(r'space="(\w+)"', source))):
         space_path = os.path.join(tmp, f"{name}.toml")
         with open(space_path, "w") as f:

@@ -33,7 +33,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 NAME = "pallas_tune.kernels.matmul.matmul"
@@ -245,7 +244,7 @@ def _prepare_old(tree: str) -> None:
 def measure(tree: str, label: str, sizes: list[int], args: argparse.Namespace) -> list[dict]:
     rows = []
     for n in sizes:
-        root = tempfile.mkdtemp(prefix=f"pt-cache-scale-{label}-{n}-")
+        root = bench.scratch(f"pt-cache-scale-{label}-{n}-")
         row = {"impl": label, "n": n, **_run(tree, "build", root, n, args.trials, 3600)}
         samples: dict[str, list] = {}
         for mode in ("first", "miss", "write"):

@@ -20,19 +20,19 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
-os.environ.setdefault("PALLAS_TUNE_CACHE_DIR", tempfile.mkdtemp(prefix="pt-bench-"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as bench  # noqa: E402
+
+if not os.environ.get("PALLAS_TUNE_CACHE_DIR"):  # A cache of this run's own.
+    os.environ["PALLAS_TUNE_CACHE_DIR"] = bench.scratch("pt-bench-")
 
 import pallas_tune as pt  # noqa: E402
 from pallas_tune.kernels.matmul import matmul  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _common as bench  # noqa: E402
 
 
 def _per_call_us(fn, n: int, rounds: int = 7) -> float:

@@ -21,10 +21,13 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import tempfile
 import time
 
-os.environ.setdefault("PALLAS_TUNE_CACHE_DIR", tempfile.mkdtemp(prefix="pt-walltime-"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as bench  # noqa: E402
+
+if not os.environ.get("PALLAS_TUNE_CACHE_DIR"):  # A cache of this run's own.
+    os.environ["PALLAS_TUNE_CACHE_DIR"] = bench.scratch("pt-walltime-")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -34,8 +37,6 @@ import pallas_tune as pt  # noqa: E402
 from pallas_tune.kernels.matmul import matmul  # noqa: E402
 from pallas_tune.measure.timing import retime_interleaved  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _common as bench  # noqa: E402
 
 SIZE = bench.smoke(512, 256)
 TRIALS = bench.smoke(24, 3)

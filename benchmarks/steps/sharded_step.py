@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -60,8 +59,8 @@ def child(model_name: str, layout: str, tokens: int, setting: str, chip: bool) -
     cap = int(float(os.environ.get("PALLAS_TUNE_SHARDED_MEMORY_GB", "9")) * (1 << 30))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # libtpu's abort would dump core.
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    bench.static_profile_env("pt-sharded-")
-    receipts = tempfile.mktemp(prefix="pt-receipts-", suffix=".jsonl")
+    dump = bench.static_profile_env("pt-sharded-")
+    receipts = os.path.join(dump, "receipts.jsonl")
     os.environ["PALLAS_TUNE_RECEIPTS"] = receipts
     import warnings
 

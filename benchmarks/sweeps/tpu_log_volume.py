@@ -24,7 +24,6 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -105,7 +104,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=bench.smoke(20, 2))
     a = p.parse_args()
     rows = []
-    scratch = tempfile.mkdtemp(prefix="tpu-log-volume-")
+    scratch = bench.scratch("tpu-log-volume-")
     if a.tree:
         where = os.path.join(scratch, "tpu_logs")
         rows.append(run(f"before ({os.path.basename(a.tree.rstrip('/'))}: libtpu's default "
