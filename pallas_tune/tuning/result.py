@@ -84,7 +84,7 @@ class TuningResult:
 
     def __repr__(self) -> str:
         speed = f", {self.speedup:.2f}x the default" if math.isfinite(self.speedup) else ""
-        best = self.best
+        best = _config_text(self.best)  # As the table writes it: br=64 bc=256.
         if self.provenance.get("clamped"):
             speed += f"; {self.provenance['clamped']}"
         if math.isfinite(self.xla_ms):
@@ -93,7 +93,7 @@ class TuningResult:
         if self.backward is not None:
             speed += f"; backward {self.backward.best_ms:.4g} ms"
         if self.within_noise:
-            speed += "; within noise (see .table())"
+            speed += "; within noise"  # str() / .table() say which and why.
         return (f"TuningResult({self.kernel} {self.key} on {self.chip}: best {best} "
                 f"{self.best_ms:.4g} ms{speed}; {self.counted()}, "
                 f"{self.provenance.get('timer', '?')})")
