@@ -18,6 +18,8 @@ MAX_FUNCTION_LINES = 100
 # Known offenders being split (issue 13); each must still be over the limit, so that the list
 # shrinks as they are fixed.
 KNOWN_OVERSIZE: set[str] = set()
+# Not part of the package, held to the same limits (test_size_limits_of_benchmarks_and_examples).
+SCRIPT_FOLDERS = ("benchmarks", "examples")
 
 
 def _modules() -> dict[str, str]:
@@ -135,10 +137,10 @@ def test_imports_only_go_down_the_layer_table():
     assert not bad, "imports that go up or sideways:\n" + "\n".join(sorted(bad))
 
 
-@pytest.mark.parametrize("limit_kind", ["module", "function"])
-def test_size_limits(limit_kind):
+def _too_big(files: dict[str, str], limit_kind: str) -> list[str]:
+    """``name: N lines`` (module) or ``name.function: N lines`` for each over its limit."""
     too_big = []
-    for name, path in _modules().items():
+    for name, path in files.items():
         with open(path, encoding="utf-8") as f:
             text = f.read()
         if limit_kind == "module":
@@ -151,6 +153,37 @@ def test_size_limits(limit_kind):
                 n = node.end_lineno - node.lineno + 1
                 if n > MAX_FUNCTION_LINES:
                     too_big.append(f"{name}.{node.name}: {n} lines")
+    return too_big
+
+
+def _scripts(repo: str = REPO) -> dict[str, str]:
+    """Path relative to the repository -> file path, for every .py under the folders that are not
+    the package but are held to its size limits (benchmarks/, examples/)."""
+    out = {}
+    for top in SCRIPT_FOLDERS:
+        for dirpath, dirs, files in os.walk(os.path.join(repo, top)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    out[os.path.relpath(path, repo).replace(os.sep, "/")] = path
+    return out
+
+
+@pytest.mark.parametrize("limit_kind", ["module", "function"])
+def test_size_limits_of_benchmarks_and_examples(limit_kind):
+    """Benchmark and example scripts are code the project keeps too: the same limits, no list of
+    exceptions."""
+    scripts = _scripts()
+    assert any(p.startswith("benchmarks/") for p in scripts), "no benchmark scripts found"
+    too_big = _too_big(scripts, limit_kind)
+    assert not too_big, (f"over the {limit_kind} size limit ({MAX_MODULE_LINES} lines a module, "
+                         f"{MAX_FUNCTION_LINES} a function): {too_big}; split them")
+
+
+@pytest.mark.parametrize("limit_kind", ["module", "function"])
+def test_size_limits(limit_kind):
+    too_big = _too_big(_modules(), limit_kind)
     names = {t.split(":")[0] for t in too_big}
     new = [t for t in too_big if t.split(":")[0] not in KNOWN_OVERSIZE]
     assert not new, f"over the {limit_kind} size limit: {new}"

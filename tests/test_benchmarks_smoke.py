@@ -30,6 +30,7 @@ HELPERS = {"_common.py", "search/search_harness.py", "feasibility/feasibility_ca
            "kernels/xla_gradient.py", "profiles/llo_profile.py", "steps/layers.py",
            "steps/render.py", "steps/upstream.py", "steps/sharded_layers.py",
            "steps/collectives.py", "steps/sharded_render.py"}
+HELPERS |= {f"estimates/estimate_fidelity_{m}.py" for m in ("space", "qmm", "run", "report")}
 STEP_ROWS = "benchmarks/results/data/step_tuning_2026-11-25/mamba2.512.json"
 
 
