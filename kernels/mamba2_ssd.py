@@ -245,7 +245,10 @@ def _standin(args, kwargs, config):
 
 # backward="xla": jax.grad is jax.vjp of the reference (the step recurrence), recomputed from the
 # inputs (no backward kernel yet: nothing of the gradient is tuned).
-@pt.tunable(space="mamba2_ssd", reference=mamba2_ssd_reference, standin=_standin, backward="xla")
+# Sharded jit (pallas_tune.runtime.partition): the batch splits; the sequence is the scan's and
+# x's heads share one axis with the head dim, so both are kept whole.
+@pt.tunable(space="mamba2_ssd", reference=mamba2_ssd_reference, standin=_standin, backward="xla",
+            partition="b T X, b T H, H, b T N, b T N, H -> b T X")
 def mamba2_ssd(x, dt, A, B, C, D, *, groups: int = 1, chunk: int, heads_per_block: int):
     """Mamba-2 SSD forward; see the module docstring for layouts. Returns y like x.
 

@@ -63,13 +63,21 @@ _FA_BWD_BLOCKS = ("block_q_major_dkv", "block_q_dkv", "block_k_major_dkv", "bloc
                   "block_q_dq", "block_k_major_dq", "block_k_dq")
 
 
+def _attention_rule(causal: bool) -> str:
+    """Sharded jit (pallas_tune.runtime.partition): batch and heads split (query heads with
+    their KV heads); queries too where no causal mask ties them to their positions."""
+    return ("b h S D, b h T D, b h T D -> b h S D" if causal
+            else "b h s D, b h T D, b h T D -> b h s D")
+
+
 def _mha_reference(q, k, v, *, causal=False, sm_scale=None):
     return flash_attention_reference(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
 @pt.tunable(block_q=_BLOCKS, block_k_major=_BLOCKS, block_k=[128, 256, 512],
             default={"block_q": 128, "block_k_major": 128, "block_k": 128},
-            reference=_mha_reference, name="jax.ops.tpu.flash_attention")
+            reference=_mha_reference, name="jax.ops.tpu.flash_attention",
+            partition=lambda *a, causal=False, **_: _attention_rule(causal))
 def flash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
                     block_q: int, block_k_major: int, block_k: int):
     """JAX's TPU flash attention: q, k, v (batch, heads, seq, head_dim), equal head counts.
@@ -146,7 +154,9 @@ def _fa_bwd_inputs(q, k, v, o, l, m, do, **kwargs):
             block_k_dkv=_BLOCKS[:3], block_q_dq=_BLOCKS, block_k_major_dq=_BLOCKS,
             block_k_dq=_BLOCKS[:3], default={name: 128 for name in _FA_BWD_BLOCKS},
             reference=_fa_bwd_reference, inputs=_fa_bwd_inputs,
-            name="jax.ops.tpu.flash_attention_bwd")
+            name="jax.ops.tpu.flash_attention_bwd",
+            partition="b h S D, b h T D, b h T D, b h S D, b h S, b h S, b h S D"
+                      " -> b h S D, b h T D, b h T D")
 def flash_attention_bwd(q, k, v, o, l, m, do, *, causal: bool = False,
                         sm_scale: float | None = None, block_q_major_dkv: int,
                         block_q_dkv: int, block_k_major_dkv: int, block_k_dkv: int,
@@ -190,7 +200,8 @@ def flash_attention_bwd(q, k, v, o, l, m, do, *, causal: bool = False,
 @pt.tunable(block_q=_SPLASH_BLOCKS, block_kv=_SPLASH_BLOCKS, block_kv_compute=_BLOCKS,
             default={"block_q": 128, "block_kv": 128, "block_kv_compute": 128},
             reference=_mha_reference, name="jax.ops.tpu.splash_attention",
-            standin=_standin.forward_standin, key_optional=["tables"])
+            standin=_standin.forward_standin, key_optional=["tables"],
+            partition=lambda *a, causal=False, **_: _attention_rule(causal))
 def splash_attention(q, k, v, *, causal: bool = False, sm_scale: float | None = None,
                      block_q: int, block_kv: int, block_kv_compute: int, tables: bool = True):
     """JAX's splash attention forward: q (batch, q_heads, q_len, head_dim), k and v (batch,
@@ -276,7 +287,8 @@ def _splash_bwd_reference(q, k, v, do, *, causal=False, sm_scale=None):
             default={"block_q_dkv": 128, "block_kv_dkv": 128, "block_kv_dkv_compute": 128,
                      "block_q_dq": 128, "block_kv_dq": 128, "use_fused_bwd_kernel": False},
             reference=_splash_bwd_reference, name="jax.ops.tpu.splash_attention_bwd",
-            standin=_standin.backward_standin, key_optional=["tables"])
+            standin=_standin.backward_standin, key_optional=["tables"],
+            partition="b h S D, b h T D, b h T D, b h S D -> b h S D, b h T D, b h T D")
 def splash_attention_bwd(q, k, v, do, *, causal: bool = False, sm_scale: float | None = None,
                          block_q_dkv: int, block_kv_dkv: int, block_kv_dkv_compute: int,
                          block_q_dq: int, block_kv_dq: int, use_fused_bwd_kernel: bool,
@@ -309,7 +321,8 @@ def splash_attention_bwd(q, k, v, do, *, causal: bool = False, sm_scale: float |
 
 @pt.tunable(tm=[128, 256, 512], tk=[128, 256, 512, 1024], tn=[128, 256, 512, 1024],
             default={"tm": 128, "tk": 128, "tn": 128}, reference=grouped_matmul_reference,
-            inputs=_group_inputs, name="jax.ops.tpu.megablox.gmm")
+            inputs=_group_inputs, name="jax.ops.tpu.megablox.gmm",
+            partition="M K, G K n, G -> M n")  # Experts' columns; rows follow the routing.
 def megablox_gmm(lhs, rhs, group_sizes, *, tm: int, tk: int, tn: int):
     """JAX's megablox grouped matmul: lhs (m, k), rhs (groups, k, n), int32 group_sizes
     (groups,) summing to m.

@@ -74,10 +74,12 @@ def _more_cases():
     from pallas_tune.kernels import linear_attention as la
     from pallas_tune.kernels import quantized_grouped_matmul as qg
     from pallas_tune.kernels import quantized_matmul as qm
+    from pallas_tune.kernels import upstream as up
 
     q = _normal(3, (2, 4, 128, 64))
     heads = P("x", "y")
     return {
+        **_upstream_and_mamba2(up, q, heads),
         "linear_attention": (la.linear_attention, la.linear_attention_reference,
                              (q, _normal(5, q.shape), _normal(6, q.shape)), (heads,) * 3, True),
         "hstu_attention": (hs.hstu_attention, hs.hstu_attention_reference,
@@ -100,6 +102,32 @@ def _more_cases():
              (_normal(22, (3, 128, 256)) * 40).astype(jnp.int8),
              jnp.abs(_normal(23, (3, 256))) / 40, jnp.array([40, 0, 216], jnp.int32)),
             (P(), P(None, None, "y"), P(None, "y"), P()), False),
+    }
+
+
+def _upstream_and_mamba2(up, q, heads):
+    """JAX's kernels through their adapters, and Mamba-2's SSD (its batch split)."""
+    from pallas_tune.kernels import mamba2_ssd as m2
+
+    kv = _normal(4, (2, 2, 128, 64))
+    dt = jax.nn.softplus(_normal(13, (2, 128, 4)) - 1.0)
+    ssd = (_normal(14, (2, 128, 4 * 32)), dt, -jnp.exp(_normal(15, (4,))),
+           _normal(16, (2, 128, 16)) / 4, _normal(17, (2, 128, 16)) / 4, _normal(18, (4,)))
+    batch = P("x")
+    return {
+        "upstream_flash_attention": (
+            lambda q, k, v: up.flash_attention(q, k, v, causal=True),
+            lambda q, k, v: flash_attention_reference(q, k, v, causal=True),
+            (q, _normal(5, q.shape), _normal(6, q.shape)), (heads,) * 3, True),
+        "upstream_splash_attention": (
+            lambda q, kv: up.splash_attention(q, kv, kv),
+            lambda q, kv: flash_attention_reference(q, kv, kv), (q, kv), (heads, heads), True),
+        "upstream_megablox_gmm": (
+            up.megablox_gmm, lambda x, w, g: up.grouped_matmul_reference(x, w, g),
+            (_normal(8, (256, 128)), _normal(10, (3, 128, 256)),
+             jnp.array([40, 0, 216], jnp.int32)), (P(), P(None, None, "y"), P()), True),
+        "mamba2_ssd": (m2.mamba2_ssd, m2.mamba2_ssd_reference, ssd,
+                       (batch, batch, P(), batch, batch, P()), True),
     }
 
 

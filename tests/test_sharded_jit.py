@@ -53,6 +53,15 @@ EXPECTED = {
                        "P(None, 'y')"),
     "quantized_matmul": ({"quantized_matmul": (16, 128)}, "P('x', 'y')"),
     "quantized_grouped_matmul": ({"quantized_grouped_matmul": (256, 128)}, "P(None, 'y')"),
+    # JAX's kernels through their adapters (flash: k, v as q; splash: k, v (2, 2, 128, 64);
+    # megablox: lhs (256, 128), rhs (3, 128, 256) split along n), and Mamba-2's SSD, x
+    # (2, 128, 128) split along its batch.
+    "upstream_flash_attention": ({"flash_attention": (1, 2, 128, 64),
+                                  "flash_attention_bwd": (1, 2, 128, 64)}, "P('x', 'y'"),
+    "upstream_splash_attention": ({"splash_attention": (1, 2, 128, 64),
+                                   "splash_attention_bwd": (1, 2, 128, 64)}, "P('x', 'y'"),
+    "upstream_megablox_gmm": ({"gmm": (256, 128), "gmm_bwd": (256, 128)}, "P(None, 'y')"),
+    "mamba2_ssd": ({"mamba2_ssd": (1, 128, 128)}, "P('x'"),
 }
 AUTO = ("matmul", "matmul_k_sharded")
 
@@ -197,6 +206,61 @@ def test_deviceless_multichip_compile_of_sharded_jit_without_shard_map():
         ("flash_attention_bwd", "tpu_v6e", (4, 4, 1024, 128)),
         ("matmul", "tpu_v6e", (512, 512)), ("matmul_bwd", "tpu_v6e", (512, 512)),
         ("rms_norm", "tpu_v6e", (512, 512)), ("rms_norm_bwd", "tpu_v6e", (512, 512))}, seen
+
+
+def _adapter_cases(sds, P):
+    """JAX's kernels through pallas-tune's adapters, and Mamba-2's SSD: (name, fn, args)."""
+    import jax.numpy as jnp
+
+    from pallas_tune.kernels import mamba2_ssd as m2
+    from pallas_tune.kernels import upstream as up
+
+    q, kv = sds((8, 8, 1024, 128), P("data", "model")), sds((8, 4, 1024, 128), P("data", "model"))
+    x, w = sds((1024, 256), P()), sds((4, 256, 1024), P(None, None, "model"))
+    sizes = sds((4,), P(), jnp.int32)
+    b = P("data")
+    ssd = (sds((8, 512, 8 * 64), b), sds((8, 512, 8), b, jnp.float32), sds((8,), P(), jnp.float32),
+           sds((8, 512, 128), b), sds((8, 512, 128), b), sds((8,), P(), jnp.float32))
+    return [("flash_attention", lambda q: up.flash_attention(q, q, q, causal=True), (q,)),
+            ("splash_attention", lambda q, kv: up.splash_attention(q, kv, kv, causal=True),
+             (q, kv)),
+            ("gmm", up.megablox_gmm, (x, w, sizes)),
+            ("mamba2_ssd", m2.mamba2_ssd, ssd)]
+
+
+@pytest.mark.libtpu
+@pytest.mark.parametrize("case", range(4), ids=["flash", "splash", "megablox", "mamba2"])
+def test_adapters_and_mamba2_compile_sharded_for_a_multichip_tpu(case):
+    """JAX's own kernels through their adapters, and Mamba-2's SSD, under jax.jit on sharded
+    operands, compiled for a 4-chip v6e: without their partition rules Mosaic refused ('cannot
+    be automatically partitioned'); now each runs on its shard (forward and gradient)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_tune.runtime import tunable
+
+    mesh = _v6e_mesh(AxisType.Explicit)
+
+    def sds(shape, spec, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    name, fn, args = _adapter_cases(sds, P)[case]
+    seen = set()
+
+    def hook(kernel, a, kwargs):
+        seen.add((kernel.name.rsplit(".", 1)[-1], a[0].shape))
+
+    with jax.set_mesh(mesh), tunable.resolution_hook(hook), warnings.catch_warnings():
+        warnings.simplefilter("ignore", PallasTuneWarning)
+        assert "tpu_custom_call" in jax.jit(fn).lower(*args).compile().as_text()
+        loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))  # noqa: E731
+        grad = jax.jit(jax.grad(loss)).lower(*args).compile().as_text()
+    assert "tpu_custom_call" in grad or name == "mamba2_ssd"  # Its gradient is XLA's.
+    shard = {"flash_attention": (4, 4, 1024, 128), "splash_attention": (4, 4, 1024, 128),
+             "gmm": (1024, 256), "mamba2_ssd": (4, 512, 512)}[name]
+    assert (name, shard) in seen, seen
 
 
 @pytest.mark.libtpu
