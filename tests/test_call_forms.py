@@ -89,8 +89,6 @@ CASES = {
 }
 # Traced for a TPU: JAX's Pallas interpreters cannot run it (kernels/upstream_decode.py).
 ON_TPU = {"jax.ops.tpu.ragged_paged_attention"}
-# The traced value reaches the kernel's own input check before the runtime sees it.
-TRACED_ELSEWHERE = {("pallas_tune.kernels.quantized_matmul.quantized_matmul", "quantize_x")}
 
 
 def _shipped() -> dict[str, TunableKernel]:
@@ -156,9 +154,6 @@ def test_each_form_of_a_static_is_its_python_value(cache_dir, name, param):
         assert kernel.cache_key(*args, **{param: form}) == want_key, label
         assert _program(kernel, args, {param: form}) == want, label
     # Traced where a static value is needed: refused at once, naming the parameter.
-    if (name, param) in TRACED_ELSEWHERE:
-        pytest.xfail("kernels/quantized_matmul.py's InputsChecked reads quantize_x before the "
-                     "runtime does (TracerBoolConversionError, not naming it)")
     with pytest.raises(TypeError, match=f"{param} is a static parameter"):
         jax.jit(lambda s: kernel(*args, **{param: s}))(jnp.asarray(value))
 
