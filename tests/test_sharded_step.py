@@ -81,3 +81,39 @@ def test_per_chip_programs_are_step_tunings(steps):
     assert shapes(sl.chip_args(sl.MODELS["8b"], "tp8", 4096))[2] == (4096, 768)
     with pytest.raises(ValueError, match="choose tp8 or fsdp"):
         sl.specs(sl.MODELS["8b"], "dp")
+
+
+def test_unprofiled_compiles_rendered_and_their_collectives_composed():
+    """Whole programs compiled without the profile give the compiler's verdict and their own
+    collectives: the composed figure takes those (not a scaled neighbour's), and a program
+    that ran out of VMEM only under the profile is told apart from one that compiles."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        render = importlib.import_module("steps.sharded_render")
+    finally:
+        sys.path.remove(BENCHMARKS)
+    base = {"model": "8b", "layout": "tp8"}
+    rows = [
+        {**base, "tokens": 4096, "setting": "xla", "program": "mesh", "compute_ms": 2.0,
+         "collectives_model_ms": 1.0, "compile_s": 400.0},
+        {**base, "tokens": 4096, "setting": "tuned", "program": "mesh",
+         "error": "Ran out of memory in memory space vmem. Used 142.86M of 127.94M"},
+        {**base, "tokens": 8192, "setting": "tuned", "program": "mesh-unprofiled",
+         "compile_s": 42.0, "collectives_model_ms": 2.5,
+         "receipts": [{"kernel": "pallas_tune.kernels.matmul.matmul", "key": "x=1x1",
+                       "source": "cache", "implementation": "pallas", "config": {}}] * 3},
+        {**base, "tokens": 8192, "setting": "xla", "program": "mesh-unprofiled",
+         "error": "Ran out of memory in memory space vmem. Used 140M of 127.94M"},
+    ]
+    groups = render._groups(rows)
+    assert render.collectives_for(groups, "8b", "tp8", 8192, "tuned") == (
+        2.5, "its own, unprofiled")
+    # Without its own compile, the 4096-token profiled one's, scaled by tokens.
+    assert render.collectives_for(groups, "8b", "tp8", 8192, "xla") == (
+        2.0, "Llama-3.1-8B 4096 tokens, x2")
+    text = render.render(rows, ["cmd"], per_chip={"rows": [
+        {"model": "8b", "layout": "tp8", "tokens": 8192, "xla": 4.0, "tuned": 2.0}]})
+    section = text.split("## Every whole program, compiled without the profile")[1]
+    assert "| compiled in 42 s | 2.500 | cache 3 |" in section
+    assert "failed: Ran out of memory in memory space vmem. Used 140M of 127.94M" in section
+    assert "| 2.500 (its own, unprofiled) | 4.500 |" in text

@@ -131,11 +131,33 @@ def composition_table(groups: dict) -> list[str]:
                         "8-chip compile + collectives"], rows)
 
 
+def unprofiled_table(groups: dict) -> list[str]:
+    """The whole 8-chip programs compiled without libtpu's profile: the compiler's verdict,
+    the collectives as compiled (MODEL), and where the tuned calls' configs came from."""
+    rows = []
+    for (model, layout, tokens), g in sorted(groups.items()):
+        for s in ("xla", "upstream", "tuned"):
+            r = g.get((s, "mesh-unprofiled"))
+            if r is None:
+                continue
+            verdict = _compute_cell(r) if "error" in r else f"compiled in {r['compile_s']:.0f} s"
+            sources: dict[str, int] = {}
+            for rec in r.get("receipts", []):
+                sources[rec["source"]] = sources.get(rec["source"], 0) + 1
+            rows.append([MODEL_NAMES.get(model, model), layout, tokens, SETTING_NAMES[s],
+                         verdict, _f(r.get("collectives_model_ms")),
+                         ", ".join(f"{k} {v}" for k, v in sorted(sources.items())) or "-"])
+    return bench.table(["layer", "layout", "tokens", "setting",
+                        "v6e:2x4 compile without the profile", "collectives ms (MODEL)",
+                        "kernel calls by config source"], rows)
+
+
 def receipts_table(groups: dict) -> list[str]:
     rows = []
     for (model, layout, tokens), g in sorted(groups.items()):
-        r = g.get(("tuned", "mesh"))
-        if not r or not r.get("receipts"):
+        r = next((x for x in (g.get(("tuned", p)) for p in ("mesh", "mesh-unprofiled"))
+                  if x and x.get("receipts")), None)
+        if r is None:
             continue
         by: dict[str, list[str]] = {}
         for rec in r["receipts"]:
@@ -187,6 +209,11 @@ def collectives_for(groups: dict, model: str, layout: str, tokens: int, setting:
     """The collectives MODEL (ms) of a step, from its own 8-chip compile, else from the
     nearest one: FSDP's move weights (the same at any token count), TP8's activations (scaled
     by tokens and by d_model); the upstream setting's dots are XLA's, so all-XLA's stand in."""
+    own = groups.get((model, layout, tokens), {})
+    for program, what in (("mesh", "its own"), ("mesh-unprofiled", "its own, unprofiled")):
+        r = own.get((setting, program))
+        if r and "error" not in r and "collectives_model_ms" in r:
+            return r["collectives_model_ms"], what
     tries = [(setting, "")] + ([("xla", "all-XLA's")] if setting != "xla" else [])
     for s, label in tries:
         for (m, lay, t), g in sorted(groups.items(), key=lambda kv: kv[0][2] != tokens):
@@ -254,6 +281,15 @@ def render(rows: list[dict], commands: list[str], notes: str = "",
         out += ["", "## Composed: step_tuning.md's per-chip figures plus modelled collectives",
                 "", per_chip.get("source", ""), per_chip.get("note", ""), ""]
         out += composed_table(groups, per_chip)
+    if any(p == "mesh-unprofiled" for g in groups.values() for _, p in g):
+        out += ["", "## Every whole program, compiled without the profile", "",
+                "The same 8-chip programs compiled by the real compiler without libtpu's "
+                "static profile (`--unprofiled`): whether each fits the chips and compiles, "
+                "with the configs its calls resolve to, and its collectives as compiled. No "
+                "compute figure (the profile is what estimates cycles). The composed table "
+                "takes each step's collectives from these compiles where the profiled one is "
+                "missing.", ""]
+        out += unprofiled_table(groups)
     out += ["", "## What the tuned setting ran", ""]
     out += receipts_table(groups)
     return "\n".join(out) + "\n"

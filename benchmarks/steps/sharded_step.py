@@ -14,7 +14,7 @@ replaced by splash's stand-in estimate at MaxText's blocks (``steps/upstream.py`
 collective), to check the composition against the whole multi-chip compile.
 
     python benchmarks/steps/sharded_step.py [--models 8b 70b] [--layouts tp8 fsdp]
-        [--tokens 4096 8192] [--settings xla upstream tuned] [--chip]
+        [--tokens 4096 8192] [--settings xla upstream tuned] [--chip] [--unprofiled]
         [--rows-out rows.json] [--render rows.json ...] [--out benchmarks/results/sharded_step.md]
 
 Each compile runs in a child process (``--child``), one at a time; rows accumulate in
@@ -50,7 +50,28 @@ def _mesh_and_args(model, layout: str, tokens: int, chip: bool):
                   else sl.global_args(model, layout, tokens, mesh))
 
 
-def child(model_name: str, layout: str, tokens: int, setting: str, chip: bool) -> dict:
+def _program(chip: bool, unprofiled: bool) -> str:
+    return ("chip" if chip else "mesh") + ("-unprofiled" if unprofiled else "")
+
+
+def _environment(unprofiled: bool) -> str:
+    """Before JAX loads: libtpu's profile dumped to a fresh folder (returned), or, unprofiled,
+    only JAX on the CPU and libtpu's logs in a run directory (a fresh folder is returned)."""
+    if not unprofiled:
+        return bench.static_profile_env("pt-sharded-")
+    import atexit
+
+    from pallas_tune.measure.logs import RunLogs
+
+    own = RunLogs()
+    os.environ.update(own.env)
+    atexit.register(own.close)
+    os.environ.update(JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    return bench.scratch("pt-sharded-")
+
+
+def child(model_name: str, layout: str, tokens: int, setting: str, chip: bool,
+          unprofiled: bool = False) -> dict:
     """One compile, in this process (its libtpu profile set before JAX loads), its address
     space capped at $PALLAS_TUNE_SHARDED_MEMORY_GB (default 9: a profiled compile grew past 15
     GB on this 24 GB host), so that it dies alone rather than starve the host."""
@@ -59,7 +80,7 @@ def child(model_name: str, layout: str, tokens: int, setting: str, chip: bool) -
     cap = int(float(os.environ.get("PALLAS_TUNE_SHARDED_MEMORY_GB", "9")) * (1 << 30))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # libtpu's abort would dump core.
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    dump = bench.static_profile_env("pt-sharded-")
+    dump = _environment(unprofiled)
     receipts = os.path.join(dump, "receipts.jsonl")
     os.environ["PALLAS_TUNE_RECEIPTS"] = receipts
     import warnings
@@ -90,8 +111,13 @@ def child(model_name: str, layout: str, tokens: int, setting: str, chip: bool) -
             compiled = jax.jit(step).lower(*args).compile()
     wall = time.perf_counter() - t0
     out = {"model": model_name, "layout": layout, "tokens": tokens, "setting": setting,
-           "program": "chip" if chip else "mesh", "compile_s": round(wall, 1),
+           "program": _program(chip, unprofiled), "compile_s": round(wall, 1),
            **collectives.summary(compiled.as_text(), CLOCK_HZ)}
+    if unprofiled:  # No cycles were annotated: the compute fields would read 0, not unknown.
+        for k in ("compute_ms", "splash_kernels_ms", "pallas_ms", "top_ops",
+                  "ops_without_estimate", "ops_without_estimate_names",
+                  "kernels_without_estimate"):
+            out.pop(k, None)
     if os.path.exists(receipts):
         with open(receipts, encoding="utf-8") as f:
             out["receipts"] = [{k: r[k] for k in ("kernel", "key", "source", "implementation",
@@ -117,15 +143,15 @@ def splash_fix(row: dict, memory_gb: float) -> None:
 
 
 def run_one(model: str, layout: str, tokens: int, setting: str, chip: bool,
-            memory_gb: float) -> dict:
+            memory_gb: float, unprofiled: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", model, layout, str(tokens),
-           setting] + (["--chip"] if chip else [])
+           setting] + (["--chip"] if chip else []) + (["--unprofiled"] if unprofiled else [])
     t0 = time.perf_counter()
     try:
         row = bench.run_json(cmd, timeout=3 * 3600)
     except RuntimeError as e:
         return {"model": model, "layout": layout, "tokens": tokens, "setting": setting,
-                "program": "chip" if chip else "mesh", "error": str(e)[-800:]}
+                "program": _program(chip, unprofiled), "error": str(e)[-800:]}
     if setting == "upstream" and model != "tiny" and row.get("splash_kernels_ms") is not None:
         try:
             splash_fix(row, memory_gb)
@@ -148,6 +174,9 @@ def main() -> None:
     p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=SETTINGS)
     p.add_argument("--chip", action="store_true",
                    help="also (with --child: only) compile the per-chip program alone")
+    p.add_argument("--unprofiled", action="store_true",
+                   help="compile without libtpu's static profile: the compiler's verdict and "
+                   "the collectives as compiled, no compute figure")
     p.add_argument("--memory-gb", type=float, default=12.0,
                    help="address-space cap of splash's stand-in estimate worker")
     p.add_argument("--rows-out", help="rows JSON, added to as rows finish (and resumed)")
@@ -161,7 +190,7 @@ def main() -> None:
     a = p.parse_args()
     if a.child:
         m, layout, t, setting = a.child
-        print(json.dumps(child(m, layout, int(t), setting, a.chip)))
+        print(json.dumps(child(m, layout, int(t), setting, a.chip, a.unprofiled)))
         return
     from steps import sharded_render
 
@@ -191,12 +220,13 @@ def main() -> None:
             for tokens in a.tokens:
                 for setting in a.settings:
                     for chip in ([False, True] if a.chip else [False]):
-                        k = (model, layout, tokens, setting, "chip" if chip else "mesh")
+                        k = (model, layout, tokens, setting, _program(chip, a.unprofiled))
                         if k in done or (bench.SMOKE and k[1:4:2] == ("fsdp", "tuned")):
                             continue  # Smoke: tiny FSDP's flash config aborts libtpu's profile.
                         print("==", *k, flush=True)
                         rows = [r for r in rows if _key(r) != k]
-                        rows.append(run_one(model, layout, tokens, setting, chip, a.memory_gb))
+                        rows.append(run_one(model, layout, tokens, setting, chip, a.memory_gb,
+                                            a.unprofiled))
                         print(json.dumps({x: rows[-1].get(x) for x in (
                             "compute_ms", "collectives_model_ms", "compile_s", "error")}),
                             flush=True)
