@@ -30,7 +30,9 @@ HELPERS = {"_common.py", "search/search_harness.py", "feasibility/feasibility_ca
            "kernels/xla_gradient.py", "profiles/llo_profile.py", "steps/layers.py",
            "steps/render.py", "steps/upstream.py", "steps/sharded_layers.py",
            "steps/collectives.py", "steps/sharded_render.py"}
-HELPERS |= {f"estimates/estimate_fidelity_{m}.py" for m in ("space", "qmm", "run", "report")}
+HELPERS |= {f"estimates/estimate_fidelity_{m}.py" for m in ("space", "qmm", "run", "report",
+                                                           "strata", "strata_report",
+                                                           "stratified")}
 STEP_ROWS = "benchmarks/results/data/step_tuning_2026-11-25/mamba2.512.json"
 
 
@@ -77,7 +79,11 @@ SMOKES = {
     "estimates/tpu_estimate.py": Smoke(("== matmul_256_bf16", "exhaustive optimum"),
                                        libtpu=True),
     "estimates/model_fidelity.py": Smoke(("| matmul |",)),
-    "estimates/estimate_fidelity.py": Smoke(("keys (seed 39)",), libtpu=True,
+    "estimates/rpa_fidelity.py": Smoke(("| 8/1 | 32 | 512 | 128 | (4, 64) |", "## Per page size"),
+                                       libtpu=True, note="one (heads, page size) group, two "
+                                                         "keys, four configs"),
+    "estimates/estimate_fidelity.py": Smoke(("keys (stratified, seed 55)",
+                                             "[1/1] "), libtpu=True,
                                             needs=("tpu_inference",)),
     "estimates/estimate_correction_fit.py": Smoke(("fitting sample",),
                                                   needs=("tpu_inference",)),

@@ -68,14 +68,25 @@ from estimate_fidelity_run import REPORTED_KEYS, REPORTED_MAX_COST, dump, load_d
 from estimate_fidelity_space import *  # noqa: E402,F403
 from estimate_fidelity_space import load_table, predicted_cost_s, sample_keys, space  # noqa: E402
 
-RESULTS = bench.result("estimate_fidelity.md")
+RESULTS = bench.result("estimate_fidelity.md")  # The stratified sample's report.
+SEEDED_RESULTS = bench.result("estimate_fidelity_seeded10.md")  # --seeded-sample's.
 DUMP = bench.result("data", "estimate_fidelity.json")
 FIT_DUMP = bench.result("data", "estimate_fidelity_fit.json")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if TPU_INFERENCE_DIR is None:
+        print(f"{DIST} is not installed: pip install --no-deps {DIST}==0.32.0 (its vLLM "
+              "dependency is not needed). Nothing to compare against.", file=sys.stderr)
+        return 2
+    if "--seeded-sample" not in args:  # The default: issue 55's stratified sample.
+        import estimate_fidelity_stratified
+
+        return estimate_fidelity_stratified.main(args, p)
+    args.remove("--seeded-sample")
     p.add_argument("--keys", type=int, default=bench.smoke(REPORTED_KEYS, 1))
     p.add_argument("--seed", type=int, default=39)
     p.add_argument("--workers", type=int, default=bench.smoke(2, 1))
@@ -83,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="draw keys only among those whose predicted proxy compiles cost at "
                         "most this many CPU seconds (predicted_cost_s; default 400)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-config compile limit")
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--out", default=SEEDED_RESULTS)
     p.add_argument("--dump", metavar="JSON", default=DUMP,
                    help="where to write every key's run and every config's proxy figure "
                         f"(default {os.path.relpath(DUMP, bench.REPO)}; '' for nowhere)")
@@ -97,11 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="draw keys disjoint from the sample this seed draws with the default "
                         "--keys and --max-key-cost (a fitting sample beside the reported one)")
     p.add_argument("--dry-run", action="store_true", help="print the sample and exit")
-    a = p.parse_args(argv)
-    if TPU_INFERENCE_DIR is None:
-        print(f"{DIST} is not installed: pip install --no-deps {DIST}==0.32.0 (its vLLM "
-              "dependency is not needed). Nothing to compare against.", file=sys.stderr)
-        return 2
+    a = p.parse_args(args)
     table = load_table(TPU_INFERENCE_DIR)
     if a.from_dump:
         runs, meta = load_dump(a.from_dump, table)

@@ -158,13 +158,12 @@ def proxy_patch() -> Iterator[None]:
 
 def unmodified_qmm(x: Any, w_q: Any, w_scale: Any, *, batch_block: int, out_block: int,
                    in_block: int) -> Any:
-    """tpu-inference's ``quantized_matmul_kernel`` (int8 activations and weights) at the given
-    block sizes, unmodified."""
-    import jax.numpy as jnp
-
+    """tpu-inference's ``quantized_matmul_kernel`` at the given block sizes, unmodified, with
+    the activations quantized to the weights' dtype (int8 x int8, or float8_e4m3fn x
+    float8_e4m3fn as in its v7 table)."""
     kernel, _, tbs = qmm()
     return kernel.quantized_matmul_kernel(
-        x, w_q, w_scale, x_q_dtype=jnp.int8,
+        x, w_q, w_scale, x_q_dtype=w_q.dtype,
         tuned_value=tbs.TunedValue(batch_block, out_block, in_block))
 
 
@@ -176,14 +175,15 @@ def proxy_qmm(x: Any, w_q: Any, w_scale: Any, *, batch_block: int, out_block: in
                               in_block=in_block)
 
 
-def operands(key: Key) -> tuple[Any, Any, Any]:
-    """x (n_batch, n_in) bf16, w_q (n_out, n_in) int8, w_scale (n_out,) f32: shapes only."""
+def operands(key: Key, w_dtype: str = "int8") -> tuple[Any, Any, Any]:
+    """x (n_batch, n_in) bf16, w_q (n_out, n_in) int8 (or ``w_dtype``), w_scale (n_out,) f32:
+    shapes only."""
     import jax
     import jax.numpy as jnp
 
     n_batch, n_out, n_in = key
     return (jax.ShapeDtypeStruct((n_batch, n_in), jnp.bfloat16),
-            jax.ShapeDtypeStruct((n_out, n_in), jnp.int8),
+            jax.ShapeDtypeStruct((n_out, n_in), jnp.dtype(w_dtype)),
             jax.ShapeDtypeStruct((n_out,), jnp.float32))
 
 
@@ -227,6 +227,34 @@ def roofline_figures(key: Key, blocks: Sequence[Blocks]) -> dict[Blocks, float]:
         if s is not None:
             out[b] = s
     return out
+
+
+def model_figures(key: Key, blocks: Sequence[Blocks], chip: str, w_dtype: str
+                  ) -> tuple[dict[Blocks, float], dict[Blocks, float]]:
+    """pallas-tune's roofline model and its model fitted to libtpu's v6e estimates
+    (``feasibility.fitted``: what ``--estimate-fallback model`` ranks by), seconds, of the
+    unmodified kernel, for the configs the block rules and the VMEM model accept; one trace
+    per config for both."""
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.feasibility import inspect as _inspect
+    from pallas_tune.feasibility import model
+    from pallas_tune.feasibility.fitted import fitted_calls
+    from pallas_tune.feasibility.roofline import roofline_calls
+
+    spec, args = chip_spec(chip), operands(key, w_dtype)
+    roof: dict[Blocks, float] = {}
+    fitted: dict[Blocks, float] = {}
+    for b in blocks:
+        try:
+            calls = _inspect.find_pallas_calls(unmodified_qmm, args, config(b))
+        except Exception:  # noqa: BLE001 - not traceable at these blocks: no figure.
+            continue
+        if (_inspect.block_rule_violations(calls)
+                or model.model_verdict(calls, spec).status == "infeasible"):
+            continue
+        roof[b] = roofline_calls(calls, spec).time_s
+        fitted[b] = fitted_calls(calls, spec)
+    return roof, fitted
 
 
 def corrected_figures(key: Key, proxy_ms: Mapping[Blocks, float]) -> dict[Blocks, float]:

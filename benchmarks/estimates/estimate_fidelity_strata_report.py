@@ -1,0 +1,272 @@
+"""estimate_fidelity's stratified report: from a run's dump (every figure of every drawn config),
+the real winner's rank distribution first (K95: the K for which the winner is inside a figure's
+top K on at least 95% of keys), then top-1/3/8 and pick-within-2% rates, overall, per chip and
+per stratum, for libtpu's estimate, pallas-tune's fitted model, its roofline, and what a tune
+with ``--estimate-fallback model`` ranks (libtpu's figure, the fitted model calibrated onto it
+where libtpu aborts)."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as bench  # noqa: E402
+from estimate_fidelity_strata import BATCH_BANDS, SIZE_NAMES  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate_fidelity.py")
+FIGURES = (("libtpu", "libtpu's estimate (of the proxy)"),
+           ("tune", "a tune with --estimate-fallback model (libtpu; calibrated model where it "
+                    "aborts)"),
+           ("fitted", "pallas-tune's fitted model (feasibility.fitted)"),
+           ("roofline", "pallas-tune's roofline model"))
+MIN_PAIRS, MAX_PAIRS = 3, 16  # As pallas_tune.measure.unprofiled.one_scale.
+TOPS = (1, 3, 8)
+
+Blocks = tuple[int, ...]
+
+
+def figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float]:
+    """One figure of every drawn config that has it (ms). ``tune``: libtpu's where it
+    estimated; configs whose profile aborted get the fitted model's figure times the median of
+    libtpu/model over libtpu's best ``MAX_PAIRS`` (with at least ``MIN_PAIRS`` such configs;
+    else they stay out, as a tune ranks them apart), or the model's alone where libtpu
+    estimated nothing (one scale: the model's)."""
+    lib = {tuple(b): v for b, v in run["proxy_ms"]}
+    fit = {tuple(b): v for b, v in run["fitted_ms"]}
+    if name == "libtpu":
+        return lib
+    if name == "fitted":
+        return fit
+    if name == "roofline":
+        return {tuple(b): v for b, v in run["roofline_ms"]}
+    aborted = {tuple(b) for b in run["aborted"]}
+    if not lib:
+        return {b: v for b, v in fit.items() if b in aborted}
+    base = sorted(lib, key=lib.get)[:MAX_PAIRS]
+    pairs = [lib[b] / fit[b] for b in base if fit.get(b)]
+    if len(pairs) < MIN_PAIRS:
+        return lib
+    k = statistics.median(pairs)
+    return {**lib, **{b: fit[b] * k for b in aborted if b in fit}}
+
+
+def judge(run: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The real winner under one figure: its rank among the drawn configs, its rank in the
+    key's whole space estimated from the share of drawn rivals put ahead of it (exact where
+    every config was drawn), and est(winner) / est(pick among the drawn)."""
+    figs = figures(run, name)
+    winner = tuple(run["winner"])
+    rivals = run["configs"] - 1
+    if winner not in figs:
+        return {"rank": None, "est_rank": math.inf, "ratio": None, "ranked": len(figs)}
+    beat = sum(1 for b, v in figs.items() if b != winner and v < figs[winner])
+    space_rivals = run["space"] - 1
+    est = 1 + (beat * space_rivals / rivals if rivals else 0)
+    pick = min(figs, key=figs.get)
+    return {"rank": 1 + beat, "est_rank": est, "ranked": len(figs),
+            "ratio": figs[winner] / figs[pick] if figs[pick] > 0 else None}
+
+
+def k95(est_ranks: Sequence[float]) -> float:
+    """The least K with the winner inside the top K on at least 95% of keys (inf: on more than
+    5% of keys the winner has no figure)."""
+    if not est_ranks:
+        return math.nan
+    need = math.ceil(0.95 * len(est_ranks))
+    k = sorted(est_ranks)[need - 1]
+    return k if k == math.inf else math.ceil(k - 1e-9)
+
+
+def rates(runs: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any]:
+    js = [judge(r, name) for r in runs]
+    est = [j["est_rank"] for j in js]
+    n = len(js)
+    return {"keys": n, "k95": k95(est),
+            **{f"top{t}": sum(e <= t for e in est) for t in TOPS},
+            "within2": sum(j["ratio"] is not None and j["ratio"] <= 1.02 for j in js),
+            "unranked": sum(j["rank"] is None for j in js)}
+
+
+def k_text(k: float) -> str:
+    return "-" if k != k else "none" if k == math.inf else str(int(k))
+
+
+def frac(a: int, n: int) -> str:
+    return f"{a}/{n}" if n else "-"
+
+
+def stratum_order(name: str) -> tuple[int, int]:
+    band, size = name.replace("n_batch ", "").split(" / ")
+    lo = int(band.split("-")[0])
+    return ([b[0] for b in BATCH_BANDS].index(lo), SIZE_NAMES.index(size))
+
+
+def rate_rows(groups: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list[str]:
+    """One row per group: keys, then per figure K95, top 3, top 8, pick within 2%."""
+    head = "| group | keys | " + " | ".join(
+        f"{n}: K95 | {n}: top 1 / 3 / 8 | {n}: pick within 2%" for n, _ in FIGURES) + " |"
+    lines = [head, "|" + "---|" * (2 + 3 * len(FIGURES))]
+    for label, runs in groups:
+        cells = []
+        for n, _ in FIGURES:
+            s = rates(runs, n)
+            cells += [k_text(s["k95"]), " / ".join(frac(s[f"top{t}"], s["keys"]) for t in TOPS),
+                      frac(s["within2"], s["keys"])]
+        lines.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def header(meta: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    planned = meta["planned"]
+    v = meta["versions"]
+    done = {(r["chip"], tuple(r["key"])) for r in runs}
+    left = [p for p in planned if (p["chip"], tuple(p["key"])) not in done]
+    return [
+        "# Estimate fidelity on a stratified sample: libtpu's estimate and pallas-tune's "
+        "models against real-hardware winners (TPU v6e int8, TPU7x float8)", "",
+        f"Generated by `{bench.script(SCRIPT)}` (issue 55). **No figure here is a measurement.** "
+        "The real winner of each key is the block size vLLM tpu-inference publishes as measured "
+        "best on a real TPU (`tpu_inference/kernels/quantized_matmul/tuned_block_sizes.py`, "
+        f"tpu-inference {v['tpu-inference']}, Apache-2.0: its v6e int8 x int8 and its v7 "
+        "float8 x float8 entries); only the sampled keys and winners are reproduced here.", "",
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}; wall time {meta.get('total_s', 0) / 60:.1f} min; "
+        f"**{len(runs)} of {len(planned)} planned keys done**"
+        + (f" (not run: {len(left)}, the run was stopped at the deadline: "
+           + ", ".join(f"{p['chip']} {tuple(p['key'])}" for p in left) + ")" if left else ""),
+        "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
+        f"- host: {meta['host']}, shared with other jobs (load average 3 to 10), "
+        f"{meta['workers']} compile worker(s)", ""]
+
+
+def compared(meta: Mapping[str, Any]) -> list[str]:
+    caps = meta["caps"]
+    return [
+        "## What is compared", "",
+        "- Kernel: tpu-inference's `quantized_matmul_kernel(x, w_q, w_scale, x_q_dtype=<the "
+        "weights' dtype>, tuned_value=TunedValue(batch_block, out_block, in_block))`, x bf16 "
+        "(n_batch, n_in), w_q (n_out, n_in) int8 on v6e, float8_e4m3fn on 7x, w_scale f32.",
+        "- **libtpu**: libtpu's static cycle estimate (deviceless compile on this CPU host, "
+        "v6e at 1.75 GHz, 7x at 2.2 GHz) of the proxy: the kernel with its in-kernel "
+        "activation quantization's scale and reciprocal computed in f32 (the unmodified "
+        "kernel aborts libtpu 0.0.50's profiler on v6e: `LLO_CHECK failure`; see "
+        "`estimate_fidelity_qmm.py`). On 7x in float8 the profiler aborts on many configs "
+        "(`Cannot schedule FIFO push instruction when the FIFO is full`): they get no "
+        "libtpu figure, and are counted below, not dropped.",
+        "- **tune**: what a tune with `--timer tpu-estimate --estimate-fallback model` ranks: "
+        "libtpu's figure; a config whose profile aborted gets the fitted model's figure "
+        "times the median of libtpu/model over libtpu's best 16 configs (with at least 3 "
+        "such configs; else it is ranked apart, out of the pick); where libtpu estimated "
+        "nothing, the model alone. Configs refused for other reasons (VMEM under the "
+        "profiling flag) are left out here.",
+        "- **fitted**: pallas-tune's model fitted to libtpu's v6e estimates of other kernels "
+        "(`feasibility.fitted`, never fitted on these tables), of the unmodified kernel; "
+        "**roofline**: pallas-tune's roofline model (`--estimate-fallback roofline`). Both "
+        "only for configs the block rules and the VMEM model accept.",
+        f"- Sample: seed {meta['seed']}; per chip, strata of n_batch (16-64, 128-512, "
+        "1024-4096, 8192, 16384) x problem size (n_out * n_in cut at the chip table's "
+        f"tertiles: small, medium, large); {meta['per_stratum']} keys per stratum drawn at "
+        "random (`random.Random` seeded by seed, chip and stratum), not by cost; the order "
+        "covers every stratum once before any twice, so a stopped run keeps every stratum "
+        "it reached. 7x's table has no n_batch 16384.",
+        "- Space per key: power-of-two blocks dividing each dimension (batch from 16, out and "
+        "in from 128) plus the winner's own values and the miss default (128, 128, 128), "
+        "less batch blocks the kernel's block rule refuses (not a multiple of 128 nor the "
+        f"whole batch). Compiling all of it is past this host's budget at large keys "
+        f"(hundreds of configs), so each key's run estimates the real winner, the miss "
+        f"default and {meta['rivals']} rivals drawn at random from its space (all of it where "
+        "smaller). `rank` is the winner's rank among those; `est. in space` its rank in the "
+        "whole space estimated as 1 + (rivals ahead of it / rivals drawn) x (rivals in the "
+        "space), exact where every config was drawn. Top-K rates and K95 use that estimate. "
+        "`pick within 2%`: est(winner) <= 1.02 x est(best drawn config): on a drawn space "
+        "this is the flattering side (the whole space's best can only be better).",
+        f"- Stand-in (every compile bounded): fewer batch blocks (the parallel axis; at "
+        f"least {caps['min_steps']} steps where they exist), then, while the compile would "
+        f"simulate more than {caps['mac_cap']:.0e} multiply-accumulates or "
+        f"{caps['step_cap']} grid steps, fewer out and then in blocks (never under 2 where "
+        "there are 2); the figure scaled by blocks in the grid / blocks kept. Per key, the "
+        "most-cut scaled config whose full compile is predicted to cost at most "
+        f"{caps['check_cap_s']:g} CPU s is compiled in full and the error said (never acted "
+        "on: the budget).", ""]
+
+
+def cannot_profile(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = ["## Where libtpu cannot profile", "",
+             "| chip | keys | keys with no libtpu figure at all | configs whose profile "
+             "aborted | real winner's profile aborted | real winner without a libtpu figure "
+             "(any reason) |", "|---|---|---|---|---|---|"]
+    for c in sorted({r["chip"] for r in runs}):
+        rs = [r for r in runs if r["chip"] == c]
+        lines.append(
+            f"| {c} | {len(rs)} | {sum(not r['proxy_ms'] for r in rs)} | "
+            f"{sum(len(r['aborted']) for r in rs)}/{sum(r['configs'] for r in rs)} | "
+            f"{sum(r['winner'] in r['aborted'] for r in rs)} | "
+            f"{sum(not r['winner_kind'].startswith('ok') for r in rs)} |")
+    texts = sorted({t for r in runs for t in r.get("abort_texts", [])})
+    return lines + [""] + ([f"Abort texts seen: {'; '.join(f'`{t[:120]}`' for t in texts)}",
+                            ""] if texts else [])
+
+
+def standin_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    errs = []
+    for r in runs:
+        if "vs full compile" in r["standin_check"]:
+            errs.append(float(r["standin_check"].split(": ")[1].split("%")[0]))
+    unchecked = sum(r["standin_check"].startswith("unchecked") for r in runs)
+    return ["## Stand-in checks", "",
+            f"{sum(r.get('scaled', 0) for r in runs)} configs of {len(runs)} keys were "
+            f"estimated on a scaled stand-in; on {len(errs)} keys one was checked against its "
+            "full compile: error " + (f"median {statistics.median(errs):+.2f}%, worst "
+                                      f"{max(errs, key=abs):+.2f}%, beyond 5% on "
+                                      f"{sum(abs(e) > 5 for e in errs)}" if errs else "-")
+            + f"; {unchecked} keys unchecked (every full compile over the cap).", ""]
+
+
+def key_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = ["| chip | stratum | key (n_batch, n_out, n_in) | real winner | drawn / space | "
+             "libtpu figures | " + " | ".join(f"{n}: rank (est. in space)" for n, _ in FIGURES)
+             + " | libtpu ratio | no libtpu figure | stand-in check |",
+             "|" + "---|" * (9 + len(FIGURES))]
+    for r in sorted(runs, key=lambda r: (r["chip"], stratum_order(r["stratum"]), r["key"])):
+        cells = []
+        for n, _ in FIGURES:
+            j = judge(r, n)
+            cells.append("-" if j["rank"] is None else
+                         f"{j['rank']}/{j['ranked']} ({j['est_rank']:.0f})")
+        ratio = judge(r, "libtpu")["ratio"]
+        fails = ", ".join(f"{k} {n}" for k, n in sorted(r["failures"].items())) or "none"
+        lines.append(
+            f"| {r['chip']} | {r['stratum'].replace('n_batch ', '')} | {tuple(r['key'])} | "
+            f"{tuple(r['winner'])} | {r['configs']}/{r['space']} | {len(r['proxy_ms'])} | "
+            + " | ".join(cells) + f" | {'-' if ratio is None else f'{ratio:.3f}'} | {fails} | "
+            f"{r['standin_check']} |")
+    return lines
+
+
+def report(data: Mapping[str, Any]) -> str:
+    meta, runs = data["meta"], data["runs"]
+    lines = header(meta, runs) + compared(meta)
+    lines += ["## The real winner's rank: K95 first", "",
+              "K95: the least K for which the real winner is inside the figure's top K on at "
+              "least 95% of the keys (`none`: the winner has no figure on more than 5%); "
+              "then on how many keys it is 1st, in the top 3, in the top 8 (rank estimated in "
+              "the whole space), and on how many the figure's pick is within 2% of it.", ""]
+    chips = sorted({r["chip"] for r in runs})
+    groups = [("all keys", runs)] + [(c, [r for r in runs if r["chip"] == c]) for c in chips]
+    lines += rate_rows(groups) + [""]
+    for c in chips:
+        lines += [f"### {c}, per stratum", ""]
+        names = sorted({r["stratum"] for r in runs if r["chip"] == c}, key=stratum_order)
+        lines += rate_rows([(n.replace("n_batch ", ""), [r for r in runs if r["chip"] == c
+                                                         and r["stratum"] == n])
+                            for n in names]) + [""]
+    lines += cannot_profile(runs) + standin_lines(runs)
+    lines += ["## Per key", "", "`rank`: among the drawn configs with that figure (ranked); "
+              "in brackets the estimated rank in the key's whole space.", ""]
+    lines += key_rows(runs) + [""]
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""estimate_fidelity's default run (issue 55): the stratified sample of
+:mod:`estimate_fidelity_strata`, run key by key with the JSON dump and the Markdown report
+rewritten after every key, so that a run stopped at any point leaves a report of the keys done
+(it says how many of how many planned)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common as bench  # noqa: E402
+import estimate_fidelity_strata as st  # noqa: E402
+from estimate_fidelity_qmm import TPU_INFERENCE_DIR, tpu_inference_version  # noqa: E402
+from estimate_fidelity_space import TABLE_FILE, Key, parse_table  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate_fidelity.py")
+RESULTS = bench.result("estimate_fidelity.md")
+DUMP = bench.result("data", "estimate_fidelity_strata.json")
+SEED = 55
+PER_STRATUM = {"v6e": 2, "7x": 1}  # 15 v6e strata x 2 + 12 v7 strata x 1 = 42 keys.
+
+
+def tables(root: str) -> dict[str, dict[Key, Any]]:
+    with open(os.path.join(root, TABLE_FILE), encoding="utf-8") as f:
+        raw = parse_table(f.read())
+    return {chip: st.chip_table(raw, chip) for chip in st.CHIPS}
+
+
+def plan(tabs: Mapping[str, Mapping[Key, Any]], per_stratum: Mapping[str, int], seed: int,
+         keys: int | None) -> list[st.Entry]:
+    entries = st.draw(tabs, per_stratum, seed)
+    return entries if keys is None else entries[:keys]
+
+
+def metadata(argv: Sequence[str] | None, a: argparse.Namespace,
+             planned: Sequence[st.Entry]) -> dict[str, Any]:
+    import jax
+
+    return {"command": bench.command(SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off"),
+            "date": bench.today(), "host": bench.host(), "workers": a.workers,
+            "seed": a.seed, "rivals": a.rivals, "per_stratum": dict(PER_STRATUM),
+            "versions": {"libtpu": bench.version("libtpu"), "jax": jax.__version__,
+                         "jaxlib": bench.version("jaxlib"),
+                         "tpu-inference": tpu_inference_version(),
+                         "pallas-tune": bench.version("pallas-tune"),
+                         "python": platform.python_version()},
+            "caps": {"mac_cap": st.MAC_CAP, "step_cap": st.STEP_CAP,
+                     "min_steps": st.MIN_STEPS, "check_cap_s": st.CHECK_CAP_S},
+            "planned": [{"chip": e.chip, "key": list(e.key), "winner": list(e.winner),
+                         "stratum": e.stratum} for e in planned]}
+
+
+def save(path: str, meta: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> None:
+    path = bench.output(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".part"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"meta": dict(meta), "runs": list(runs)}, f, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def render(path: str, data: Mapping[str, Any]) -> None:
+    from estimate_fidelity_strata_report import report
+
+    bench.write(path, report(data), echo=False)
+
+
+def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
+        meta: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every entry's run, in order; the dump and the report rewritten after each."""
+    from pallas_tune.measure.estimate import Estimator
+
+    runs: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    with Estimator(a.workers, timeout_s=a.timeout_s, memory_limit_bytes=int(a.memory_gb * 2**30)
+                   ) as est:
+        for i, e in enumerate(entries, 1):
+            r = st.run_entry(est, e, tabs[e.chip], a.rivals, a.seed)
+            runs.append(r)
+            meta["total_s"] = time.perf_counter() - t0
+            if a.dump:
+                save(a.dump, meta, runs)
+            try:  # The dump is what counts; a report is re-rendered from it (--from-dump).
+                render(a.out, {"meta": meta, "runs": runs})
+            except Exception as exc:  # noqa: BLE001
+                print(f"report not rendered: {exc!r}", file=sys.stderr, flush=True)
+            print(f"[{i}/{len(entries)}] {e.chip} {e.key} ({e.stratum}) winner {e.winner}: "
+                  f"{len(r['proxy_ms'])}/{r['configs']} estimated, failures {r['failures']}, "
+                  f"winner {r['winner_kind'][:60]}; stand-in {r['standin_check']}; "
+                  f"{r['wall_s']:.0f} s", flush=True)
+    return runs
+
+
+def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
+    """The stratified run's options (added to ``parser``), then the run or a re-render."""
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--keys", type=int, default=bench.smoke(None, 1),
+                        help="run only the first N keys of the plan (default: all 42)")
+    parser.add_argument("--rivals", type=int, default=bench.smoke(st.RIVALS, 3),
+                        help=f"configs drawn per key beside the winner (default {st.RIVALS})")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--memory-gb", type=float, default=8.0,
+                        help="a compile worker past this much memory is stopped")
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--dump", default=DUMP, help="'' for none")
+    parser.add_argument("--from-dump", metavar="JSON", help="re-render a dump; compile nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    a = parser.parse_args(argv)
+    if TPU_INFERENCE_DIR is None:
+        print("tpu-inference is not installed: pip install --no-deps tpu-inference==0.32.0 "
+              "(its vLLM dependency is not needed). Nothing to compare against.",
+              file=sys.stderr)
+        return 2
+    if a.from_dump:
+        with open(a.from_dump, encoding="utf-8") as f:
+            render(a.out, json.load(f))
+        return 0
+    tabs = tables(TPU_INFERENCE_DIR)
+    entries = plan(tabs, PER_STRATUM, a.seed, None if bench.SMOKE else a.keys)
+    if bench.SMOKE:  # The cheapest keys only.
+        entries = sorted(entries, key=lambda e: st.predicted_cost_s(
+            e, tabs[e.chip], a.rivals, a.seed))[:a.keys]
+    cost = sum(st.predicted_cost_s(e, tabs[e.chip], a.rivals, a.seed) for e in entries)
+    print(f"{len(entries)} keys (stratified, seed {a.seed}), predicted {cost:.0f} CPU s:")
+    for e in entries:
+        blocks, n = st.drawn_space(e, tabs[e.chip], a.rivals, a.seed)
+        print(f"  {e.chip} {e.key} {e.stratum}: winner {e.winner}, {len(blocks)} of {n} "
+              f"configs, predicted {st.predicted_cost_s(e, tabs[e.chip], a.rivals, a.seed):.0f}"
+              " s")
+    if a.dry_run:
+        return 0
+    if not bench.have_libtpu(stream=sys.stderr):
+        return 2
+    run(entries, tabs, metadata(argv, a, entries), a)
+    return 0
