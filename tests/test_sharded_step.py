@@ -117,3 +117,33 @@ def test_unprofiled_compiles_rendered_and_their_collectives_composed():
     assert "| compiled in 42 s | 2.500 | cache 3 |" in section
     assert "failed: Ran out of memory in memory space vmem. Used 140M of 127.94M" in section
     assert "| 2.500 (its own, unprofiled) | 4.500 |" in text
+
+
+def test_a_reduce_scatter_fused_as_all_reduce_and_slice_is_a_reduce_scatter(steps):
+    """XLA:TPU writes some reduce-scatters as a fusion of an all-reduce of the padded array and
+    a dynamic-slice, run by its SingleInputAllReduceScatterFusion emitter: modelled as the
+    reduce-scatter it is (its padded bytes once), not as an all-reduce (twice)."""
+    coll, _, _ = steps
+    text = "\n".join([
+        "%all-reduce-scatter.2 (input.2: bf16[14336,4096]) -> bf16[1824,4096] {",
+        "  %all-reduce.6 = bf16[14592,4096]{1,0} all-reduce(%pad.2), channel_id=5, "
+        "replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
+        "  ROOT %dynamic-slice.7 = bf16[1824,4096]{1,0} dynamic-slice(%all-reduce.6, %m, %c)",
+        "}",
+        "",
+        "ENTRY %main.1 (p: bf16[14336,4096]) -> bf16[1824,4096] {",
+        "  %psum.1 = bf16[4096,4096]{1,0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, "
+        "to_apply=%add",
+        "  ROOT %fusion = bf16[1824,4096]{1,0} fusion(%p), kind=kCustom, "
+        "calls=%all-reduce-scatter.2, backend_config={\"collective_algorithm_config\":"
+        "{\"emitter\":\"SingleInputAllReduceScatterFusion\",\"strategy\":\"StrategyRing\"}}",
+        "}"])
+    ops = {o["name"]: o for o in coll.ops(text)}
+    scatter = ops["all-reduce.6"]
+    assert scatter["collective"] == "reduce-scatter"
+    assert scatter["bytes"] == 14592 * 4096 * 2  # The padded full array, not times the group.
+    assert scatter["algorithm"] == "SingleInputAllReduceScatterFusion/StrategyRing"
+    assert ops["psum.1"]["collective"] == "all-reduce"  # Outside such a fusion: an all-reduce.
+    s = coll.summary(text, 1.75e9)
+    assert s["collectives"]["reduce-scatter"]["model_ms"] == pytest.approx(
+        7 / 8 * 14592 * 4096 * 2 / coll.RING_BYTES_PER_S * 1e3)

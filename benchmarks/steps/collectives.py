@@ -33,6 +33,8 @@ _LINE = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([\d,]*)\]")
 _CYCLES = re.compile(r'bundle_analysis_data":\{"estimated_cycles":"(\d+)"')
 _ALGORITHM = re.compile(r'"emitter":"(\w+)","strategy":"(\w+)"')
+_CALLS = re.compile(r"calls=%([\w.-]+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.-]+) \(.*\{\s*$")
 
 
 def _split_shape(rest: str) -> tuple[str, str]:
@@ -73,12 +75,34 @@ def group_size(line: str, default: int) -> int:
     return default
 
 
+def _fused_scatters(text: str) -> dict[str, str]:
+    """XLA:TPU's reduce-scatter fusions: computation name -> the emitter/strategy of the
+    fusion that calls it. Such a computation (``%all-reduce-scatter...``) holds an all-reduce
+    of the padded full array and a dynamic-slice of this chip's part; the
+    ``SingleInputAllReduceScatterFusion`` emitter runs it as a reduce-scatter."""
+    out = {}
+    for line in text.splitlines():
+        called = _CALLS.search(line)
+        if called and called.group(1).startswith("all-reduce-scatter"):
+            algo = _ALGORITHM.search(line)
+            out[called.group(1)] = "/".join(algo.groups()) if algo else ""
+    return out
+
+
 def ops(text: str) -> list[dict[str, Any]]:
     """Every instruction of the compiled program's text that libtpu's profile annotated (or
     that is a collective): name, opcode, its estimated cycles, and for collectives the bytes
-    of its largest array and its group's chip count."""
+    of its largest array and its group's chip count. An all-reduce inside one of XLA's
+    reduce-scatter fusions (:func:`_fused_scatters`) is that reduce-scatter (its bytes: the
+    padded full array), with the fusion's algorithm."""
     out = []
+    scatters = _fused_scatters(text)
+    computation = ""
     for line in text.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            computation = head.group(1)
+            continue
         m = _LINE.match(line)
         if not m:
             continue
@@ -88,6 +112,13 @@ def ops(text: str) -> list[dict[str, Any]]:
         kind = next((c for c in COLLECTIVES if opcode.startswith(c)), None)
         if kind is None and "reduce-scatter" in opcode:
             kind = "reduce-scatter"
+        if kind == "all-reduce" and computation in scatters:
+            op = {"name": m.group(1), "opcode": "all-reduce-scatter fusion",
+                  "cycles": int(cycles.group(1)) if cycles else None,
+                  "collective": "reduce-scatter", "bytes": sum(array_bytes(shape)),
+                  "group": group_size(line, 8), "algorithm": scatters[computation]}
+            out.append(op)
+            continue
         kernel = opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in line
         if cycles is None and kind is None and not kernel:
             continue
