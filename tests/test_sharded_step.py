@@ -147,3 +147,19 @@ def test_a_reduce_scatter_fused_as_all_reduce_and_slice_is_a_reduce_scatter(step
     s = coll.summary(text, 1.75e9)
     assert s["collectives"]["reduce-scatter"]["model_ms"] == pytest.approx(
         7 / 8 * 14592 * 4096 * 2 / coll.RING_BYTES_PER_S * 1e3)
+
+
+def test_a_profiled_row_takes_the_collectives_of_its_unprofiled_compile():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        render = importlib.import_module("steps.sharded_render")
+    finally:
+        sys.path.remove(BENCHMARKS)
+    base = {"model": "8b", "layout": "fsdp", "tokens": 512, "setting": "xla"}
+    rows = [{**base, "program": "mesh", "compute_ms": 1.0, "collectives_model_ms": 4.4},
+            {**base, "program": "mesh-unprofiled", "collectives_model_ms": 3.9,
+             "collectives": {"reduce-scatter": {}}}]
+    row = render._groups(rows)[("8b", "fsdp", 512)][("xla", "mesh")]
+    assert row["collectives_model_ms"] == 3.9 and row["compute_ms"] == 1.0
+    assert row["collectives_from"] == "its unprofiled compile"
+    assert render.total(row) == pytest.approx(4.9)

@@ -21,11 +21,27 @@ def _f(x: Any, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
+_COLLECTIVE_FIELDS = ("collectives", "collectives_model_ms", "collective_ops",
+                      "collective_profile_cycles")
+
+
 def _groups(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """Rows by (model, layout, tokens), then (setting, program). A profiled 8-chip row whose
+    program was also compiled without the profile takes that compile's collectives (the same
+    program: the profile adds annotations, not collectives), read by the current
+    ``collectives`` module; ``collectives_from`` says so."""
     out: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         key = (r["model"], r["layout"], r["tokens"])
         out.setdefault(key, {})[(r["setting"], r["program"])] = r
+    for g in out.values():
+        for (setting, program), r in list(g.items()):
+            plain = g.get((setting, program + "-unprofiled"))
+            if "unprofiled" in program or "error" in r or not plain or "error" in plain:
+                continue
+            g[(setting, program)] = {**r, **{k: plain[k] for k in _COLLECTIVE_FIELDS
+                                             if k in plain},
+                                     "collectives_from": "its unprofiled compile"}
     return out
 
 
