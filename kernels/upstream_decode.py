@@ -46,6 +46,7 @@ import numpy as np
 
 import pallas_tune as pt
 from pallas_tune import chips
+from pallas_tune.kernels import _rpa_estimate
 
 __all__ = ["paged_attention", "paged_attention_reference", "ragged_paged_attention",
            "ragged_paged_attention_reference", "rpa_default_blocks", "rpa_runs_interpreted"]
@@ -216,23 +217,11 @@ def rpa_default_blocks(q, kv_pages, page_indices) -> tuple[int, int]:
 def _rpa_inputs(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
     """Tuning inputs as vLLM's TPU tuner builds them: sequences decode one token each, all at
     their full page-table length; the rest of the token budget is prefill, given to the last
-    sequences (at most a full context each), so every token is live when the cache can hold it.
+    sequences (at most a full context each), so every token is live when the cache can hold it
+    (``_rpa_estimate.serving_metadata``, which the composed estimate uses for the same specs).
     """
-    tokens = q.shape[0]
     seqs, pps = page_indices.shape
-    ctx = pps * kv_pages.shape[1]
-    n = min(seqs, tokens)
-    q_lens = np.ones(n, np.int64)
-    extra = tokens - n
-    for i in range(n - 1, -1, -1):
-        add = min(extra, ctx - 1)
-        q_lens[i] += add
-        extra -= add
-    cu = np.zeros(seqs + 1, np.int64)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
-    lens = np.zeros(seqs, np.int64)
-    lens[:n] = ctx
+    lens, cu, n = _rpa_estimate.serving_metadata(q.shape[0], seqs, pps, kv_pages.shape[1])
     rng = np.random.default_rng(0)
     total = kv_pages.shape[0]
     pages = rng.permutation(total)[: seqs * pps] if total >= seqs * pps else rng.integers(
@@ -263,17 +252,22 @@ def _interpreting() -> bool:
 
 
 @pt.tunable(space="ragged_paged_attention", reference=ragged_paged_attention_reference,
-            inputs=_rpa_inputs, name="jax.ops.tpu.ragged_paged_attention")
+            inputs=_rpa_inputs, name="jax.ops.tpu.ragged_paged_attention",
+            standin=_rpa_estimate.standin, key_optional=["static_kv_blocks"])
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float = 1.0, sliding_window: int | None = None,
                            soft_cap: float | None = None, num_kv_pages_per_block: int,
-                           num_queries_per_block: int, vmem_limit_bytes: int):
+                           num_queries_per_block: int, vmem_limit_bytes: int,
+                           static_kv_blocks: int = 0):
     """JAX's ragged paged attention. q: (tokens, q_heads, head_dim); kv_pages: (total_pages,
     page_size, 2 * kv_heads, head_dim), K and V interleaved on the head axis; kv_lens: int32
     (max_seqs,); page_indices: int32 (max_seqs, pages_per_seq); cu_q_lens: int32 (max_seqs+1,);
     num_seqs: int32 (1,).
 
-    Block sizes are clamped to pages_per_seq and to the token count.
+    Block sizes are clamped to pages_per_seq and to the token count. ``static_kv_blocks > 0``
+    is the ``tpu-estimate`` stand-in's (``kernels._rpa_estimate``): upstream's kernel with each
+    sequence loop run once and each KV-block loop that many times, whatever the lengths; it
+    computes nothing meaningful.
 
     Raises:
       ValueError: kv_pages not shaped (total_pages, page_size, 2 * kv_heads, head_dim).
@@ -294,7 +288,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
             "it on a TPU (it lowers for one on any host: with pallas_tune.target(\"v6e\")), or "
             "on this host call ragged_paged_attention_reference, the same attention in plain "
             "JAX.")
-    return _rpa.ragged_paged_attention(
+    fn = (_rpa_estimate.static_kernel(static_kv_blocks) if static_kv_blocks > 0
+          else _rpa.ragged_paged_attention)
+    return fn(
         q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap,
         num_kv_pages_per_block=min(num_kv_pages_per_block, pps),

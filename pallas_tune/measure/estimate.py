@@ -31,11 +31,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from pallas_tune.measure import candidate as cand
-from pallas_tune.measure import shared, standin
+from pallas_tune.measure import pieces, shared, standin
 from pallas_tune.measure.correction import corrected_ms
 from pallas_tune.measure.evaluate import PoolEvaluator
-from pallas_tune.measure.loops import (FLAG, NO_ESTIMATE, NOT_ESTIMABLE, PREFETCH_NOTE, Census,
-                                      abort_message, below_floor, blind_fetch_message,
+from pallas_tune.measure.loops import (FLAG, NO_ESTIMATE, NOT_ESTIMABLE, Census, abort_message,
+                                      below_floor, blind_fetch_message, describe,
                                       dynamic_loop_message, estimate_flag_missing_message,
                                       floor_message, kernel_census, unfigured_message)
 from pallas_tune.measure.pool import Pool
@@ -52,6 +52,7 @@ __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator"
 _SESSION: Final = "pallas_tune.measure.estimate:EstimateSession"
 _ENV: Final = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 ABORTS_TO_STOP: Final = 3  # Profiler aborts, none estimated yet, before a tune stops.
+_detail = describe  # Its old name (loops.describe: how an estimate was made).
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +80,8 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
     scale = 1.0
     if use_standin and parts.standin is not None:
         args, kwargs, scale = parts.standin(list(args), dict(kwargs), dict(config))
+        if isinstance(args, pieces.Pieces):  # Static problems, summed (measure.pieces).
+            return pieces.estimate_pieces(args, parts, config, chip, estimate, EstimateResult)
     try:
         census = kernel_census(parts.fn, args, {**kwargs, **config}, chip=chip)
     except Exception:  # noqa: BLE001 - the compile below reports the failure by its kind.
@@ -205,7 +208,7 @@ class EstimateSession:
             return TrialRecord(outcome=Outcome.OK, cycles=r.cycles, vmem_bytes=r.scoped_vmem_bytes,
                                measurement=Measurement(times_ms=(ms,), compile_ms=r.compile_s * 1e3,
                                                        timer="tpu-estimate"),
-                               detail="; ".join(filter(None, (_detail(r), said))), **common)
+                               detail="; ".join(filter(None, (describe(r), said))), **common)
         if r.kind in (NO_ESTIMATE, NOT_ESTIMABLE) and self.fallback in ("roofline", "model"):
             from pallas_tune.feasibility.fitted import fitted_calls
             spec = chip_spec(self.chip)
@@ -247,17 +250,6 @@ class EstimateSession:
                      ) -> EstimateResult:
         return estimate(refs.load(), cand.from_wire(args), cand.from_wire(kwargs), config, chip,
                         standin)
-
-
-def _detail(r: EstimateResult) -> str:
-    """How an estimate was made, where not as one whole compile of the full problem."""
-    return "; ".join(([f"estimate x{r.scale:g}"] if r.scale != 1 else []) + (
-        [f"sum of {r.kernels_alone} kernels compiled alone"] if r.kernels_alone else []) + (
-        [f"{r.prefetch_kernels} kernel(s) with scalar prefetch: {PREFETCH_NOTE}"]
-        if r.prefetch_kernels else []) + (
-        [f"up to {r.unseen_write_bytes / 2**20:.1f} MiB of output writes and small input "
-         "blocks follow a table and are not counted (overlapped with compute on a TPU)"]
-        if r.unseen_write_bytes else []))
 
 
 def _estimate_pool(args: tuple[Any, ...], *, workers: int, main_path: str | None,

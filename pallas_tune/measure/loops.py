@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 __all__ = ["FLAG", "FLOOR_SHARE", "NOT_ESTIMABLE", "NO_ESTIMATE", "PREFETCH_NOTE", "Census",
-           "abort_kind", "abort_message", "below_floor", "blind_fetch_message",
+           "abort_kind", "abort_message", "below_floor", "blind_fetch_message", "describe",
            "dynamic_loop_message", "floor_flops", "floor_message", "kernel_census",
            "profiler_abort", "unfigured_message"]
 
@@ -315,6 +315,19 @@ def unfigured_message(count: int, aborts: int) -> str:
             "others out of VMEM only under the profiling flag, or not estimable), so the pick "
             "is among those libtpu estimated; --estimate-fallback model ranks them by the "
             "fitted model, calibrated onto libtpu's figures")
+
+
+def describe(r: Any) -> str:
+    """How an estimate (``estimate.EstimateResult``) was made, where not as one whole compile
+    of the full problem: a composed estimate's note first (:mod:`.pieces`)."""
+    return "; ".join(([r.message] if r.ok and r.message else []) + (
+        [f"estimate x{r.scale:g}"] if r.scale != 1 else []) + (
+        [f"sum of {r.kernels_alone} kernels compiled alone"] if r.kernels_alone else []) + (
+        [f"{r.prefetch_kernels} kernel(s) with scalar prefetch: {PREFETCH_NOTE}"]
+        if r.prefetch_kernels else []) + (
+        [f"up to {r.unseen_write_bytes / 2**20:.1f} MiB of output writes and small input "
+         "blocks follow a table and are not counted (overlapped with compute on a TPU)"]
+        if r.unseen_write_bytes else []))
 
 
 def estimate_flag_missing_message() -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pallas_tune.measure.loops import NOT_ESTIMABLE
+from pallas_tune.measure.loops import NO_ESTIMATE, NOT_ESTIMABLE
 
 __all__ = ["check", "shrink_parallel", "standin_verdict", "unverified"]
 
@@ -43,7 +43,7 @@ def check(configs: Sequence[Mapping[str, Any]], scales: Sequence[Any],
             failed.append(_failure(config, "stand-in", scaled))
             continue
         full = estimate(config, False)
-        if full.ok or full.kind in ("worker_crashed", NOT_ESTIMABLE):
+        if full.ok or full.kind in ("worker_crashed", NOT_ESTIMABLE, NO_ESTIMATE):
             use, record = standin_verdict(config, scale, scaled, full)
             return use, {**record, **({"passed_over": failed} if failed else {})}
         # Compiles on its stand-in, fails in full: the stand-in hides a failure.
@@ -73,11 +73,13 @@ def standin_verdict(config: Mapping[str, Any], scale: float, scaled: Any,
         # Keep it, unverified, and say so.
         return unverified(config, scale, f"the {'full-problem' if scaled.ok else 'stand-in'} "
                           f"compile of {dict(config)} died in its worker ({full.message})")
-    if scaled.ok and not full.ok and full.kind == NOT_ESTIMABLE:
+    if scaled.ok and not full.ok and full.kind in (NOT_ESTIMABLE, NO_ESTIMATE):
         # The full problem has no static estimate at any config (splash's mask tables, which
-        # the profile reads as 0): the stand-in is the only figure, checked by its method alone.
+        # the profile reads as 0; ragged paged attention's loops over lengths, composed from
+        # static pieces): the stand-in is the only figure, checked by its method alone.
         return True, {"config": dict(config), "scale": scale, "trusted": False,
                       "unverifiable": True,
+                      **({"method": scaled.message[:600]} if scaled.message else {}),
                       "note": f"the full problem has no static estimate ({full.message[:200]}); "
                               "the stand-in is used, checked only by its method"}
     if not (scaled.ok and full.ok):
