@@ -19,8 +19,16 @@ its KV cache alone takes 1.3 ms). So:
 - ``paged_attention`` with ``inline_seq_dim=False`` is estimated as decode with every sequence
   at its full page-table length (every page read); the shipped space tunes that form.
   ``inline_seq_dim=True`` (upstream's default) can only be timed on a TPU.
-- ``ragged_paged_attention`` has no static estimate at all: tune it with wall-clock timing on a
-  TPU (``pallas_tune.measure.estimate`` reports "no estimate" for kernels with such loops).
+- ``ragged_paged_attention`` as it is has no static estimate (``pallas_tune.measure.estimate``
+  reports "no estimate" for kernels with such loops); its stand-in composes one from the call's
+  concrete metadata (``kernels/_rpa_estimate.py``): libtpu's estimates of upstream's kernel with
+  static trip counts give the cycles of a grid step and of a KV-block iteration (each iteration
+  DMAs whole blocks and computes every query row of its block, whatever the lengths), and
+  upstream's loops replayed over the concrete ``kv_lens``, ``cu_q_lens`` and ``num_seqs`` give
+  how many of each the call runs. Metadata given as ``jax.ShapeDtypeStruct`` (a shape set,
+  ``autotune``) gets this adapter's serving mix (``inputs=``); concrete metadata that breaks
+  upstream's preconditions stops the tune, naming the value. The trial detail says which.
+  Against JAX's published v6e block sizes: ``benchmarks/results/rpa_fidelity.md``.
 
 Nor does ``ragged_paged_attention`` run in JAX's Pallas interpreters (a CPU host's interpret mode)
 on the JAX versions checked, 0.10.2 and 0.12.0.1, with float32 or bfloat16 inputs and any config:

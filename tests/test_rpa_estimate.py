@@ -151,3 +151,21 @@ def test_tune_with_bad_lengths_stops_naming_them():
         ud.ragged_paged_attention.tune(*args, timer="tpu-estimate", chip="v6e", trials=8,
                                        workers=1, write=False, xla=False, seed=0,
                                        transfer=False)
+
+
+@pytest.mark.libtpu
+def test_the_composition_matches_one_compile_where_one_is_exact():
+    """Each query block holding one whole sequence of 3 KV blocks: upstream's kernel then runs
+    the static-trip program itself (4 blocks, 3 iterations each), which libtpu estimates in one
+    compile; the figure composed from the three small pieces agrees within 5%."""
+    from pallas_tune.measure.estimate import Estimator
+
+    args = _args([96] * 4, [16] * 4)  # bq 16: one sequence per block; 96 / (2 x 16) = 3 blocks.
+    whole = [S(a.shape, a.dtype) for a in args]
+    with Estimator(1) as est:
+        (composed,) = est.map(ud.ragged_paged_attention, args, {}, [CFG], "v6e")
+        (one,) = est.map(ud.ragged_paged_attention, whole, {"static_kv_blocks": 3}, [CFG], "v6e",
+                         standin=False)
+    assert composed.ok and one.ok, (composed.message, one.message)
+    assert "4 grid steps" in composed.message and "12 KV blocks" in composed.message
+    assert composed.cycles == pytest.approx(one.cycles, rel=0.05)

@@ -9,18 +9,23 @@ ships beside the kernel it estimates, measured on real v6e chips
 (``jax/experimental/pallas/ops/tpu/ragged_paged_attention/tuned_block_sizes.py``, 'TPU v6':
 (q dtype, kv dtype, q heads and kv heads per block, head dim, page size, max_num_batched_tokens,
 max_model_len) -> (num_kv_pages_per_block, num_queries_per_block)): per sampled key, the
-winner's rank among the adapter's space (num_kv_pages_per_block 1..128 clamped to the pages per
-sequence, num_queries_per_block 8..256, at vmem_limit_bytes 100 MiB), the pick, and
-est(winner)/est(pick). tpu-inference's v3 table is for another kernel (its own RPA v3) and is
-not used here.
+winner's rank among the configs, the pick, and est(winner)/est(pick). tpu-inference's v3 table
+is for another kernel (its own RPA v3, a different program) and is not used here.
 
-The concrete inputs: 256 sequences (vLLM's max_num_seqs on TPU), each decoding one token at
-the full max_model_len, the rest of max_num_batched_tokens prefill given to the last sequences
-(what the adapter's ``inputs=`` and vLLM's TPU tuner use: the largest KV read a step of that
-size can hold, the case block sizes are tuned for). Sampled: the table's (heads, page size)
-groups, one per page size drawn with a seeded RNG (the pieces' compiles are per group and
-config; every key of a drawn group, i.e. each max_num_batched_tokens x max_model_len, is then
-ranked at no further compile). Every figure is a v6e compiler ESTIMATE, not a measurement.
+The concrete inputs, like for like: those the published winners were timed on. The public
+autotune script of JAX's table times each key on one "typical distribution of kv_lens and
+cu_q_lens" (``get_qkv_lens_example(..., actual_num_seqs=35)``): 34 sequences decoding one token
+and one prefill of min(max_num_batched_tokens, max_model_len) - 34 tokens, every sequence at
+max_model_len (here padded to 256 sequences), over bkv in (4, 8, ..., 256) up to the pages per
+sequence and bq in (32, 64, 128, 256), at vmem_limit_bytes 100 MiB; so the configs ranked are
+those, at that limit. Beside it: the adapter's whole space (bkv from 1, bq from 8), and the
+adapter's own serving mix (256 sequences decoding at max_model_len, the rest of the tokens
+prefill: what a shape-set sweep estimates), a decode-heavier load than the one timed.
+
+Sampled: the table's (q heads, kv heads, page size) groups, one per page size (16 to 256)
+drawn with a seeded RNG, whatever their compile cost (the pieces' compiles are per group and
+config; every key of a drawn group, each max_num_batched_tokens x max_model_len, is then
+ranked without another compile). Every figure is a v6e compiler ESTIMATE, not a measurement.
 
     PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimates/rpa_fidelity.py [--seed 5] [--workers 2]
 """
@@ -110,71 +115,146 @@ def piece_costs(est: Estimator, group: tuple, keys: dict, done: dict, log, save)
     return out
 
 
+def method_check(est: Estimator, group: tuple, costs: dict, log) -> list[tuple]:
+    """The composition checked where one compile is exact: each query block holds one whole
+    sequence of K KV blocks (bq tokens each), so upstream's kernel runs the static-trip kernel's
+    program at ``blocks`` query blocks and K iterations; its libtpu estimate against
+    fixed + blocks * per_step + blocks * K * per_iteration from the three pieces."""
+    out = []
+    blocks, k = 4, 3
+    for bkv, bq in CHECKED:
+        c = costs.get((bkv, bq))
+        if not isinstance(c, tuple):
+            continue
+        piece, _ = rpa.piece_problems(call_args(group, 16, blocks * bq), {}, bq)[0]
+        problem = [S((blocks * bq, *piece[0].shape[1:]), piece[0].dtype), *piece[1:]]
+        whole = est.map(ud.ragged_paged_attention, problem, {"static_kv_blocks": k},
+                        [cfg(bkv, bq)], "v6e", standin=False)[0]
+        composed = c[0] + blocks * c[1] + blocks * k * c[2]
+        out.append(((bkv, bq), composed, whole.cycles if whole.ok else whole.kind))
+        log(f"    method check {group[2]}/{group[3]} page {group[5]} ({bkv}, {bq}): composed "
+            f"{composed:.0f}, whole {out[-1][2]}")
+    return out
+
+
+CHECKED = [(2, 32), (4, 64), (8, 128)]
+
+
 def cfg(bkv: int, bq: int) -> dict:
     return {"num_kv_pages_per_block": bkv, "num_queries_per_block": bq, "vmem_limit_bytes": VMEM}
 
 
-def rank_key(group: tuple, tokens: int, mml: int, winner: tuple, costs: dict) -> dict:
-    """The key's row: every distinct effective config's composed cycles, the winner's rank."""
+def tuner_example(tokens: int, pps: int, page: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The metadata the published winners were measured on (the autotune script of JAX's
+    table, ``get_qkv_lens_example(max_num_batched_tokens, max_model_len, actual_num_seqs=35)``:
+    "a typical distribution of kv_lens and cu_q_lens"): 34 sequences decoding one token and one
+    prefill of min(tokens, max_model_len) - 34 tokens, all at max_model_len, padded to SEQS."""
+    mml, n = pps * page, min(35, tokens)
+    cu = np.zeros(SEQS + 1, np.int64)
+    cu[:n] = np.arange(n)
+    cu[n:] = min(tokens, mml)
+    lens = np.zeros(SEQS, np.int64)
+    lens[:n] = mml
+    return lens, cu, n
+
+
+MIXES = {"tuner": tuner_example,  # Like for like: how the winners were measured.
+         "serving": lambda t, pps, page: rpa.serving_metadata(t, SEQS, pps, page)}
+# The published tuner's space: bkv in (4, 8, ..., 256) up to the pages per sequence, bq 32..256.
+PUBLISHED = lambda bkv, bq: bkv >= 4 and bq >= 32  # noqa: E731
+
+
+def rank_key(group: tuple, tokens: int, mml: int, winner: tuple, costs: dict,
+             mix: str = "tuner", space: str = "published") -> dict:
+    """The key's row: every distinct effective config's composed cycles under the ``mix``'s
+    metadata, over the ``space`` (the published tuner's, or the adapter's), the winner's rank."""
     page = group[5]
     pps = mml // page
-    lens, cu, n = rpa.serving_metadata(tokens, SEQS, pps, page)
-    hq_blk, hkv2_blk = ud._rpa.get_min_heads_per_blk(group[2], 2 * group[3], jnp.dtype(group[0]),
-                                                     jnp.dtype(group[1]))
+    lens, cu, n = MIXES[mix](tokens, pps, page)
+    rpa.check_metadata(lens, np.zeros((SEQS, pps), np.int64), cu, np.array([n]), tokens=tokens,
+                       page_size=page, total_pages=SEQS * pps)
+    hq_blk, _ = ud._rpa.get_min_heads_per_blk(group[2], 2 * group[3], jnp.dtype(group[0]),
+                                              jnp.dtype(group[1]))
     figs = {}
     for (bkv, bq), c in costs.items():
         eff = (min(bkv, pps), min(bq, tokens))
-        if not isinstance(c, tuple) or eff in figs:
+        if (not isinstance(c, tuple) or eff in figs
+                or (space == "published" and not (PUBLISHED(bkv, bq) and bkv <= pps))):
             continue
         w = rpa.work(lens, cu, n, tokens=tokens, page_size=page, bq=eff[1], bkv=eff[0],
                      heads_blocks=group[2] // hq_blk, page_bytes=0)
         fixed, per_step, per_iter = c
         figs[eff] = fixed + w.steps * per_step + w.iterations * per_iter
     win = (min(winner[0], pps), min(winner[1], tokens))
-    pick = min(figs, key=figs.get)
-    row = {"group": group, "tokens": tokens, "mml": mml, "winner": win, "pick": pick,
+    row = {"group": group, "tokens": tokens, "mml": mml, "winner": win, "pick": None,
            "ranked": len(figs), "rank": None, "ratio": None}
+    if figs:
+        row["pick"] = min(figs, key=figs.get)
     if win in figs:
         row["rank"] = 1 + sum(v < figs[win] for v in figs.values())
-        row["ratio"] = figs[win] / figs[pick]
+        row["ratio"] = figs[win] / figs[row["pick"]]
     return row
 
 
-def render(rows: list[dict], sampled: list, n_groups: int, seed: int, wall: float,
-           log: list[str]) -> str:
+def summary(rows: list[dict]) -> str:
     ranked = [r for r in rows if r["rank"] is not None]
-    n = len(rows)
     top = lambda k: sum(r["rank"] <= k for r in ranked)  # noqa: E731
     ratios = [r["ratio"] for r in ranked]
+    return (f"published winner in the estimate's top 3 on {top(3)} of {len(rows)} keys "
+            f"({100 * top(3) / max(1, len(rows)):.0f}%); top 1 on {top(1)}, top 8 on {top(8)}; "
+            + (f"median est(winner)/est(pick) {statistics.median(ratios):.3f}, worst "
+               f"{max(ratios):.3f}" if ratios else "no winner ranked"))
+
+
+VARIANTS = {("tuner", "published"): "the published tuner's metadata and space (like for like)",
+            ("tuner", "adapter"): "the same metadata over the adapter's whole space (bkv from 1, "
+                                  "bq from 8: configs the published tuner never timed)",
+            ("serving", "published"): "the adapter's serving mix (what a shape-set sweep "
+                                      "estimates) over the published space"}
+
+
+def render(rows: dict, sampled: list, n_groups: int, seed: int, wall: float,
+           log: list[str], checks: list) -> str:
+    main_rows = rows[("tuner", "published")]
     lines = ["# Ragged paged attention: the composed estimate against JAX's published v6e "
-             "winners (ESTIMATES)", "", __doc__.split("\n\n")[1].replace("\n", " "), "",
-             __doc__.split("\n\n")[2].replace("\n", " "), "",
+             "winners (ESTIMATES)", "", *[p.replace("\n", " ") + "\n" for p in
+                                          __doc__.split("\n\n")[1:4]],
              f"    {bench.command(__file__, env='PALLAS_TUNE_TPU_LOGS=off')}", "",
              f"{bench.today()}; {bench.versions('jax', 'jaxlib', 'libtpu')}; {bench.host()}; "
-             f"wall {wall / 60:.1f} min; seed {seed}: {len(sampled)} of the table's {n_groups} "
-             "(heads, page size) groups", "",
-             f"**Published winner in the estimate's top 3 on {top(3)} of {n} keys** "
-             f"({100 * top(3) / max(1, n):.0f}%); top 1 on {top(1)}, top 8 on {top(8)}; "
-             + (f"median est(winner)/est(pick) {statistics.median(ratios):.3f}, worst "
-                f"{max(ratios):.3f}" if ratios else "no winner ranked") + ".", "",
-             "## Per page size", ""]
+             f"wall {wall / 60:.1f} min (this run; the pieces' costs are kept in "
+             f"`benchmarks/results/data/rpa_fidelity.json`); seed {seed}: {len(sampled)} of the "
+             f"table's {n_groups} (heads, page size) groups, every key of each", "",
+             f"**Like for like: {summary(main_rows)}.**", ""]
+    lines += [f"- {text}: {summary(rows[v])}." for v, text in VARIANTS.items()
+              if v != ("tuner", "published")]
+    lines += ["", "## Per page size (like for like)", ""]
     by_page = collections.defaultdict(list)
-    for r in rows:
+    for r in main_rows:
         by_page[r["group"][5]].append(r)
-    lines += bench.table(["page size", "keys", "top 1", "top 3", "top 8", "median ratio"],
-                         sorted(by_page.items()), lambda kv: [
-        kv[0], len(kv[1]), sum((r["rank"] or 99) <= 1 for r in kv[1]),
-        sum((r["rank"] or 99) <= 3 for r in kv[1]), sum((r["rank"] or 99) <= 8 for r in kv[1]),
+    lines += bench.table(["page size", "q/kv heads", "keys", "top 1", "top 3", "top 8",
+                          "median ratio"], sorted(by_page.items()), lambda kv: [
+        kv[0], f"{kv[1][0]['group'][2]}/{kv[1][0]['group'][3]}", len(kv[1]),
+        *(sum((r["rank"] or 99) <= k for r in kv[1]) for k in (1, 3, 8)),
         f"{statistics.median([r['ratio'] for r in kv[1] if r['ratio']] or [0]):.3f}"])
-    lines += ["", "## Per key", "", "(bkv, bq) as they run: clamped to the pages per sequence "
-              "and the tokens; rank among the configs ranked (distinct effective configs that "
-              "compiled at every piece).", ""]
+    lines += ["", "## Per key", "", "(bkv, bq) as they run (clamped to the pages per sequence); "
+              "rank / configs ranked (distinct effective configs whose three pieces all "
+              "estimated); the last two columns: the winner's rank in the variants above.", ""]
+    other = {v: {(r["group"], r["tokens"], r["mml"]): r for r in rows[v]} for v in VARIANTS}
     lines += bench.table(
         ["q/kv heads", "page", "tokens", "max_model_len", "winner", "rank / ranked", "pick",
-         "est(winner)/est(pick)"], rows, lambda r: [
-            f"{r['group'][2]}/{r['group'][3]}", r["group"][5], r["tokens"], r["mml"],
-            r["winner"], f"{r['rank'] or 'not ranked'} / {r['ranked']}", r["pick"],
-            f"{r['ratio']:.3f}" if r["ratio"] else "-"])
+         "est(winner)/est(pick)", "rank, adapter's space", "rank, serving mix"], main_rows,
+        lambda r: [f"{r['group'][2]}/{r['group'][3]}", r["group"][5], r["tokens"], r["mml"],
+                   r["winner"], f"{r['rank'] or 'not ranked'} / {r['ranked']}", r["pick"],
+                   f"{r['ratio']:.3f}" if r["ratio"] else "-",
+                   *(f"{o['rank'] or '-'} / {o['ranked']}" for o in (
+                       other[v][(r["group"], r["tokens"], r["mml"])]
+                       for v in list(VARIANTS)[1:]))])
+    lines += ["", "## The composition checked", "", method_check.__doc__.split("\n\n")[0]
+              .replace("\n    ", " ").replace("``", "`") + f" ({checks[0] if checks else '-'} "
+              "group, 4 query blocks, K = 3).", ""]
+    lines += bench.table(["(bkv, bq)", "composed cycles", "one compile", "composed / one"],
+                         checks[1:], lambda r: [r[0], f"{r[1]:.0f}", r[2], f"{r[1] / r[2]:.3f}"
+                                                if isinstance(r[2], int) else "-"])
     lines += ["", "## Compile log", "", *[f"    {x.strip()}" for x in log], ""]
     return "\n".join(lines) + "\n"
 
@@ -190,6 +270,8 @@ def main() -> None:
     p.add_argument("--only", type=int, nargs="*", help="estimate only these sampled groups "
                    "(indices), e.g. to split the compiles over processes; the others are read "
                    "from --data where there")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="check the composition against single compiles (3 more compiles)")
     a = p.parse_args()
     if not bench.have_libtpu():
         return
@@ -198,7 +280,7 @@ def main() -> None:
     if bench.SMOKE:  # One small group, two keys, two block sizes each way.
         sampled = [min(sampled, key=lambda g: (g[2] * g[5], g))]
         BKV[:], BQ[:] = [2, 4], [32, 64]
-    t0, log, rows = time.perf_counter(), [], []
+    t0, log, rows = time.perf_counter(), [], {}
 
     def say(line: str) -> None:
         log.append(line)
@@ -220,10 +302,17 @@ def main() -> None:
             failed = collections.Counter(v for v in costs.values() if not isinstance(v, tuple))
             if failed:
                 say(f"    not estimated: {dict(failed)}")
-            if costs:
-                rows += [rank_key(g, t, mml, w, costs) for (t, mml), w in sorted(keys.items())]
+            for v in VARIANTS if costs else ():
+                rows.setdefault(v, []).extend(rank_key(g, t, mml, w, costs, *v)
+                                              for (t, mml), w in sorted(keys.items()))
+        checked = min((g for g in sampled if data.get(repr(g))), key=lambda g: g[2] * g[5],
+                      default=None)
+        checks = [] if checked is None else [f"{checked[2]}/{checked[3]} page {checked[5]}"] + (
+            method_check(est, checked, {tuple(map(int, c.split(","))): tuple(v) for c, v in
+                                        data[repr(checked)].items() if isinstance(v, list)},
+                         say) if a.check else [])
     bench.write(a.out, render(rows, sampled, len(all_groups), a.seed,
-                              time.perf_counter() - t0, log))
+                              time.perf_counter() - t0, log, checks))
 
 
 def _save(path: str, data: dict) -> None:
