@@ -270,6 +270,8 @@ def main() -> None:
     p.add_argument("--only", type=int, nargs="*", help="estimate only these sampled groups "
                    "(indices), e.g. to split the compiles over processes; the others are read "
                    "from --data where there")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="a compile's time limit: a config past it is not ranked (counted)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="check the composition against single compiles (3 more compiles)")
     a = p.parse_args()
@@ -288,7 +290,7 @@ def main() -> None:
 
     data_path = bench.output(a.data)
     data = json.load(open(data_path)) if os.path.exists(data_path) else {}
-    with Estimator(a.workers) as est:
+    with Estimator(a.workers, timeout_s=a.timeout_s) as est:
         for i, g in enumerate(sampled):
             keys = all_groups[g]
             if bench.SMOKE:
