@@ -152,6 +152,10 @@ def test_a_tune_ranks_aborted_configs_by_the_model_calibrated_onto_libtpu(mods):
     tune = rp.figures(run, "tune")
     assert tune[(1, 1, 1)] == pytest.approx(0.5)  # The model's 1.0 times libtpu/model 0.5.
     assert rp.judge(run, "tune")["rank"] == 1 and rp.judge(run, "libtpu")["rank"] is None
+    # Out of VMEM only under the profiling flag: the same route as an abort.
+    oom = _run(proxy_ms=lib, fitted_ms=fit, flag_only_oom=[[1, 1, 1]])
+    assert rp.figures(oom, "tune")[(1, 1, 1)] == pytest.approx(0.5)
+    assert (1, 1, 1) not in rp.figures(_run(proxy_ms=lib, fitted_ms=fit), "tune")
     # Fewer than 3 configs with both figures: the aborted config stays out of the ranking.
     assert (1, 1, 1) not in rp.figures(_run(proxy_ms=lib[:2], fitted_ms=fit,
                                             aborted=[[1, 1, 1]]), "tune")

@@ -63,6 +63,14 @@ def stratum(key: Key, edges: tuple[int, int]) -> str:
     return f"n_batch {band} / {SIZE_NAMES[(size >= edges[0]) + (size >= edges[1])]}"
 
 
+def turn(name: str) -> tuple[int, int]:
+    """A stratum's place in a round: diagonals of the n_batch band x size grid, so that the
+    first five keys of a chip hold every n_batch band and the first three every size."""
+    band, size = name.replace("n_batch ", "").split(" / ")
+    b = [lo for lo, _ in BATCH_BANDS].index(int(band.split("-")[0]))
+    return (SIZE_NAMES.index(size) - b) % len(SIZE_NAMES), b
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Entry:
     chip: str
@@ -75,20 +83,26 @@ def draw(tables: Mapping[str, Mapping[Key, Blocks]], per_stratum: Mapping[str, i
          seed: int) -> list[Entry]:
     """``per_stratum[chip]`` keys of each stratum (all its keys where it holds fewer), drawn
     with ``random.Random`` seeded by (seed, chip, stratum), in an order that covers every
-    stratum once before any twice (the first round of each chip first): a run stopped early
-    still has keys of every stratum."""
-    rounds: dict[int, list[Entry]] = collections.defaultdict(list)
+    stratum once before any twice, the chips taking turns within a round: a run stopped early
+    still has keys of both chips and of every stratum it reached."""
+    rounds: dict[int, dict[str, list[Entry]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
     for chip, table in tables.items():
         edges = size_edges(table)
         by: dict[str, list[Key]] = collections.defaultdict(list)
         for k in sorted(table):
             by[stratum(k, edges)].append(k)
-        for name in sorted(by):
+        for name in sorted(by, key=turn):
             rng = random.Random(f"{seed}:{chip}:{name}")
             picks = rng.sample(by[name], min(per_stratum.get(chip, 0), len(by[name])))
             for i, k in enumerate(picks):
-                rounds[i].append(Entry(chip, k, table[k], name))
-    return [e for i in sorted(rounds) for e in rounds[i]]
+                rounds[i][chip].append(Entry(chip, k, table[k], name))
+    out = []
+    for i in sorted(rounds):
+        turns = list(rounds[i].values())
+        for j in range(max(map(len, turns))):
+            out += [t[j] for t in turns if j < len(t)]
+    return out
 
 
 def valid(key: Key, b: Blocks) -> bool:
@@ -216,8 +230,24 @@ def check_standin(est: Any, entry: Entry, results: Mapping[Blocks, Any], dtype: 
     return f"{blocks_text(b)} x{scale:.3g}: {err:+.2%} vs full compile{flag}"
 
 
-def run_entry(est: Any, entry: Entry, table: Mapping[Key, Blocks], rivals: int, seed: int
-              ) -> dict[str, Any]:
+def flag_only_oom(unprofiled: Any, entry: Entry, results: Mapping[Blocks, Any], dtype: str
+                  ) -> list[Blocks]:
+    """The configs whose profiled compile ran out of VMEM and that compile without the
+    profiling flag (in ``unprofiled``'s worker, whose libtpu never saw it), on the same
+    stand-in: a tune gives them the fallback's figure, as it does aborted ones."""
+    from pallas_tune.feasibility.compile import VMEM_PHYSICAL, VMEM_SCOPED
+    from pallas_tune.measure.loops import NO_ESTIMATE
+
+    oom = [b for b, r in results.items() if not r.ok and r.kind in (VMEM_SCOPED, VMEM_PHYSICAL)]
+    if not oom or unprofiled is None:
+        return []
+    rr = unprofiled.map(proxy_parts(), operands(entry.key, dtype), {}, [config(b) for b in oom],
+                        CHIPS[entry.chip][2])
+    return [b for b, r in zip(oom, rr, strict=True) if r.ok or r.kind == NO_ESTIMATE]
+
+
+def run_entry(est: Any, entry: Entry, table: Mapping[Key, Blocks], rivals: int, seed: int,
+              unprofiled: Any = None) -> dict[str, Any]:
     """Every figure of every config of the entry's space, as JSON-ready lists: libtpu's estimate
     of the proxy (ms, on the capped stand-in), the roofline and fitted models (ms), why a
     config has no libtpu figure, and the stand-in's check."""
@@ -240,6 +270,7 @@ def run_entry(est: Any, entry: Entry, table: Mapping[Key, Blocks], rivals: int, 
     winner_kind = ("ok" if entry.winner in proxy else "not in space" if w is None
                    else f"{w.kind}: {(aborts.get(entry.winner) or w.message or '')[:160]}")
     check = check_standin(est, entry, results, dtype)
+    flag_only = flag_only_oom(unprofiled, entry, results, dtype)
     scaled = sum(1 for r in results.values() if r.ok and r.scale > 1)
 
     def rows(figs: Mapping[Blocks, float], k: float = 1.0) -> list[list[Any]]:
@@ -249,6 +280,7 @@ def run_entry(est: Any, entry: Entry, table: Mapping[Key, Blocks], rivals: int, 
             "stratum": entry.stratum, "configs": len(blocks), "space": space_size,
             "proxy_ms": rows(proxy), "roofline_ms": rows(roof, 1e3),
             "fitted_ms": rows(fitted, 1e3), "aborted": [list(b) for b in sorted(aborts)],
+            "flag_only_oom": [list(b) for b in sorted(flag_only)],
             "abort_texts": sorted(set(aborts.values()))[:3], "failures": dict(failures),
             "winner_kind": winner_kind, "standin_check": check, "scaled": scaled,
             "miss_default": list(MISS_DEFAULT), "wall_s": time.perf_counter() - t0}

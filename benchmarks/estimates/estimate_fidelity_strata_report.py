@@ -32,7 +32,8 @@ Blocks = tuple[int, ...]
 
 def figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float]:
     """One figure of every drawn config that has it (ms). ``tune``: libtpu's where it
-    estimated; configs whose profile aborted get the fitted model's figure times the median of
+    estimated; configs whose profile aborted, or ran out of VMEM only with the profiling flag,
+    get the fitted model's figure times the median of
     libtpu/model over libtpu's best ``MAX_PAIRS`` (with at least ``MIN_PAIRS`` such configs;
     else they stay out, as a tune ranks them apart), or the model's alone where libtpu
     estimated nothing (one scale: the model's)."""
@@ -44,7 +45,7 @@ def figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float]:
         return fit
     if name == "roofline":
         return {tuple(b): v for b, v in run["roofline_ms"]}
-    aborted = {tuple(b) for b in run["aborted"]}
+    aborted = {tuple(b) for b in (*run["aborted"], *run.get("flag_only_oom", ()))}
     if not lib:
         return {b: v for b, v in fit.items() if b in aborted}
     base = sorted(lib, key=lib.get)[:MAX_PAIRS]
@@ -121,6 +122,32 @@ def rate_rows(groups: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list
     return lines
 
 
+def user_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What a user's shape sees, per chip and n_batch band and per chip and size: keys, and
+    for libtpu's figure, a tune's and the fitted model's, top 3 / top 8 and K95."""
+    names = ("libtpu", "tune", "fitted")
+    lines = ["| chip | shapes | keys | " + " | ".join(
+        f"{n}: top 3 / top 8 | {n}: K95" for n in names) + " |",
+        "|" + "---|" * (3 + 2 * len(names))]
+    for chip in sorted({r["chip"] for r in runs}):
+        rs = [r for r in runs if r["chip"] == chip]
+        groups = [(f"n_batch {lo}" + (f"-{hi}" if hi > lo else ""),
+                   [r for r in rs if lo <= r["key"][0] <= hi]) for lo, hi in BATCH_BANDS]
+        groups += [(f"{size} n_out x n_in", [r for r in rs if r["stratum"].endswith(size)])
+                   for size in SIZE_NAMES]
+        groups.append(("all", rs))
+        for label, g in groups:
+            if not g:
+                continue
+            cells = []
+            for n in names:
+                s = rates(g, n)
+                cells += [f"{frac(s['top3'], s['keys'])} / {frac(s['top8'], s['keys'])}",
+                          k_text(s["k95"])]
+            lines.append(f"| {chip} | {label} | {len(g)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def header(meta: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> list[str]:
     planned = meta["planned"]
     v = meta["versions"]
@@ -137,8 +164,8 @@ def header(meta: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> list[s
         f"- command: `{meta['command']}`",
         f"- date: {meta['date']}; wall time {meta.get('total_s', 0) / 60:.1f} min; "
         f"**{len(runs)} of {len(planned)} planned keys done**"
-        + (f" (not run: {len(left)}, the run was stopped at the deadline: "
-           + ", ".join(f"{p['chip']} {tuple(p['key'])}" for p in left) + ")" if left else ""),
+        + (f" (not run: {len(left)}: " + ", ".join(f"{p['chip']} {tuple(p['key'])}"
+                                                   for p in left) + ")" if left else ""),
         "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
         f"- host: {meta['host']}, shared with other jobs (load average 3 to 10), "
         f"{meta['workers']} compile worker(s)", ""]
@@ -159,11 +186,12 @@ def compared(meta: Mapping[str, Any]) -> list[str]:
         "(`Cannot schedule FIFO push instruction when the FIFO is full`): they get no "
         "libtpu figure, and are counted below, not dropped.",
         "- **tune**: what a tune with `--timer tpu-estimate --estimate-fallback model` ranks: "
-        "libtpu's figure; a config whose profile aborted gets the fitted model's figure "
+        "libtpu's figure; a config whose profile aborted, or that ran out of VMEM only under "
+        "the profiling flag (checked by an unprofiled compile of the same stand-in), gets the "
+        "fitted model's figure "
         "times the median of libtpu/model over libtpu's best 16 configs (with at least 3 "
         "such configs; else it is ranked apart, out of the pick); where libtpu estimated "
-        "nothing, the model alone. Configs refused for other reasons (VMEM under the "
-        "profiling flag) are left out here.",
+        "nothing, the model alone.",
         "- **fitted**: pallas-tune's model fitted to libtpu's v6e estimates of other kernels "
         "(`feasibility.fitted`, never fitted on these tables), of the unmodified kernel; "
         "**roofline**: pallas-tune's roofline model (`--estimate-fallback roofline`). Both "
@@ -198,14 +226,17 @@ def compared(meta: Mapping[str, Any]) -> list[str]:
 def cannot_profile(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["## Where libtpu cannot profile", "",
              "| chip | keys | keys with no libtpu figure at all | configs whose profile "
-             "aborted | real winner's profile aborted | real winner without a libtpu figure "
-             "(any reason) |", "|---|---|---|---|---|---|"]
+             "aborted | real winner's profile aborted | configs out of VMEM only with the "
+             "profiling flag | real winner among them | real winner without a libtpu figure "
+             "(any reason) |", "|---|---|---|---|---|---|---|---|"]
     for c in sorted({r["chip"] for r in runs}):
         rs = [r for r in runs if r["chip"] == c]
         lines.append(
             f"| {c} | {len(rs)} | {sum(not r['proxy_ms'] for r in rs)} | "
             f"{sum(len(r['aborted']) for r in rs)}/{sum(r['configs'] for r in rs)} | "
             f"{sum(r['winner'] in r['aborted'] for r in rs)} | "
+            f"{sum(len(r.get('flag_only_oom', ())) for r in rs)} | "
+            f"{sum(r['winner'] in r.get('flag_only_oom', ()) for r in rs)} | "
             f"{sum(not r['winner_kind'].startswith('ok') for r in rs)} |")
     texts = sorted({t for r in runs for t in r.get("abort_texts", [])})
     return lines + [""] + ([f"Abort texts seen: {'; '.join(f'`{t[:120]}`' for t in texts)}",
@@ -265,6 +296,9 @@ def report(data: Mapping[str, Any]) -> str:
         lines += rate_rows([(n.replace("n_batch ", ""), [r for r in runs if r["chip"] == c
                                                          and r["stratum"] == n])
                             for n in names]) + [""]
+    lines += ["## What a user's shapes see", "",
+              "The same, pooled by n_batch band and by problem size (the docs' table).", ""]
+    lines += user_rows(runs) + [""]
     lines += cannot_profile(runs) + standin_lines(runs)
     lines += ["## Per key", "", "`rank`: among the drawn configs with that figure (ranked); "
               "in brackets the estimated rank in the key's whole space.", ""]

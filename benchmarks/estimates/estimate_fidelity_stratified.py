@@ -73,19 +73,37 @@ def render(path: str, data: Mapping[str, Any]) -> None:
     bench.write(path, report(data), echo=False)
 
 
+def done_before(path: str, seed: int, rivals: int) -> list[dict[str, Any]]:
+    """``--resume``: the runs a dump of the same seed and rivals holds (none if it is absent)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if (data["meta"].get("seed"), data["meta"].get("rivals")) != (seed, rivals):
+        raise SystemExit(f"--resume: {path} was run with another --seed or --rivals "
+                         f"({data['meta'].get('seed')}, {data['meta'].get('rivals')}); give "
+                         "the same, or another --dump")
+    return data["runs"]
+
+
 def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
         meta: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every entry's run, in order; the dump and the report rewritten after each."""
+    """Every entry's run, in order (``--resume``: after those the dump holds); the dump and the
+    report rewritten after each."""
     from pallas_tune.measure.estimate import Estimator
 
-    runs: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = done_before(a.dump, a.seed, a.rivals) if a.resume else []
+    done = {(r["chip"], tuple(r["key"])) for r in runs}
+    entries = [e for e in entries if (e.chip, e.key) not in done]
+    meta["total_s_before"] = sum(r["wall_s"] for r in runs)
     t0 = time.perf_counter()
-    with Estimator(a.workers, timeout_s=a.timeout_s, memory_limit_bytes=int(a.memory_gb * 2**30)
-                   ) as est:
+    limit = int(a.memory_gb * 2**30)
+    with (Estimator(a.workers, timeout_s=a.timeout_s, memory_limit_bytes=limit) as est,
+          Estimator(1, timeout_s=a.timeout_s, memory_limit_bytes=limit, profile=False) as plain):
         for i, e in enumerate(entries, 1):
-            r = st.run_entry(est, e, tabs[e.chip], a.rivals, a.seed)
+            r = st.run_entry(est, e, tabs[e.chip], a.rivals, a.seed, plain)
             runs.append(r)
-            meta["total_s"] = time.perf_counter() - t0
+            meta["total_s"] = meta["total_s_before"] + time.perf_counter() - t0
             if a.dump:
                 save(a.dump, meta, runs)
             try:  # The dump is what counts; a report is re-rendered from it (--from-dump).
@@ -114,6 +132,8 @@ def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
     parser.add_argument("--dump", default=DUMP, help="'' for none")
     parser.add_argument("--from-dump", metavar="JSON", help="re-render a dump; compile nothing")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the keys --dump holds (same --seed and --rivals), run the rest")
     a = parser.parse_args(argv)
     if TPU_INFERENCE_DIR is None:
         print("tpu-inference is not installed: pip install --no-deps tpu-inference==0.32.0 "
