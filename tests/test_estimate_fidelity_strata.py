@@ -43,7 +43,7 @@ def mods():
         for k in [k for k in sys.modules if (k == "tpu_inference" or k.startswith(
                 "tpu_inference.")) and k not in before]:
             del sys.modules[k]
-        for m in ("estimate_fidelity_strata", "estimate_fidelity_strata_report"):
+        for m in [m for m in sys.modules if m.startswith("estimate_fidelity")]:
             sys.modules.pop(m, None)
 
 

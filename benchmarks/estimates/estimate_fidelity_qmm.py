@@ -109,9 +109,12 @@ TPU_INFERENCE_DIR = install_stubs()  # At import: the estimate workers import th
 
 
 def qmm() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
-    """tpu-inference's quantized-matmul modules: (kernel, util, tuned_block_sizes)."""
+    """tpu-inference's quantized-matmul modules: (kernel, util, tuned_block_sizes). The stubs
+    are put back first where they were taken out of ``sys.modules`` since this module's import
+    (tests do), so that the package ``__init__`` (vLLM) is never imported."""
     import importlib
 
+    install_stubs()
     return tuple(importlib.import_module(f"{QMM}.{m}")  # type: ignore[return-value]
                  for m in ("kernel", "util", "tuned_block_sizes"))
 
