@@ -1,5 +1,18 @@
-"""Ground truth for the estimate (issue 39): how libtpu's static cycle estimate, and pallas-tune's
-roofline model, rank block sizes that were measured best on a real TPU v6e.
+"""Ground truth for the estimate: how libtpu's static cycle estimate, and pallas-tune's models,
+rank block sizes that were measured best on real TPUs.
+
+The default run (issue 55, ``estimate_fidelity_stratified``): a stratified sample of
+tpu-inference's v6e int8 and v7 float8 keys (strata of n_batch x problem size, drawn at random
+with a seed), the real winner's rank distribution first (K95), per chip and stratum, written to
+``benchmarks/results/estimate_fidelity.md`` with its data in
+``benchmarks/results/data/estimate_fidelity_strata.json``:
+
+    PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimates/estimate_fidelity.py [--resume]
+        [--keys N] [--rivals 8] [--workers 1] [--dry-run] [--from-dump JSON]
+
+``--seeded-sample`` runs the earlier, biased sample (issue 39; keys drawn only among those cheap
+to compile) described below, which the correction's fit reads; its report goes to
+``benchmarks/results/estimate_fidelity_seeded10.md``.
 
 The real-hardware winners are vLLM tpu-inference's published table for its int8 quantized matmul
 (``tpu_inference/kernels/quantized_matmul/tuned_block_sizes.py``, Apache-2.0, PyPI package
@@ -35,16 +48,19 @@ modules whose ``__path__`` is the installed package's directories, and a stub
 the estimate workers, which import that module to load the proxy). Needs ``pip install --no-deps
 tpu-inference==0.32.0`` and libtpu; exits 2 without tpu-inference.
 
-    PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimates/estimate_fidelity.py [--keys 10]
-        [--seed 39]
+    PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimates/estimate_fidelity.py --seeded-sample
+        [--keys 10] [--seed 39]
 
 The parts live beside this entry point: ``estimate_fidelity_space`` (the table, the space, the
 sample, the ranking metrics: pure), ``estimate_fidelity_qmm`` (the kernel, the proxy, its
 stand-in, the roofline and corrected figures), ``estimate_fidelity_run`` (a key's run, the dump)
-and ``estimate_fidelity_report`` (the Markdown); this module re-exports them.
+and ``estimate_fidelity_report`` (the Markdown); the stratified run's are
+``estimate_fidelity_strata`` (the draw, the capped stand-in, a key's run),
+``estimate_fidelity_strata_report`` and ``estimate_fidelity_stratified`` (its options and
+loop). This module re-exports the first four.
 
-Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): one cheap key, one worker; the report and dump go to the
-smoke folder.
+Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): one cheap key (three rivals), one worker; the report and
+dump go to the smoke folder.
 """
 
 from __future__ import annotations
