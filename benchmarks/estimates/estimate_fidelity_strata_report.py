@@ -167,7 +167,7 @@ def header(meta: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> list[s
         + (f" (not run: {len(left)}: " + ", ".join(f"{p['chip']} {tuple(p['key'])}"
                                                    for p in left) + ")" if left else ""),
         "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
-        f"- host: {meta['host']}, shared with other jobs (load average 3 to 10), "
+        f"- host: {meta['host']}, shared with other jobs (load average 9 to 13 during the run), "
         f"{meta['workers']} compile worker(s)", ""]
 
 
