@@ -76,10 +76,15 @@ class AxisNotBoundError(NoFeasibleConfigError, ValueError):
     """The kernel was called where its mesh axis is not bound (outside ``jax.shard_map``)."""
 
 
-def _axis_size(axis_name: str) -> int:
+def _axis_size(axis_name: str, declared: int) -> int:
+    """The mesh axis's size; 1 where it is not bound and 1 is declared (over one device the
+    gather is the identity: the call is a plain matmul, anywhere)."""
     try:
+        jax.lax.axis_index(axis_name)  # NameError where unbound (JAX 0.10's axis_size may not).
         return jax.lax.axis_size(axis_name)
     except NameError as e:
+        if declared == 1:
+            return 1
         raise AxisNotBoundError(
             f"collective_matmul gathers x over the mesh axis {axis_name!r}, which is not bound "
             "here: call it inside jax.shard_map over a mesh with that axis (x sharded along its "
@@ -96,7 +101,7 @@ def _check(x, y, axis_name, axis_size, bn, bk):
     if x.dtype != y.dtype or x.dtype not in DTYPES:
         raise ValueError(f"collective_matmul supports float32 or bfloat16 operands of one dtype; "
                          f"got x {x.dtype}, y {y.dtype}: cast both to bfloat16 or float32")
-    size = _axis_size(axis_name)
+    size = _axis_size(axis_name, axis_size)
     if size != axis_size:
         raise ValueError(f"collective_matmul: axis_size={axis_size} but the mesh axis "
                          f"{axis_name!r} has {size} devices: pass axis_size={size}")
@@ -143,13 +148,14 @@ def _tpu_interpreter(tp: int):
 
 
 # Registered as a tunable kernel (search_spaces/collective_matmul.toml) at the end of the file.
-def collective_matmul(x: jax.Array, y: jax.Array, *, axis_name: str, axis_size: int, bn: int,
-                      bk: int, y_resident: bool) -> jax.Array:
+def collective_matmul(x: jax.Array, y: jax.Array, *, bn: int, bk: int, y_resident: bool,
+                      axis_name: str = "model", axis_size: int = 1) -> jax.Array:
     """``jax.lax.all_gather(x, axis_name, tiled=True) @ y`` inside ``jax.shard_map``, the
     gather's ring transfers overlapped with the matmul; x (m, k) and y (k, n) are the device's
     shards, of one dtype (float32 or bfloat16); the result is (axis_size·m, n).
 
-    ``axis_size`` is the mesh axis's size (in the cache key: the best blocks depend on it).
+    ``axis_size`` is the mesh axis's size (in the cache key: the best blocks depend on it);
+    its default, 1, is a plain matmul (no gather), inside ``shard_map`` or not.
     ``bn`` and ``bk`` larger than n and k are clamped to them; otherwise they must divide them.
 
     Raises:
@@ -375,11 +381,11 @@ def _fetch_y(y_ref, y_vmem, y_sem, *, bn, bk, ahead):
     block(t).wait()
 
 
-def collective_matmul_reference(x: jax.Array, y: jax.Array, *, axis_name: str,
-                                axis_size: int) -> jax.Array:
+def collective_matmul_reference(x: jax.Array, y: jax.Array, *, axis_name: str = "model",
+                                axis_size: int = 1) -> jax.Array:
     """``all_gather(x) @ y`` in plain JAX (XLA's all-gather, then its dot), f32 accumulation."""
-    _axis_size(axis_name)
-    del axis_size
+    if _axis_size(axis_name, axis_size) == 1:
+        return jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
     gathered = jax.lax.all_gather(x, axis_name, tiled=True)
     return jnp.dot(gathered, y, preferred_element_type=jnp.float32).astype(x.dtype)
 

@@ -124,10 +124,13 @@ def test_bad_input_gets_a_clear_error():
     # Outside shard_map: the axis is not bound; the error says where to call it. It is a
     # NoFeasibleConfigError too, so that autotune lists the call untuned instead of failing.
     with pytest.raises(AxisNotBoundError, match="call it inside jax.shard_map") as e:
-        ring_free_standin(x, y, axis_name="d", axis_size=1, bn=128, bk=128, y_resident=False)
+        ring_free_standin(x, y, axis_name="d", axis_size=4, bn=128, bk=128, y_resident=False)
     assert isinstance(e.value, NoFeasibleConfigError) and isinstance(e.value, ValueError)
     with pytest.raises(ValueError, match="call it inside jax.shard_map"):
-        collective_matmul(x, y, axis_name="d", axis_size=1, bn=128, bk=128, y_resident=False)
+        collective_matmul(x, y, axis_name="d", axis_size=4, bn=128, bk=128, y_resident=False)
+    # Over one device the gather is the identity: a plain matmul, inside shard_map or not.
+    out = collective_matmul(x, y, axis_name="d", axis_size=1, bn=128, bk=128, y_resident=False)
+    assert float(jnp.max(jnp.abs(out - x @ y))) == 0.0
 
 
 def test_the_space_refuses_blocks_that_do_not_divide():
