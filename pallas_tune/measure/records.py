@@ -143,10 +143,11 @@ def describe_tally(t: dict[str, int]) -> str:
 
 
 # The estimate's shortlist: how many of its best configs a tpu-estimate entry keeps for
-# ``--confirm-top`` to measure on the chip. 8 by default: on the real-hardware winners the
-# fidelity benchmark was judged on (tpu-inference's v6e int8 matmul keys and its v7
-# table), the winner was inside libtpu's top 8 on 11 of 11 keys, and inside its top 3 on only
-# 6 of 12. Per kernel where a stratified sample has measured it (none yet).
+# ``--confirm-top`` to measure on the chip. 8 by default, which no sample has confirmed: on an
+# early sample of tpu-inference's real-hardware winners, biased to keys cheap to compile, the
+# winner was inside libtpu's top 8 on 11 of 11 keys; on the stratified sample
+# (benchmarks/results/estimate_fidelity.md, 8 of its 42 keys done) a tune's figure held it in
+# its top 8 on 5 of 8. Per kernel where a sample has measured it (none yet).
 DEFAULT_SHORTLIST_K: Final = 8
 SHORTLIST_K: Final[dict[str, int]] = {}
 
@@ -161,9 +162,9 @@ def shortlist(records: Any, kernel: str) -> dict[str, Any] | None:
     if not ranked:
         return None
     return {"k": k, "k_from": (f"measured for {kernel}" if kernel in SHORTLIST_K else
-                               "default: the winner inside libtpu's top 8 on 11 of 11 of "
-                               "tpu-inference's real-hardware keys, not yet measured per "
-                               "kernel"),
+                               "default, not measured for this kernel: a top 8 held the "
+                               "real-hardware winner on 11 of 11 keys of an early, biased "
+                               "sample and on 5 of 8 of the stratified one"),
             "configs": [dict(r.config) for r in ranked],
             "figures_ms": [r.median_ms for r in ranked],
             "figures": [r.measurement.timer for r in ranked]}
