@@ -1,9 +1,9 @@
 """How ``pallas_tune.measure.correction``'s per-step term was chosen (on the fitting sample
 only), and how the two terms fare on the reported keys they were not fitted on.
 
-Reads the fitting sample's dump (``benchmarks/results/data/estimate_fidelity_fit.json``, written by
-``benchmarks/estimates/estimate_fidelity.py --seed 3939 --exclude-seed 39 --keys 10 --max-key-cost
-150 --dump ...``: ten tpu-inference v6e keys disjoint from the reported ones), and for each
+Reads the fitting sample's dump (``benchmarks/results/data/estimate_fidelity_fit.json``, written
+by ``benchmarks/estimates/estimate_fidelity.py --seeded-sample --seed 3939 --exclude-seed 39
+--keys 10 --max-key-cost 150 --dump ...``: ten tpu-inference v6e keys disjoint from the reported ones), and for each
 candidate per-step cost, with the exposed-DMA term fixed (``1 - 1/bw_eff``, not fitted), scores the
 corrected estimate against the real v6e winners in the wider space: the sum over keys of
 log(fig(real winner) / fig(pick)) (0 where the pick is the winner), and the keys where the winner
