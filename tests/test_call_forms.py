@@ -82,7 +82,8 @@ CASES = {
          S((2,), I32), S((2, 4), I32)), dict(attn_logits_soft_cap=8.0)),
     "jax.ops.tpu.ragged_paged_attention": (
         (S((64, 4, 128), BF16), S((64, 16, 4, 128), BF16), S((8,), I32), S((8, 8), I32),
-         S((9,), I32), S((1,), I32)), dict(sm_scale=0.125, sliding_window=16, soft_cap=8.0)),
+         S((9,), I32), S((1,), I32)),
+        dict(sm_scale=0.125, sliding_window=16, soft_cap=8.0, static_kv_blocks=2)),
     "jax.ops.gpu.attention.mha": (
         (S((1, 128, 2, 64), F32),) * 3, dict(causal=True, sm_scale=0.125)),
     "jax.ops.gpu.layer_norm": (
