@@ -232,8 +232,10 @@ def collectives_for(groups: dict, model: str, layout: str, tokens: int, setting:
             return r["collectives_model_ms"], what
     tries = [(setting, "")] + ([("xla", "all-XLA's")] if setting != "xla" else [])
     for s, label in tries:
-        for (m, lay, t), g in sorted(groups.items(), key=lambda kv: kv[0][2] != tokens):
-            r = g.get((s, "mesh"))
+        for (m, lay, t), g in sorted(groups.items(),
+                                     key=lambda kv: (kv[0][0] != model, kv[0][2] != tokens)):
+            r = next((x for x in (g.get((s, "mesh")), g.get((s, "mesh-unprofiled")))
+                      if x and "error" not in x), None)
             if lay != layout or not r or "collectives_model_ms" not in r:
                 continue
             if m != model and layout != "tp8":
