@@ -37,7 +37,6 @@ host mesh of ``--xla_force_host_platform_device_count`` devices runs it; on a TP
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
@@ -47,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_tune as pt
+from pallas_tune import _vma
 from pallas_tune.errors import NoFeasibleConfigError
 
 __all__ = ["AxisNotBoundError", "collective_matmul", "ring_free_standin", "collective_matmul_reference", "vmem_bytes"]
@@ -115,36 +115,20 @@ def _check(x, y, axis_name, axis_size, bn, bk):
                 f" or {dim}), or pad the shapes")
 
 
-def _vma_interpreter_too_old(tp: int) -> bool:
+def _refusal(tp: int) -> str | None:
     """JAX 0.10's TPU interpreter hangs on this kernel over more than 2 devices."""
-    try:
-        version = tuple(int(p) for p in jax.__version__.split(".")[:2])
-    except ValueError:
-        return False
-    return tp > 2 and version < (0, 11)
-
-
-@contextlib.contextmanager
-def _tpu_interpreter(tp: int):
-    """Where kernels are interpreted with the HLO interpreter (pallas-tune's default on a CPU
-    host), this one runs on the TPU interpreter instead: only it simulates remote DMAs."""
-    from jax._src import config as jax_config
-
-    state = jax_config.pallas_tpu_interpret_mode_context_manager
-    if state.value is not True:
-        yield
-        return
-    if _vma_interpreter_too_old(tp):
-        raise NotImplementedError(
-            f"collective_matmul over {tp} devices cannot run on JAX {jax.__version__}'s TPU "
+    if tp <= 2 or _vma.interpreter_runs_sharded():  # JAX 0.11 and newer.
+        return None
+    return (f"collective_matmul over {tp} devices cannot run on JAX {jax.__version__}'s TPU "
             "interpreter (a CPU host): with more than 2 devices it hangs on the ring's forwarded "
             "transfers (measured on 4 host devices; 2 run). Use JAX 0.11 or newer (pip install "
             "-U jax), a mesh axis of 2 devices, or a TPU, where the kernel is Mosaic's.")
-    prev = state.swap_local(pltpu.InterpretParams())
-    try:
-        yield
-    finally:
-        state.set_local(prev)
+
+
+def _tpu_interpreter(tp: int):
+    """Where kernels are interpreted with the HLO interpreter (pallas-tune's default on a CPU
+    host), this one runs on the TPU interpreter instead: only it simulates remote DMAs."""
+    return _vma.tpu_interpreter(lambda: _refusal(tp))
 
 
 # Registered as a tunable kernel (search_spaces/collective_matmul.toml) at the end of the file.

@@ -112,7 +112,12 @@ def interpreter_runs_sharded() -> bool:
 
 
 @contextlib.contextmanager
-def _tpu_interpreter() -> Iterator[None]:
+def tpu_interpreter(refusal: Callable[[], str | None]) -> Iterator[None]:
+    """Where pallas-tune interprets kernels with the HLO interpreter (a CPU host), the block
+    runs on JAX's TPU interpreter instead: only it types a checking shard_map's shards and
+    simulates remote DMAs. ``refusal()`` says why it cannot run there (raised as
+    NotImplementedError), or None. A TPU compile, or the user's own interpret params, are left
+    as they are."""
     from jax._src import config as jax_config
     from jax.experimental.pallas import tpu as pltpu
 
@@ -120,20 +125,30 @@ def _tpu_interpreter() -> Iterator[None]:
     if state.value is not True:  # Off (compiling for a TPU), or the user's own params.
         yield
         return
-    if not interpreter_runs_sharded():
-        import jax
-
-        raise NotImplementedError(
-            f"JAX {jax.__version__}'s Pallas interpreters cannot run a kernel inside a "
-            "jax.shard_map that checks varying axes (check_vma=True, its default) on a host "
-            "without a TPU: the HLO interpreter fails on the shard's types and the TPU "
-            "interpreter hangs on some kernels. Use JAX 0.11 or newer (pip install -U jax), "
-            "pass check_vma=False to jax.shard_map, or run on a TPU, where this works.")
+    reason = refusal()
+    if reason:
+        raise NotImplementedError(reason)
     prev = state.swap_local(pltpu.InterpretParams())
     try:
         yield
     finally:
         state.set_local(prev)
+
+
+def _sharded_refusal() -> str | None:
+    if interpreter_runs_sharded():
+        return None
+    import jax
+
+    return (f"JAX {jax.__version__}'s Pallas interpreters cannot run a kernel inside a "
+            "jax.shard_map that checks varying axes (check_vma=True, its default) on a host "
+            "without a TPU: the HLO interpreter fails on the shard's types and the TPU "
+            "interpreter hangs on some kernels. Use JAX 0.11 or newer (pip install -U jax), "
+            "pass check_vma=False to jax.shard_map, or run on a TPU, where this works.")
+
+
+def _tpu_interpreter() -> contextlib.AbstractContextManager[None]:
+    return tpu_interpreter(_sharded_refusal)
 
 
 def typed_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

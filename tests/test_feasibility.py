@@ -263,7 +263,8 @@ def test_kernels_with_scalar_prefetch_are_counted_for_the_estimate_caveat():
     estimate names such kernels: the grouped matmul's one, its backward's two, no matmul's."""
     from pallas_tune.kernels.grouped_matmul import grouped_matmul
     from pallas_tune.kernels.grouped_matmul_bwd import grouped_matmul_bwd
-    from pallas_tune.measure.estimate import EstimateResult, _detail
+    from pallas_tune.measure.estimate import EstimateResult
+    from pallas_tune.measure.loops import describe
     from pallas_tune.measure.loops import PREFETCH_NOTE, kernel_census
 
     def prefetch_kernels(*args, **kwargs):
@@ -279,9 +280,9 @@ def test_kernels_with_scalar_prefetch_are_counted_for_the_estimate_caveat():
                             chip="v6e") == 2
     x = jax.ShapeDtypeStruct((256, 256), bf)
     assert prefetch_kernels(matmul.fn, [x, x], dict(matmul.space.default), chip="v6e") == 0
-    detail = _detail(EstimateResult(ok=True, kind="ok", cycles=1, prefetch_kernels=2))
+    detail = describe(EstimateResult(ok=True, kind="ok", cycles=1, prefetch_kernels=2))
     assert detail == f"2 kernel(s) with scalar prefetch: {PREFETCH_NOTE}"
-    assert _detail(EstimateResult(ok=True, kind="ok", cycles=1)) == ""
+    assert describe(EstimateResult(ok=True, kind="ok", cycles=1)) == ""
 
 
 def test_table_indexed_fetches_the_estimate_cannot_see_are_found():
@@ -294,7 +295,8 @@ def test_table_indexed_fetches_the_estimate_cannot_see_are_found():
     refuses every drhs config of the backward (its visit axis is innermost)."""
     from pallas_tune.kernels.grouped_matmul import grouped_matmul
     from pallas_tune.kernels.grouped_matmul_bwd import grouped_matmul_bwd
-    from pallas_tune.measure.estimate import EstimateResult, _detail
+    from pallas_tune.measure.estimate import EstimateResult
+    from pallas_tune.measure.loops import describe
     from pallas_tune.measure.loops import kernel_census
 
     bf = jnp.bfloat16
@@ -310,7 +312,7 @@ def test_table_indexed_fetches_the_estimate_cannot_see_are_found():
     assert two_steps.blind_inputs == ()
     # The output tile (128x1024 bf16) is written per visit by the data, per n tile in its eyes.
     assert two_steps.unseen_write_bytes == 128 * 1024 * 2 * (4 * 15 - 4)
-    assert "up to 14.0 MiB of output writes" in _detail(EstimateResult(
+    assert "up to 14.0 MiB of output writes" in describe(EstimateResult(
         ok=True, kind="ok", cycles=1, unseen_write_bytes=two_steps.unseen_write_bytes))
     bwd = kernel_census(grouped_matmul_bwd.fn, [lhs, rhs, sizes, d],
                         {f"{p}_{t}": 512 for p in ("dlhs", "drhs") for t in ("tm", "tk", "tn")},

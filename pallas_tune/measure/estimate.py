@@ -52,7 +52,6 @@ __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator"
 _SESSION: Final = "pallas_tune.measure.estimate:EstimateSession"
 _ENV: Final = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 ABORTS_TO_STOP: Final = 3  # Profiler aborts, none estimated yet, before a tune stops.
-_detail = describe  # Its old name (loops.describe: how an estimate was made).
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
