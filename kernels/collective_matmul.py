@@ -160,7 +160,13 @@ def ring_free_standin(x: jax.Array, y: jax.Array, *, axis_name: str, axis_size: 
     step on the device's own shard, no barrier and no remote DMA (wrong numbers: for compiler
     estimates only). libtpu's static profile gives a kernel with remote DMAs 0 cycles
     (``dma_instruction_type: DMA_INSTRUCTION_TYPE_LOCAL_AND_REMOTE``), so the compute side of
-    a config is estimated on this; the ring is modelled apart."""
+    a config is estimated on this; the ring is modelled apart.
+
+    A resident ``y`` is read here by Pallas's own (bk, bn) blocks at step 0, each later step
+    keeping the last block (its index unchanged, so never fetched again): y read once and the
+    same dots, as the kernel's step-0 copy into VMEM does. libtpu's profiler aborts on the
+    kernel's own copy ("No DMA issue node found for sync flag"), and on any config with a
+    single column block (``bn == n``) or, streamed, a single contracted chunk (``bk == k``)."""
     bn, bk = min(bn, y.shape[1]), min(bk, x.shape[1])
     _check(x, y, axis_name, axis_size, bn, bk)
     return _build(x, y, axis_name, axis_size, bn, bk, y_resident, ring=False)
@@ -181,6 +187,10 @@ def _build(x, y, axis_name, tp, bn, bk, y_resident, *, ring):
 
     y_spec = (pl.BlockSpec(memory_space=pl.ANY) if y_resident else
               pl.BlockSpec((bk, bn), lambda s, j, kk, me_ref, off_ref: (kk, j)))
+    if y_resident and not ring:  # The stand-in's resident y: Pallas's own blocks, fetched
+        gk, gn = k // bk, n // bn  # at step 0 only (later steps keep the last block), so y is
+        y_spec = pl.BlockSpec((bk, bn), lambda s, j, kk, me_ref, off_ref: (  # read once;
+            jnp.where(s == 0, kk, gk - 1), jnp.where(s == 0, j, gn - 1)))  # see ring_free_standin.
     need = vmem_bytes(m, n, k, x.dtype.itemsize, bn=bn, bk=bk, y_resident=y_resident)
     kernel = functools.partial(_kernel, axis_name=axis_name, tp=tp, order=tuple(order),
                                hops=hops, bn=bn, bk=bk, y_resident=y_resident, ring=ring)
@@ -267,9 +277,10 @@ def _kernel(me_ref, off_ref, x_hbm, y_ref, o_ref, xg_hbm, x_vmem, acc, y_vmem, x
 
         chunk(kk, kk % 2, True).wait()  # Either copy: the wait counts the chunk's bytes.
 
-    if y_resident:
-        pl.when(s == 0)(functools.partial(_fetch_y, y_ref, y_vmem, y_sem, bn=bn, bk=bk,
-                                          ahead=ring))
+    if y_resident and not ring:
+        y_block = y_ref[...]  # Step 0's block, or (later steps) the last one: wrong numbers.
+    elif y_resident:
+        pl.when(s == 0)(functools.partial(_fetch_y, y_ref, y_vmem, y_sem, bn=bn, bk=bk))
         y_block = y_vmem[pl.ds(pl.multiple_of(kk * bk, bk), bk),
                          pl.ds(pl.multiple_of(j * bn, bn), bn)]
     else:
@@ -335,9 +346,9 @@ def _ring(me, src, x_hbm, xg_hbm, own_sem, send_sem, recv_sem, *, axis_name, tp,
         pltpu.make_async_copy(x_hbm, xg_hbm.at[me], own_sem).wait()
 
 
-def _fetch_y(y_ref, y_vmem, y_sem, *, bn, bk, ahead):
+def _fetch_y(y_ref, y_vmem, y_sem, *, bn, bk):
     """Step 0 of a resident y: its (bk, bn) block of this grid step copied into VMEM, the next
-    block's copy started first (``ahead``), so that it runs under this step's dot."""
+    block's copy started first, so that it runs under this step's dot."""
     j, kk = pl.program_id(1), pl.program_id(2)
     grid_k = pl.num_programs(2)
     t, total = j * grid_k + kk, pl.num_programs(1) * grid_k
@@ -347,12 +358,6 @@ def _fetch_y(y_ref, y_vmem, y_sem, *, bn, bk, ahead):
         cols = pl.ds(pl.multiple_of((t // grid_k) * bn, bn), bn)
         return pltpu.make_async_copy(y_ref.at[rows, cols], y_vmem.at[rows, cols],
                                      y_sem.at[t % 2])
-
-    if not ahead:
-        copy = block(t)
-        copy.start()
-        copy.wait()
-        return
 
     @pl.when(t == 0)
     def _():

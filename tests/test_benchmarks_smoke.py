@@ -101,7 +101,7 @@ SMOKES = {
                                     libtpu=True),
     "kernels/ragged.py": Smoke(("| matmul | bm=256, bn=256, bk=256, buffering=2 |",),
                                libtpu=True),
-    "kernels/collective_matmul.py": Smoke(("| 1 | bn=128 bk=256 streamed |",
+    "kernels/collective_matmul.py": Smoke(("bn=128 bk=256 streamed |", "bn=128 bk=256 resident |",
                                            "XLA collective matmul (post_spmd)"), libtpu=True),
     "kernels/gpu_adapters.py": Smoke(("| jax.ops.gpu.softmax | `x=16x256:float32` |",),
                                      args=("--allow-cpu",), note="a GPU (interpret mode)"),

@@ -54,9 +54,9 @@ XLA_CM = {"xla_tpu_all_gather_collective_matmul_mode": "post_spmd"}
 USABLE_VMEM = 100 * 1024 * 1024
 # The default configs (a subset of the space, for time: a compile takes 1 to 3 minutes on this
 # host): tpu-inference's winners at the 51200-column keys, each streamed too, and narrower ones.
-SUBSET = ("3200:5120:1", "3200:5120:0", "1280:5120:1", "1280:5120:0", "1280:1280:0",
-          "640:2560:0", "6400:1280:0")
-CHILD_TIMEOUT_S = 600  # Configs whose buffers need more are not compiled.
+SUBSET = ("3200:5120:1", "3200:5120:0", "1280:5120:1", "1280:5120:0", "1280:1280:1",
+          "1280:1280:0", "640:2560:1", "640:2560:0", "6400:1280:0")
+CHILD_TIMEOUT_S = 600  # The default --timeout: configs whose compile takes longer get no figure.
 
 
 def _configs(m, n, k, named):
@@ -88,12 +88,14 @@ def _compile(fn, x, y, options=None):
 def _loop_ms(text, rows, clock):
     """The compute ESTIMATE of XLA's decomposed program: entry ops once, the while body's
     once per iteration (the gathered rows over the rows its dots produce)."""
+    from steps import collectives
+
     body, entry, produced, current = 0, 0, 0, None
     for line in text.splitlines():
         if line.startswith("%") or line.startswith("ENTRY"):
             current = "body" if "_body" in line else ("entry" if line.startswith("ENTRY")
                                                        else "other")
-        m = re.search(r'estimated_cycles":"(\d+)"', line)
+        m = collectives.CYCLES.search(line)  # Not window_config's own estimated_cycles.
         if not m or current == "other":
             continue
         if current == "body":
@@ -158,16 +160,16 @@ def child(what, m, n, k, bn=0, bk=0, resident=False):
     return out
 
 
-def _run_child(*args, stream):
+def _run_child(*args, stream, timeout=CHILD_TIMEOUT_S):
     if bench.SMOKE:  # Its configs profile; one process, for time.
         return child(*args[:4], *args[4:6], *(bool(v) for v in args[6:]))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                            check=False)
     except subprocess.TimeoutExpired:
-        print(f"  {args}: no answer in {CHILD_TIMEOUT_S} s", file=stream, flush=True)
-        return {"error": f"the compile ran past {CHILD_TIMEOUT_S} s"}
+        print(f"  {args}: no answer in {timeout} s", file=stream, flush=True)
+        return {"error": f"the compile ran past {timeout} s"}
     if r.returncode == 0:
         return json.loads(r.stdout.strip().splitlines()[-1])
     why = next((ln for ln in r.stderr.splitlines() if "failed:" in ln or "Error" in ln),
@@ -177,7 +179,7 @@ def _run_child(*args, stream):
     return {"error": why}
 
 
-def run(keys, named, stream=sys.stdout):
+def run(keys, named, stream=sys.stdout, timeout=CHILD_TIMEOUT_S):
     from steps import collectives
 
     sections = []
@@ -185,7 +187,8 @@ def run(keys, named, stream=sys.stdout):
         ring_ms = (TP - 1) / TP * m * k * 2 / collectives.RING_BYTES_PER_S * 1e3
         rows, failed = [], []
         for bn, bk, resident in _configs(m, n, k, named):
-            r = _run_child("standin", m, n, k, bn, bk, int(resident), stream=stream)
+            r = _run_child("standin", m, n, k, bn, bk, int(resident), stream=stream,
+                           timeout=timeout)
             if "error" in r:
                 failed.append((bn, bk, resident, r["error"]))
                 continue
@@ -197,12 +200,13 @@ def run(keys, named, stream=sys.stdout):
         winner = TPU_INFERENCE.get((6, m, n, k, "bfloat16", TP))
         checked = {r[:3] for r in rows[:1]} | ({(*winner, True)} if winner else set())
         for bn, bk, resident in sorted(checked):
-            r = _run_child("kernel", m, n, k, bn, bk, int(resident), stream=stream)
+            r = _run_child("kernel", m, n, k, bn, bk, int(resident), stream=stream,
+                           timeout=timeout)
             compiled.append(f"bn={bn} bk={bk} {'resident' if resident else 'streamed'}: " + (
                 f"compiles in {r['secs']:.0f} s, profile cycles {r['cycles']}" if "error" not in r
                 else f"does not compile here: {r['error']}"))
-        xla = _run_child("xla", m, n, k, stream=stream)
-        xla_cm = _run_child("xla_cm", m, n, k, stream=stream)
+        xla = _run_child("xla", m, n, k, stream=stream, timeout=timeout)
+        xla_cm = _run_child("xla_cm", m, n, k, stream=stream, timeout=timeout)
         sections.append(_section((m, n, k), rows, failed, ring_ms, xla, xla_cm, compiled))
     return sections
 
@@ -258,6 +262,9 @@ def main(argv=None):
     p.add_argument("--configs", default=",".join(SUBSET),
                    help="bn:bk:resident(0/1),... or 'space' (every config of the space that "
                         "divides the key and fits VMEM: about 60 compiles a key)")
+    p.add_argument("--timeout", type=int, default=CHILD_TIMEOUT_S,
+                   help="seconds one compile may take (on a loaded 2-core host the XLA "
+                        "programs took over 600)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -270,7 +277,7 @@ def main(argv=None):
         return
     if bench.SMOKE:
         keys = [(256, 2048, 512)]
-        named = [(128, 256, False)]  # One the profiler reads (it aborts on others).
+        named = [(128, 256, False), (128, 256, True)]  # The profiler aborts on bn = n.
     else:
         ms = None if args.keys == "all" else {int(v) for v in args.keys.split(",")}
         keys = [(km, kn, kk) for (_, km, kn, kk, _, _) in TPU_INFERENCE if ms is None or km in ms]
@@ -278,7 +285,7 @@ def main(argv=None):
             (int(a), int(b), c == "1") for a, b, c in
             (v.split(":") for v in args.configs.split(",") if v)]
     t0 = time.perf_counter()
-    sections = run(keys, named)
+    sections = run(keys, named, timeout=args.timeout)
     text = "\n".join([
         "# Collective matmul: our kernel against XLA's, v6e:2x4 (tp=8), deviceless", "",
         f"Command: `{bench.command(__file__)}`  ",

@@ -31,7 +31,7 @@ _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s6
                 "s8": 1, "u8": 1, "pred": 1, "s16": 2, "u16": 2, "f8e4m3fn": 1, "f8e5m2": 1}
 _LINE = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([\d,]*)\]")
-_CYCLES = re.compile(r'bundle_analysis_data":\{"estimated_cycles":"(\d+)"')
+CYCLES = re.compile(r'bundle_analysis_data":\{"estimated_cycles":"(\d+)"')
 _ALGORITHM = re.compile(r'"emitter":"(\w+)","strategy":"(\w+)"')
 _CALLS = re.compile(r"calls=%([\w.-]+)")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.-]+) \(.*\{\s*$")
@@ -108,7 +108,7 @@ def ops(text: str) -> list[dict[str, Any]]:
             continue
         shape, tail = _split_shape(line[m.end():])
         opcode = tail.split("(", 1)[0]
-        cycles = _CYCLES.search(line)
+        cycles = CYCLES.search(line)
         kind = next((c for c in COLLECTIVES if opcode.startswith(c)), None)
         if kind is None and "reduce-scatter" in opcode:
             kind = "reduce-scatter"
