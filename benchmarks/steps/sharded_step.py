@@ -186,7 +186,8 @@ def main() -> None:
                    "compose with the modelled collectives")
     p.add_argument("--command", action="append", default=[],
                    help="with --render: the commands that made the rows (repeatable)")
-    p.add_argument("--out", default=bench.result("sharded_step.md"))
+    p.add_argument("--out", help="the page to write (default: benchmarks/results/"
+                   "sharded_step.md, except for a run with --rows-out, which writes none)")
     a = p.parse_args()
     if a.child:
         m, layout, t, setting = a.child
@@ -201,7 +202,7 @@ def main() -> None:
         argv = sys.argv[1:]  # The render's own command, without the --command texts.
         own = [w for i, w in enumerate(argv) if w != "--command" and (
             i == 0 or argv[i - 1] != "--command")]
-        bench.write(a.out, sharded_render.render(
+        bench.write(a.out or bench.result("sharded_step.md"), sharded_render.render(
             rows, [*a.command, bench.command(__file__, own)], notes, per_chip))
         return
     if not bench.have_libtpu("compile"):
@@ -234,7 +235,9 @@ def main() -> None:
                             with open(path, "w", encoding="utf-8") as f:
                                 json.dump({"command": bench.command(__file__), "rows": rows},
                                           f, indent=1)
-    bench.write(a.out, sharded_render.render(rows, [bench.command(__file__)]))
+    # A run adding to a rows file prints its page and leaves the file to --render.
+    bench.write(a.out or (None if a.rows_out else bench.result("sharded_step.md")),
+                sharded_render.render(rows, [bench.command(__file__)]))
 
 
 if __name__ == "__main__":
