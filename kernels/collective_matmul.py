@@ -116,13 +116,19 @@ def _check(x, y, axis_name, axis_size, bn, bk):
 
 
 def _refusal(tp: int) -> str | None:
-    """JAX 0.10's TPU interpreter hangs on this kernel over more than 2 devices."""
-    if tp <= 2 or _vma.interpreter_runs_sharded():  # JAX 0.11 and newer.
+    """JAX 0.10's TPU interpreter hangs on this kernel where it simulates more than 2 devices:
+    the ring's (``tp``), or the whole mesh's (a ring of 2 on a mesh of 4 hangs too)."""
+    if _vma.interpreter_runs_sharded():  # JAX 0.11 and newer.
         return None
-    return (f"collective_matmul over {tp} devices cannot run on JAX {jax.__version__}'s TPU "
-            "interpreter (a CPU host): with more than 2 devices it hangs on the ring's forwarded "
-            "transfers (measured on 4 host devices; 2 run). Use JAX 0.11 or newer (pip install "
-            "-U jax), a mesh axis of 2 devices, or a TPU, where the kernel is Mosaic's.")
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = max(tp, getattr(mesh, "size", 0) or 0)
+    if devices <= 2:
+        return None
+    where = f"{tp} devices" if devices == tp else f"a ring of {tp} on a mesh of {devices} devices"
+    return (f"collective_matmul over {where} cannot run on JAX {jax.__version__}'s TPU "
+            "interpreter (a CPU host): where it simulates more than 2 devices it hangs on the "
+            "ring's transfers (measured on 4 host devices; 2 run). Use JAX 0.11 or newer (pip "
+            "install -U jax), a mesh of 2 devices, or a TPU, where the kernel is Mosaic's.")
 
 
 def _tpu_interpreter(tp: int):

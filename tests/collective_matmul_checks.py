@@ -109,6 +109,20 @@ def refused(n):
     print(json.dumps({"check": "refused", "devices": n, "message": message}), flush=True)
 
 
+def refused_in_a_larger_mesh():
+    """A ring of 2 on a (2, 2) mesh: JAX 0.10 simulates all 4 devices, and hung there."""
+    x, y = _inputs(2)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("other", "d"),
+                axis_types=(AxisType.Auto,) * 2)
+    fn = lambda x, y: collective_matmul(x, y, axis_name="d", axis_size=2)  # noqa: E731
+    try:
+        jax.jit(jax.shard_map(fn, mesh=mesh, check_vma=False, **SPECS))(x, y)
+        message = ""
+    except NotImplementedError as e:
+        message = str(e)
+    print(json.dumps({"check": "refused_mesh", "message": message}), flush=True)
+
+
 if __name__ == "__main__":
     if NEW:
         forward(4)
@@ -118,3 +132,4 @@ if __name__ == "__main__":
         forward(2)
         gradient(2)
         refused(4)
+        refused_in_a_larger_mesh()

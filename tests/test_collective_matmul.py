@@ -76,6 +76,8 @@ def test_autotune_finds_the_per_shard_key_and_says_why_it_cannot_tune(checks):
 def test_jax_0_10_refuses_more_than_two_devices_with_the_way_out(checks):
     row = next(r for r in checks if r["check"] == "refused")
     assert "JAX 0.11 or newer" in row["message"] and "hangs" in row["message"], row
+    row = next(r for r in checks if r["check"] == "refused_mesh")  # Not a hang: refused.
+    assert "a ring of 2 on a mesh of 4 devices" in row["message"], row
 
 
 def _one_device_mesh_call(fn):
