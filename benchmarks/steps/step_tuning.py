@@ -28,6 +28,8 @@ Layers (``steps/layers.py``; --tokens, bf16; RoPE, gating and residuals in plain
 - llama70b_fwd_bwd: one chip's shard of a Llama-3.1-70B decoder layer under 8-way tensor
   parallelism (d 8192, 8 of 64 query heads and 1 of 8 KV heads, fused gate|up of 2 x 3584), its
   all-reduces not counted; jax.grad as above.
+- llama8b_tp8_fwd_bwd, llama70b_fsdp_fwd_bwd: one chip's program of sharded_step.py's TP8
+  8B and FSDP 70B layers (``steps/sharded_layers.py``), its collectives left out; jax.grad.
 - mixtral_fwd_bwd: one chip's shard of a Mixtral-8x7B decoder layer under 8-way tensor
   parallelism (d 4096, 4 of 32 query heads and 1 of 8 KV heads, every expert's 14336 columns
   split 8 ways: grouped_matmul for the fused w1|w3 and for w2, top-2 routing of T tokens into
@@ -95,6 +97,21 @@ def llama70b_args():
     return layers.llama70b_tp8_args(T)
 
 
+def _chip(model: str, layout: str):
+    """One chip's program of a sharded layer (``steps/sharded_layers.py``) with its collectives
+    left out: what ``sharded_step.py``'s 8-chip compile runs on each chip between them."""
+    import functools
+
+    from steps import sharded_layers as sl
+
+    m = sl.MODELS[model]
+    div = sl.CHIPS if layout == "tp8" else 1
+    layer = functools.partial(sl.chip_layer, q_heads=m.q_heads // div,
+                              kv_heads=m.kv_heads // div, reduce=lambda y: y)
+    return (lambda *a: layers.train(layer, remat=REMAT)(*a),
+            lambda: tuple(sl.chip_args(m, layout, T)))
+
+
 def mixtral_train(*a):
     return layers.train(layers.mixtral_tp8, remat=REMAT)(*a)
 
@@ -141,6 +158,12 @@ LAYERS = {
                       llama_args),
     "llama70b_fwd_bwd": ("Llama-3.1-70B decoder layer, one chip of 8-way tensor parallelism, "
                          "forward+backward (jax.grad)", llama70b_train, llama70b_args),
+    "llama8b_tp8_fwd_bwd": ("Llama-3.1-8B decoder layer, one chip of 8-way tensor parallelism "
+                            "(steps/sharded_layers.py), forward+backward (jax.grad)",
+                            *_chip("8b", "tp8")),
+    "llama70b_fsdp_fwd_bwd": ("Llama-3.1-70B decoder layer, one chip's whole layer as under FSDP "
+                              "(steps/sharded_layers.py), forward+backward (jax.grad)",
+                              *_chip("70b", "fsdp")),
     "mixtral_fwd_bwd": ("Mixtral-8x7B decoder layer, one chip of 8-way tensor parallelism, "
                         "forward+backward (jax.grad)", mixtral_train, mixtral_args),
     "mixtral_moe": ("Mixtral-8x7B MoE MLP, forward", moe_layer, moe_args),
