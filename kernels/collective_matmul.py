@@ -170,9 +170,11 @@ def ring_free_standin(x: jax.Array, y: jax.Array, *, axis_name: str, axis_size: 
 
     A resident ``y`` is read here by Pallas's own (bk, bn) blocks at step 0, each later step
     keeping the last block (its index unchanged, so never fetched again): y read once and the
-    same dots, as the kernel's step-0 copy into VMEM does. libtpu's profiler aborts on the
-    kernel's own copy ("No DMA issue node found for sync flag"), and on any config with a
-    single column block (``bn == n``) or, streamed, a single contracted chunk (``bk == k``)."""
+    same dots, as the kernel's step-0 copy into VMEM does: libtpu's profiler aborts on the
+    kernel's own copy ("No DMA issue node found for sync flag"). It aborts so on some configs
+    of this stand-in too: at tpu-inference's 4096 x 51200 x 5120 key over 8 chips, every one
+    with a single column block (``bn == n``) or contracted chunk (``bk == k``), and streamed
+    ones with ``bn`` = 256 (``benchmarks/results/collective_matmul.md``)."""
     bn, bk = min(bn, y.shape[1]), min(bk, x.shape[1])
     _check(x, y, axis_name, axis_size, bn, bk)
     return _build(x, y, axis_name, axis_size, bn, bk, y_resident, ring=False)
