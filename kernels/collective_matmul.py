@@ -195,10 +195,13 @@ def _build(x, y, axis_name, tp, bn, bk, y_resident, *, ring):
 
     y_spec = (pl.BlockSpec(memory_space=pl.ANY) if y_resident else
               pl.BlockSpec((bk, bn), lambda s, j, kk, me_ref, off_ref: (kk, j)))
-    if y_resident and not ring:  # The stand-in's resident y: Pallas's own blocks, fetched
-        gk, gn = k // bk, n // bn  # at step 0 only (later steps keep the last block), so y is
-        y_spec = pl.BlockSpec((bk, bn), lambda s, j, kk, me_ref, off_ref: (  # read once;
-            jnp.where(s == 0, kk, gk - 1), jnp.where(s == 0, j, gn - 1)))  # see ring_free_standin.
+    if y_resident and not ring:
+        # The stand-in's resident y (see ring_free_standin): Pallas's own blocks, fetched at
+        # step 0 only; later steps keep the last block, so y is read once. Its (k, n) scratch
+        # stays allocated, unused, so that the stand-in fits VMEM only where the kernel does.
+        gk, gn = k // bk, n // bn
+        y_spec = pl.BlockSpec((bk, bn), lambda s, j, kk, me_ref, off_ref: (
+            jnp.where(s == 0, kk, gk - 1), jnp.where(s == 0, j, gn - 1)))
     need = vmem_bytes(m, n, k, x.dtype.itemsize, bn=bn, bk=bk, y_resident=y_resident)
     kernel = functools.partial(_kernel, axis_name=axis_name, tp=tp, order=tuple(order),
                                hops=hops, bn=bn, bk=bk, y_resident=y_resident, ring=ring)

@@ -264,8 +264,7 @@ def test_kernels_with_scalar_prefetch_are_counted_for_the_estimate_caveat():
     from pallas_tune.kernels.grouped_matmul import grouped_matmul
     from pallas_tune.kernels.grouped_matmul_bwd import grouped_matmul_bwd
     from pallas_tune.measure.estimate import EstimateResult
-    from pallas_tune.measure.loops import describe
-    from pallas_tune.measure.loops import PREFETCH_NOTE, kernel_census
+    from pallas_tune.measure.loops import PREFETCH_NOTE, describe, kernel_census
 
     def prefetch_kernels(*args, **kwargs):
         return kernel_census(*args, **kwargs).prefetch_kernels
@@ -296,8 +295,7 @@ def test_table_indexed_fetches_the_estimate_cannot_see_are_found():
     from pallas_tune.kernels.grouped_matmul import grouped_matmul
     from pallas_tune.kernels.grouped_matmul_bwd import grouped_matmul_bwd
     from pallas_tune.measure.estimate import EstimateResult
-    from pallas_tune.measure.loops import describe
-    from pallas_tune.measure.loops import kernel_census
+    from pallas_tune.measure.loops import describe, kernel_census
 
     bf = jnp.bfloat16
     lhs, rhs = jax.ShapeDtypeStruct((1024, 4096), bf), jax.ShapeDtypeStruct((8, 4096, 4096), bf)
