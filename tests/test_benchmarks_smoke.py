@@ -33,6 +33,7 @@ HELPERS = {"_common.py", "search/search_harness.py", "feasibility/feasibility_ca
 HELPERS |= {f"estimates/estimate_fidelity_{m}.py" for m in ("space", "qmm", "run", "report",
                                                            "strata", "strata_report",
                                                            "stratified")}
+HELPERS.add("estimates/fallback_public_report.py")
 STEP_ROWS = "benchmarks/results/data/step_tuning_2026-11-25/mamba2.512.json"
 
 
@@ -85,6 +86,8 @@ SMOKES = {
     "estimates/estimate_fidelity.py": Smoke(("keys (stratified, seed 55)",
                                              "[1/1] "), libtpu=True,
                                             needs=("tpu_inference",)),
+    "estimates/fallback_public_fit.py": Smoke(("## The constants", "| 7x | 3 |"),
+                                              needs=("tpu_inference",)),
     "estimates/estimate_correction_fit.py": Smoke(("fitting sample",),
                                                   needs=("tpu_inference",)),
     "estimates/xla_footing.py": Smoke(("## The footing pallas-tune decides on",),

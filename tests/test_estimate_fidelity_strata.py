@@ -164,6 +164,23 @@ def test_a_tune_ranks_aborted_configs_by_the_model_calibrated_onto_libtpu(mods):
     assert alone == {(1, 1, 1): 1.0, (2, 2, 2): 2.0}
 
 
+def test_a_tune_ranks_by_the_public_fit_where_the_run_has_it(mods):
+    """Runs made since the fallback's constants were fitted to real-TPU winners carry that
+    model's figures (public_ms): a tune's fallback is that model; ``tune+fitted`` is the one
+    before it (libtpu's fit). Runs without it keep the fitted model."""
+    _, rp = mods
+    lib = [[[2, 2, 2], 1.0], [[3, 3, 3], 2.0], [[4, 4, 4], 3.0]]
+    fit = [[[1, 1, 1], 1.0], [[2, 2, 2], 2.0], [[3, 3, 3], 4.0], [[4, 4, 4], 6.0]]
+    pub = [[[1, 1, 1], 8.0], [[2, 2, 2], 2.0], [[3, 3, 3], 4.0], [[4, 4, 4], 6.0]]
+    run = _run(proxy_ms=lib, fitted_ms=fit, public_ms=pub, aborted=[[1, 1, 1]])
+    assert rp.figures(run, "tune")[(1, 1, 1)] == pytest.approx(4.0)  # 8.0 x 0.5: last.
+    assert rp.judge(run, "tune")["rank"] == 4
+    assert rp.figures(run, "tune+fitted")[(1, 1, 1)] == pytest.approx(0.5)
+    assert rp.figures(run, "public") == {(1, 1, 1): 8.0, (2, 2, 2): 2.0, (3, 3, 3): 4.0,
+                                         (4, 4, 4): 6.0}
+    assert rp.figures(_run(proxy_ms=lib, fitted_ms=fit), "public") == {}
+
+
 def test_the_report_says_how_many_planned_keys_were_done(mods):
     _, rp = mods
     meta = {"planned": [{"chip": "v6e", "key": [1024, 1024, 1024]},

@@ -233,20 +233,22 @@ def roofline_figures(key: Key, blocks: Sequence[Blocks]) -> dict[Blocks, float]:
 
 
 def model_figures(key: Key, blocks: Sequence[Blocks], chip: str, w_dtype: str
-                  ) -> tuple[dict[Blocks, float], dict[Blocks, float]]:
-    """pallas-tune's roofline model and its model fitted to libtpu's v6e estimates
-    (``feasibility.fitted``: what ``--estimate-fallback model`` ranks by), seconds, of the
-    unmodified kernel, for the configs the block rules and the VMEM model accept; one trace
-    per config for both."""
+                  ) -> tuple[dict[Blocks, float], dict[Blocks, float], dict[Blocks, float]]:
+    """pallas-tune's roofline model, its model with the constants fitted to libtpu's v6e
+    estimates (``feasibility.fitted.V6E``) and with the chip's constants fitted to real-TPU
+    winners (``feasibility.fitted.constants_for``: what ``--estimate-fallback model`` ranks
+    by), seconds, of the unmodified kernel, for the configs the block rules and the VMEM model
+    accept; one trace per config for all three."""
     from pallas_tune.chips import chip_spec
     from pallas_tune.feasibility import inspect as _inspect
     from pallas_tune.feasibility import model
-    from pallas_tune.feasibility.fitted import fitted_calls
+    from pallas_tune.feasibility.fitted import V6E, constants_for, fitted_calls
     from pallas_tune.feasibility.roofline import roofline_calls
 
     spec, args = chip_spec(chip), operands(key, w_dtype)
     roof: dict[Blocks, float] = {}
     fitted: dict[Blocks, float] = {}
+    public: dict[Blocks, float] = {}
     for b in blocks:
         try:
             calls = _inspect.find_pallas_calls(unmodified_qmm, args, config(b))
@@ -256,8 +258,9 @@ def model_figures(key: Key, blocks: Sequence[Blocks], chip: str, w_dtype: str
                 or model.model_verdict(calls, spec).status == "infeasible"):
             continue
         roof[b] = roofline_calls(calls, spec).time_s
-        fitted[b] = fitted_calls(calls, spec)
-    return roof, fitted
+        fitted[b] = fitted_calls(calls, spec, V6E)
+        public[b] = fitted_calls(calls, spec, constants_for(spec))
+    return roof, fitted, public
 
 
 def corrected_figures(key: Key, proxy_ms: Mapping[Blocks, float]) -> dict[Blocks, float]:

@@ -257,7 +257,7 @@ def run_entry(est: Any, entry: Entry, table: Mapping[Key, Blocks], rivals: int, 
     chip = CHIPS[entry.chip][2]
     dtype = CHIPS[entry.chip][1][1]
     blocks, space_size = drawn_space(entry, table, rivals, seed)
-    roof, fitted = model_figures(entry.key, blocks, chip, dtype)
+    roof, fitted, public = model_figures(entry.key, blocks, chip, dtype)
     results = dict(zip(blocks, est.map(proxy_parts(), operands(entry.key, dtype), {},
                                        [config(b) for b in blocks], chip), strict=True))
     clock = chip_spec(chip).clock_hz
@@ -279,7 +279,8 @@ def run_entry(est: Any, entry: Entry, table: Mapping[Key, Blocks], rivals: int, 
     return {"chip": entry.chip, "key": list(entry.key), "winner": list(entry.winner),
             "stratum": entry.stratum, "configs": len(blocks), "space": space_size,
             "proxy_ms": rows(proxy), "roofline_ms": rows(roof, 1e3),
-            "fitted_ms": rows(fitted, 1e3), "aborted": [list(b) for b in sorted(aborts)],
+            "fitted_ms": rows(fitted, 1e3), "public_ms": rows(public, 1e3),
+            "aborted": [list(b) for b in sorted(aborts)],
             "flag_only_oom": [list(b) for b in sorted(flag_only)],
             "abort_texts": sorted(set(aborts.values()))[:3], "failures": dict(failures),
             "winner_kind": winner_kind, "standin_check": check, "scaled": scaled,

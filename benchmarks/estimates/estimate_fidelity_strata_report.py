@@ -22,7 +22,10 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate_fide
 FIGURES = (("libtpu", "libtpu's estimate (of the proxy)"),
            ("tune", "a tune with --estimate-fallback model (libtpu; calibrated model where it "
                     "aborts)"),
-           ("fitted", "pallas-tune's fitted model (feasibility.fitted)"),
+           ("public", "pallas-tune's model, constants fitted to real-TPU winners of other keys "
+                      "(feasibility.fitted.PUBLIC)"),
+           ("fitted", "pallas-tune's model, constants fitted to libtpu's v6e estimates "
+                      "(feasibility.fitted.V6E)"),
            ("roofline", "pallas-tune's roofline model"))
 MIN_PAIRS, MAX_PAIRS = 3, 16  # As pallas_tune.measure.unprofiled.one_scale.
 TOPS = (1, 3, 8)
@@ -31,20 +34,22 @@ Blocks = tuple[int, ...]
 
 
 def figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float]:
-    """One figure of every drawn config that has it (ms). ``tune``: libtpu's where it
+    """One figure of every drawn config that has it (ms): ``libtpu`` (the proxy's), or the
+    run's ``<name>_ms`` (``fitted``, ``roofline``, ``public``...). ``tune``: libtpu's where it
     estimated; configs whose profile aborted, or ran out of VMEM only with the profiling flag,
     get the fitted model's figure times the median of
     libtpu/model over libtpu's best ``MAX_PAIRS`` (with at least ``MIN_PAIRS`` such configs;
     else they stay out, as a tune ranks them apart), or the model's alone where libtpu
-    estimated nothing (one scale: the model's)."""
+    estimated nothing (one scale: the model's). The model is the one a tune ranks by now, the
+    public fit's, in runs that have it, else the fitted one's; ``tune+<model>``: that
+    model's."""
     lib = {tuple(b): v for b, v in run["proxy_ms"]}
-    fit = {tuple(b): v for b, v in run["fitted_ms"]}
     if name == "libtpu":
         return lib
-    if name == "fitted":
-        return fit
-    if name == "roofline":
-        return {tuple(b): v for b, v in run["roofline_ms"]}
+    if not name.startswith("tune"):
+        return {tuple(b): v for b, v in run.get(f"{name}_ms", ())}
+    model = name.partition("+")[2] or ("public" if "public_ms" in run else "fitted")
+    fit = {tuple(b): v for b, v in run[f"{model}_ms"]}
     aborted = {tuple(b) for b in (*run["aborted"], *run.get("flag_only_oom", ()))}
     if not lib:
         return {b: v for b, v in fit.items() if b in aborted}
@@ -125,7 +130,7 @@ def rate_rows(groups: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list
 def user_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     """What a user's shape sees, per chip and n_batch band and per chip and size: keys, and
     for libtpu's figure, a tune's and the fitted model's, top 3 / top 8 and K95."""
-    names = ("libtpu", "tune", "fitted")
+    names = ("libtpu", "tune", "public")
     lines = ["| chip | shapes | keys | " + " | ".join(
         f"{n}: top 3 / top 8 | {n}: K95" for n in names) + " |",
         "|" + "---|" * (3 + 2 * len(names))]

@@ -18,7 +18,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as bench  # noqa: E402
 import estimate_fidelity_strata as st  # noqa: E402
-from estimate_fidelity_qmm import TPU_INFERENCE_DIR, tpu_inference_version  # noqa: E402
+from estimate_fidelity_qmm import (  # noqa: E402
+    TPU_INFERENCE_DIR, model_figures, tpu_inference_version)
 from estimate_fidelity_space import TABLE_FILE, Key, parse_table  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate_fidelity.py")
@@ -71,6 +72,20 @@ def render(path: str, data: Mapping[str, Any]) -> None:
     from estimate_fidelity_strata_report import report
 
     bench.write(path, report(data), echo=False)
+
+
+def add_public(runs: Sequence[dict[str, Any]]) -> int:
+    """The public fit's figure (ms) of every config the fitted model ranks, in runs made
+    before the fit (traced, never compiled); how many runs got it."""
+    added = 0
+    for r in runs:
+        if "public_ms" not in r:
+            _, dtypes, spec_name = st.CHIPS[r["chip"]]
+            blocks = [tuple(b) for b, _ in r["fitted_ms"]]
+            _, _, pub = model_figures(tuple(r["key"]), blocks, spec_name, dtypes[1])
+            r["public_ms"] = [[list(b), v * 1e3] for b, v in sorted(pub.items())]
+            added += 1
+    return added
 
 
 def done_before(path: str, seed: int, rivals: int) -> list[dict[str, Any]]:
@@ -142,7 +157,10 @@ def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
         return 2
     if a.from_dump:
         with open(a.from_dump, encoding="utf-8") as f:
-            render(a.out, json.load(f))
+            data = json.load(f)
+        if add_public(data["runs"]):  # Traced only: kept in the dump.
+            save(a.from_dump, data["meta"], data["runs"])
+        render(a.out, data)
         return 0
     tabs = tables(TPU_INFERENCE_DIR)
     entries = plan(tabs, PER_STRATUM, a.seed, None if bench.SMOKE else a.keys)

@@ -1,6 +1,8 @@
-"""A cost model of Pallas TPU kernels fitted to libtpu's static estimates, from the traced
-pallas_call alone: the fallback where libtpu's static profile aborts on a kernel or gives no
-estimate (``measure.loops``), in place of the plain roofline (:mod:`.roofline`).
+"""A cost model of Pallas TPU kernels, from the traced pallas_call alone: the fallback where
+libtpu's static profile aborts on a kernel or gives no estimate (``measure.loops``), in place of
+the plain roofline (:mod:`.roofline`). Its constants were first fitted to libtpu's static
+estimates (:data:`V6E`); on v6e and 7x the fallback ranks with constants fitted to real-TPU
+winners instead (:data:`PUBLIC`, :func:`constants_for`).
 
 Per pallas_call, with ``S`` grid steps (:func:`call_features` reads the rest off the trace)::
 
@@ -54,7 +56,8 @@ from pallas_tune.chips import ChipSpec
 from pallas_tune.feasibility import inspect as _inspect
 from pallas_tune.feasibility.roofline import fetches
 
-__all__ = ["V6E", "CallFeatures", "Constants", "call_features", "fitted_calls", "time_of"]
+__all__ = ["PUBLIC", "V6E", "CallFeatures", "Constants", "call_features", "constants_for",
+           "fitted_calls", "time_of"]
 
 _V6E_CLOCK_HZ: Final = 1.75e9  # The clock the fitted v6e estimates were converted at.
 _UNCOUNTED_SPACES: Final = ("any", "hbm", "semaphore")
@@ -75,6 +78,27 @@ class Constants:
 # take more: over-counted dots); bw_eff 1.44 is near libtpu's read-only probe, 1332 B/cycle at
 # 1.75 GHz = 1.42 x spec (notes/libtpu-static-cost.md); step_s is 313 cycles; vec_s 0.39 cycles.
 V6E: Final = Constants(mxu_eff=1.0, bw_eff=1.44, step_s=1.79e-7, vec_s=2.24e-13)
+
+# Fitted per chip to real-TPU winners: the block sizes vLLM tpu-inference 0.32.0 publishes as
+# measured best for its quantized matmul (v6e int8, v7 float8), 80 keys a chip drawn at random,
+# never a key that benchmarks/results/estimate_fidelity.md scores (a softmax loss on each key's
+# winner over its configs; `python benchmarks/estimates/fallback_public_fit.py`,
+# benchmarks/results/fallback_public_fit.md). The fallback a tune ranks by on these chips. They
+# rank, they do not time: on v6e the winners say a grid step costs 3x what libtpu's estimates
+# charge (step_s 533 ns against 179) and so does a vector element, and HBM moves 1.16x the
+# spec's bandwidth where libtpu's estimates take 1.44x; on 7x the fit takes the HBM to a quarter
+# of the spec's and a step to 4.5 us: the chip's winners use larger blocks than bandwidth and
+# steps explain. A chip with no fit of its own gets V6E, scaled as the module docstring says.
+PUBLIC: Final[dict[str, Constants]] = {
+    "tpu_v6e": Constants(mxu_eff=1.0, bw_eff=1.164, step_s=5.33e-7, vec_s=6.85e-13),
+    "tpu_7x": Constants(mxu_eff=1.0, bw_eff=0.2329, step_s=4.53e-6, vec_s=1.20e-12),
+}
+
+
+def constants_for(spec: ChipSpec) -> Constants:
+    """The constants the fallback ranks ``spec``'s configs with: the chip's fit to real-TPU
+    winners (:data:`PUBLIC`) where there is one, else :data:`V6E` (libtpu's v6e estimates)."""
+    return PUBLIC.get(spec.name, V6E)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -140,7 +164,8 @@ def time_of(features: Sequence[CallFeatures], spec: ChipSpec, c: Constants = V6E
 
 
 def fitted_calls(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec,
-                 constants: Constants = V6E) -> float:
-    """The fitted model's time (s) of these pallas_calls on ``spec``'s chip: a model of
-    libtpu's static estimate, to rank configs of one kernel; not a measurement."""
-    return time_of([call_features(c) for c in calls], spec, constants)
+                 constants: Constants | None = None) -> float:
+    """The fitted model's time (s) of these pallas_calls on ``spec``'s chip, with ``constants``
+    (default :func:`constants_for` the chip), to rank configs of one kernel; not a
+    measurement."""
+    return time_of([call_features(c) for c in calls], spec, constants or constants_for(spec))

@@ -294,7 +294,7 @@ def roofline_time(parts: KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
         return 0.0
     if spec.platform == "tpu" and model.model_verdict(calls, spec).status == "infeasible":
         return None
-    if fitted:  # feasibility.fitted: the model fitted to libtpu's v6e estimates.
+    if fitted:  # feasibility.fitted, with the chip's constants (constants_for).
         from pallas_tune.feasibility.fitted import fitted_calls
 
         return fitted_calls(calls, spec)

@@ -118,8 +118,9 @@ class TuneOptions:
         one candidate has shown it within 5% of the full problem (True).
       estimate_fallback: where libtpu gives a config no estimate (its profiler aborts, its
         profile cannot follow the program, or only the profiling flag makes it run out of
-        VMEM), rank it by a model, labelled as such: ``"model"`` (pallas-tune's model fitted
-        to libtpu's v6e estimates, feasibility.fitted) or ``"roofline"`` (the plain roofline
+        VMEM), rank it by a model, labelled as such: ``"model"`` (pallas-tune's fitted model,
+        feasibility.fitted: on v6e and 7x its constants fitted to published real-TPU winners,
+        elsewhere to libtpu's v6e estimates) or ``"roofline"`` (the plain roofline
         model). Default None: no figure, and a tune whose first candidates all get none stops
         and says why.
       estimate_correction: add to libtpu's v6e estimate two terms it may leave out on the chip

@@ -1,0 +1,173 @@
+"""fallback_public_fit's parts: the traced-features cache and the Markdown report (the fitted
+constants; the published winner's rank under each figure, on the training keys and on the
+stratified fidelity sample's keys, which the fit never saw)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import estimate_fidelity_strata_report as srep
+
+Blocks = tuple[int, int, int]
+WHOLE = (("fitted", "fitted to libtpu's v6e estimates (shipped)"),
+         ("public", "fitted to the public tables (this fit)"),
+         ("roofline", "the roofline model"))
+DRAWN = ("libtpu", "tune+fitted", "tune", "fitted", "public", "roofline")
+
+
+def load_features(path: str) -> dict[str, Any]:
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def save_features(path: str, cache: Mapping[str, Any]) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(cache, f, separators=(",", ":"))
+        os.replace(path + ".tmp", path)
+
+
+def features_of(cache: dict[str, Any], chip: str, key: Sequence[int],
+                configs: Sequence[Blocks], spec_name: str, w_dtype: str,
+                trace: Callable[..., Mapping[Blocks, Any]]) -> dict[Blocks, Any]:
+    """The configs' traced features, from the cache or traced now (and cached)."""
+    entry = cache.setdefault(f"{chip}|{','.join(map(str, key))}", {})
+    todo = [b for b in configs if ",".join(map(str, b)) not in entry]
+    if todo:
+        for b, f in trace(tuple(key), todo, spec_name, w_dtype).items():
+            entry[",".join(map(str, b))] = f
+    return {tuple(b): entry[",".join(map(str, b))] for b in configs}
+
+
+def exact(figs: Mapping[Blocks, float], winner: Blocks) -> dict[str, Any]:
+    """The winner's exact rank among ``figs`` (inf: no figure) and fig(winner)/fig(pick)."""
+    if winner not in figs:
+        return {"rank": math.inf, "ratio": None}
+    w = figs[winner]
+    return {"rank": 1 + sum(v < w for b, v in figs.items() if b != winner),
+            "ratio": w / min(figs.values())}
+
+
+def whole_figures(name: str, feats: Mapping[Blocks, Any], spec: Any, c: Any,
+                  model_times: Callable[..., dict[Blocks, float]]) -> dict[Blocks, float]:
+    from pallas_tune.feasibility.fitted import V6E
+
+    if name == "roofline":
+        return {b: f["roofline_s"] for b, f in feats.items() if f is not None}
+    return model_times(feats, spec, V6E if name == "fitted" else c)
+
+
+def rate_cells(js: Sequence[Mapping[str, Any]]) -> list[str]:
+    n = len(js)
+    ranks = [j["rank"] for j in js]
+    ratios = [j["ratio"] for j in js if j["ratio"] is not None]
+    return [srep.k_text(srep.k95(ranks)),
+            " / ".join(srep.frac(sum(r <= t for r in ranks), n) for t in srep.TOPS),
+            srep.frac(sum(r is not None and r <= 1.02 for r in (j["ratio"] for j in js)), n),
+            f"{statistics.median(ratios):.3f}" if ratios else "-"]
+
+
+def whole_rows(fits: Mapping[str, Any], model_times: Callable[..., Any], which: str
+               ) -> list[str]:
+    """Per chip and figure: the winner's exact rank over each key's configs (``which``:
+    ``held``, the whole space of the fidelity sample's keys; ``train``, the drawn configs of
+    the training keys)."""
+    lines = ["| chip | figure | keys | K95 | top 1 / 3 / 8 | pick within 2% | median "
+             "fig(winner) / fig(pick) |", "|---|---|---|---|---|---|---|"]
+    for chip, f in fits.items():
+        sets = ([(tuple(r["winner"]), feats) for r, feats in f["held"]] if which == "held"
+                else f["train"])
+        for name, _ in WHOLE:
+            js = [exact(whole_figures(name, feats, f["spec"], f["constants"], model_times), w)
+                  for w, feats in sets]
+            lines.append(f"| {chip} | {name} | {len(js)} | " + " | ".join(rate_cells(js))
+                         + " |")
+    return lines
+
+
+def drawn_runs(fits: Mapping[str, Any], model_times: Callable[..., Any]) -> list[dict]:
+    """The fidelity runs with ``public_ms``: the public fit's figure (ms) of every drawn
+    config the fitted model has a figure for."""
+    out = []
+    for f in fits.values():
+        for r, feats in f["held"]:
+            t = model_times(feats, f["spec"], f["constants"])
+            drawn = {tuple(b) for b, _ in r["fitted_ms"]}
+            out.append({**r, "public_ms": [[list(b), 1e3 * v] for b, v in t.items()
+                                           if b in drawn]})
+    return out
+
+
+def drawn_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = ["| chip | keys | " + " | ".join(f"{n}: K95 | {n}: top 3 / 8 | {n}: within 2%"
+                                              for n in DRAWN) + " |",
+             "|" + "---|" * (2 + 3 * len(DRAWN))]
+    for chip in ["all", *sorted({r["chip"] for r in runs})]:
+        rs = [r for r in runs if chip in ("all", r["chip"])]
+        cells = []
+        for n in DRAWN:
+            s = srep.rates(rs, n)
+            cells += [srep.k_text(s["k95"]), f"{srep.frac(s['top3'], s['keys'])} / "
+                      f"{srep.frac(s['top8'], s['keys'])}", srep.frac(s["within2"], s["keys"])]
+        lines.append(f"| {chip} | {len(rs)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def constants_rows(fits: Mapping[str, Any]) -> list[str]:
+    from pallas_tune.feasibility.fitted import V6E
+
+    lines = ["| chip | training keys | loss | " + " | ".join(
+        f.name for f in dataclasses.fields(V6E)) + " |", "|---|---|---|" + "---|" * 4]
+    lines.append("| (shipped: libtpu's v6e estimates) | - | - | " + " | ".join(
+        f"{getattr(V6E, f.name):.3g}" for f in dataclasses.fields(V6E)) + " |")
+    for chip, f in fits.items():
+        c = f["constants"]
+        lines.append(f"| {chip} | {len(f['train'])} | {f['loss']:.3f} | " + " | ".join(
+            f"{getattr(c, x.name):.3g}" for x in dataclasses.fields(c)) + " |")
+    return lines
+
+
+def report(fits: Mapping[str, Any], meta: Mapping[str, Any],
+           model_times: Callable[..., Any]) -> str:
+    lines = [
+        "# The fallback model fitted on public tables (real-hardware winners)", "",
+        "Generated by `benchmarks/estimates/fallback_public_fit.py`. **No figure here is a "
+        "measurement**: the model's and libtpu's figures are estimates; the only measurement "
+        "is which block size tpu-inference 0.32.0 publishes as best for each key "
+        "(`kernels/quantized_matmul/tuned_block_sizes.py`, Apache-2.0; v6e int8, v7 float8).",
+        "", f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}; wall time {meta['wall_s'] / 60:.1f} min (traces reused "
+        "from the --features file where it held them); host: "
+        f"{meta['host']}; {meta['versions']}",
+        f"- the fit: pallas-tune's fitted model's four constants, per chip, minimizing the "
+        f"mean softmax cross-entropy of each training key's published winner over its "
+        f"configs (log time / {meta['tau']}), Nelder-Mead in log space. Training keys: drawn "
+        "at random from the chip's table, never a key of estimate fidelity's stratified, "
+        "seeded or correction-fit samples; each with its winner and rivals drawn at random "
+        "from its powers-of-two space.", "",
+        "## The constants", ""] + constants_rows(fits) + [
+        "", "## Held out: the stratified fidelity sample's keys, every config of each key's "
+        "space", "",
+        "The published winner's exact rank in the key's whole space (the fidelity run drew "
+        "10 configs a key; the models need no compile, so every config is ranked here). "
+        "`fitted`: the shipped constants; `public`: this fit.", ""] + whole_rows(
+        fits, model_times, "held") + [
+        "", "## Held out, on the configs the fidelity run drew, beside libtpu's", "",
+        "As `estimate_fidelity.md` ranks them (the winner's rank in the space estimated from "
+        "the drawn rivals): `tune` is what a tune ranks with this fit as its fallback "
+        "(libtpu's figure; this fit's, calibrated onto it, where libtpu has none), "
+        "`tune+fitted` the same with the constants fitted to libtpu's estimates (the fallback "
+        "before this fit).",
+        ""] + drawn_rows(drawn_runs(fits, model_times)) + [
+        "", "## In sample: the training keys (winner and drawn rivals)", ""] + whole_rows(
+        fits, model_times, "train") + [""]
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""benchmarks/estimates/fallback_public_fit.py: fitting the fallback model's constants to
+real-hardware winners, on made-up features (no tracing, no tpu-inference): the fit ranks the
+winners a hidden set of constants chose, the winner's exact rank, and the keys a fit must never
+see (every key a fidelity report scores)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import sys
+import types
+
+import pytest
+
+from pallas_tune.chips import chip_spec
+from pallas_tune.feasibility.fitted import V6E, Constants
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
+                          "estimates")
+
+
+@pytest.fixture(scope="module")
+def mods():
+    """(fit, report) modules; stub ``tpu_inference`` modules their import installs are taken
+    out of ``sys.modules`` again afterwards."""
+    before = {k for k in sys.modules if k == "tpu_inference" or k.startswith("tpu_inference.")}
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        yield (importlib.import_module("fallback_public_fit"),
+               importlib.import_module("fallback_public_report"))
+    finally:
+        sys.path.remove(BENCHMARKS)
+        for k in [k for k in sys.modules if (k == "tpu_inference"
+                                             or k.startswith("tpu_inference."))]:
+            if k not in before:
+                del sys.modules[k]
+
+
+def _features(steps, nbytes):
+    """A config's features, as feasibility.fitted.call_features would read them: grid steps
+    and bytes refetched with one buffer (nothing overlaps them)."""
+    return {"features": [{"steps": steps, "dots": [], "pipelined_bytes": 0.0,
+                          "serial_bytes": nbytes, "step_bytes": 0.0, "vec_elems": 0.0}],
+            "roofline_s": 1.0}
+
+
+def _keys(fit, truth, spec):
+    """Keys trading grid steps against bytes; each one's winner is its best config under
+    ``truth`` (the hidden chip)."""
+    out = []
+    for scale in (0.5, 1.0, 2.0, 4.0):
+        feats = {(1, 1, 1): _features(200 * scale, 1e6), (2, 2, 2): _features(10, 1e8 * scale),
+                 (3, 3, 3): _features(60 * scale, 3e7 * scale)}
+        times = fit.model_times(feats, spec, truth)
+        out.append((min(times, key=times.get), feats))
+    return out
+
+
+def test_the_fit_ranks_the_winners_a_hidden_chip_chose(mods):
+    fit, rep = mods
+    spec = chip_spec("v6e")
+    truth = Constants(mxu_eff=1.0, bw_eff=1.0, step_s=5e-6, vec_s=1e-12)
+    keys = _keys(fit, truth, spec)
+    before = [rep.exact(fit.model_times(f, spec, V6E), w)["rank"] for w, f in keys]
+    assert before.count(1) < 4  # libtpu's fit misranks them.
+    c, loss = fit.fit(keys, spec, 0.05)
+    assert loss < fit.loss([math.log(getattr(V6E, p)) for p in fit.PARAMS], keys, spec, 0.05)
+    assert [rep.exact(fit.model_times(f, spec, c), w)["rank"] for w, f in keys] == [1] * 4
+    for p in fit.PARAMS:
+        lo, hi = fit.BOUNDS[p]
+        assert lo <= getattr(c, p) <= hi
+
+
+def test_the_winners_exact_rank_and_ratio(mods):
+    _, rep = mods
+    figs = {(1, 1, 1): 2.0, (2, 2, 2): 1.0, (3, 3, 3): 2.5}
+    assert rep.exact(figs, (1, 1, 1)) == {"rank": 2, "ratio": 2.0}
+    assert rep.exact(figs, (9, 9, 9)) == {"rank": math.inf, "ratio": None}
+
+
+def test_a_fit_never_sees_a_key_a_report_scores(mods, tmp_path):
+    fit, _ = mods
+    (tmp_path / "estimate_fidelity.json").write_text(json.dumps(
+        {"runs": [{"key": [16, 2048, 1536], "winner": [16, 1024, 1536]}]}))
+    (tmp_path / "estimate_fidelity_strata.json").write_text(json.dumps(
+        {"runs": [{"chip": "7x", "key": [64, 1024, 1024]}]}))
+    planned = [types.SimpleNamespace(chip="v6e", key=(8192, 4096, 2048))]
+    never = fit.reported_keys(str(tmp_path), planned)
+    assert never == {("v6e", (16, 2048, 1536)), ("7x", (64, 1024, 1024)),
+                     ("v6e", (8192, 4096, 2048))}
