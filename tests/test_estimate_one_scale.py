@@ -154,7 +154,7 @@ def test_the_entry_keeps_its_shortlist_and_confirm_top_measures_exactly_it(kern)
     res = _estimate(kern, x, modelled=set(), write=True)
     entry, path = kern.cache.lookup("v6e", kern.name, key)
     kept = entry["shortlist"]
-    assert kept["k"] == DEFAULT_SHORTLIST_K == 8 and "not measured" in kept["k_from"]
+    assert kept["k"] == DEFAULT_SHORTLIST_K == 23 and "not measured" in kept["k_from"]
     assert kept["configs"] == [{"a": a} for a in range(7, -1, -1)]
     assert kept["figures_ms"] == [_libtpu(a) for a in range(7, -1, -1)]
     assert "shortlist" not in entry["provenance"] and res.cache_path
@@ -166,7 +166,7 @@ def test_the_entry_keeps_its_shortlist_and_confirm_top_measures_exactly_it(kern)
     assert chip.evaluated == [{"a": 7}, {"a": 6}, {"a": 5}, {"a": 4}]
     assert confirmed.best == {"a": 5}
     source = confirmed.provenance["confirmed"]["from"]
-    assert source.startswith(f"tpu_v6e:{key} (estimate entry's shortlist of 8")
+    assert source.startswith(f"tpu_v6e:{key} (estimate entry's shortlist of 23")
 
 
 @pt.tunable(br=[8, 16, 32], bc=[128, 256], f32=[False, True])

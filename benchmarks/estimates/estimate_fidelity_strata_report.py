@@ -172,8 +172,9 @@ def header(meta: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> list[s
         + (f" (not run: {len(left)}: " + ", ".join(f"{p['chip']} {tuple(p['key'])}"
                                                    for p in left) + ")" if left else ""),
         "- versions: " + ", ".join(f"{k} {x}" for k, x in v.items()),
-        f"- host: {meta['host']}, shared with other jobs (load average 9 to 13 during the run), "
-        f"{meta['workers']} compile worker(s)", ""]
+        f"- host: {meta['host']}, "
+        + meta.get("load_note", "shared with other jobs (load average 9 to 13 during the run)")
+        + f", {meta['workers']} compile worker(s)", ""]
 
 
 def compared(meta: Mapping[str, Any]) -> list[str]:
@@ -193,12 +194,16 @@ def compared(meta: Mapping[str, Any]) -> list[str]:
         "- **tune**: what a tune with `--timer tpu-estimate --estimate-fallback model` ranks: "
         "libtpu's figure; a config whose profile aborted, or that ran out of VMEM only under "
         "the profiling flag (checked by an unprofiled compile of the same stand-in), gets the "
-        "fitted model's figure "
+        "model's figure with the chip's constants fitted to real-TPU winners of other keys "
+        "(`public`; runs made before that fit: the fitted model's) "
         "times the median of libtpu/model over libtpu's best 16 configs (with at least 3 "
         "such configs; else it is ranked apart, out of the pick); where libtpu estimated "
         "nothing, the model alone.",
-        "- **fitted**: pallas-tune's model fitted to libtpu's v6e estimates of other kernels "
-        "(`feasibility.fitted`, never fitted on these tables), of the unmodified kernel; "
+        "- **public**: pallas-tune's model with constants fitted per chip to tpu-inference's "
+        "published winners of other keys of these tables (`feasibility.fitted.PUBLIC`; "
+        "`fallback_public_fit.md`), of the unmodified kernel; **fitted**: the same model with "
+        "the constants fitted to libtpu's v6e estimates of other kernels "
+        "(`feasibility.fitted.V6E`, never fitted on these tables); "
         "**roofline**: pallas-tune's roofline model (`--estimate-fallback roofline`). Both "
         "only for configs the block rules and the VMEM model accept.",
         f"- Sample: seed {meta['seed']}; per chip, strata of n_batch (16-64, 128-512, "

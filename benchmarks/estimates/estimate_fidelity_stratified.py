@@ -74,18 +74,24 @@ def render(path: str, data: Mapping[str, Any]) -> None:
     bench.write(path, report(data), echo=False)
 
 
-def add_public(runs: Sequence[dict[str, Any]]) -> int:
-    """The public fit's figure (ms) of every config the fitted model ranks, in runs made
-    before the fit (traced, never compiled); how many runs got it."""
-    added = 0
+def retrace_models(runs: Sequence[dict[str, Any]], tabs: Mapping[str, Mapping[Key, Any]],
+                   meta: Mapping[str, Any], *, all_runs: bool) -> int:
+    """The model figures (roofline, fitted, public; ms) of every drawn config, traced again
+    (never compiled) with the models as they are now: in every run (``all_runs``,
+    ``--retrace-models``) or in runs made before the public fit (no ``public_ms``); how many
+    runs were traced."""
+    done = 0
     for r in runs:
-        if "public_ms" not in r:
-            _, dtypes, spec_name = st.CHIPS[r["chip"]]
-            blocks = [tuple(b) for b, _ in r["fitted_ms"]]
-            _, _, pub = model_figures(tuple(r["key"]), blocks, spec_name, dtypes[1])
-            r["public_ms"] = [[list(b), v * 1e3] for b, v in sorted(pub.items())]
-            added += 1
-    return added
+        if not all_runs and "public_ms" in r:
+            continue
+        _, dtypes, spec_name = st.CHIPS[r["chip"]]
+        entry = st.Entry(r["chip"], tuple(r["key"]), tuple(r["winner"]), r["stratum"])
+        blocks, _ = st.drawn_space(entry, tabs[r["chip"]], meta["rivals"], meta["seed"])
+        figs = model_figures(entry.key, blocks, spec_name, dtypes[1])
+        for name, f in zip(("roofline_ms", "fitted_ms", "public_ms"), figs, strict=True):
+            r[name] = [[list(b), v * 1e3] for b, v in sorted(f.items())]
+        done += 1
+    return done
 
 
 def done_before(path: str, seed: int, rivals: int) -> list[dict[str, Any]]:
@@ -146,6 +152,9 @@ def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--dump", default=DUMP, help="'' for none")
     parser.add_argument("--from-dump", metavar="JSON", help="re-render a dump; compile nothing")
+    parser.add_argument("--retrace-models", action="store_true",
+                        help="with --from-dump: trace every drawn config again for the model "
+                             "figures as the models are now (kept in the dump)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument("--resume", action="store_true",
                         help="keep the keys --dump holds (same --seed and --rivals), run the rest")
@@ -158,8 +167,9 @@ def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
     if a.from_dump:
         with open(a.from_dump, encoding="utf-8") as f:
             data = json.load(f)
-        if add_public(data["runs"]):  # Traced only: kept in the dump.
-            save(a.from_dump, data["meta"], data["runs"])
+        tabs = tables(TPU_INFERENCE_DIR)
+        if retrace_models(data["runs"], tabs, data["meta"], all_runs=a.retrace_models):
+            save(a.from_dump, data["meta"], data["runs"])  # Traced only: kept in the dump.
         render(a.out, data)
         return 0
     tabs = tables(TPU_INFERENCE_DIR)
