@@ -1,3 +1,5 @@
+import contextlib
+import importlib
 import os
 import sys
 
@@ -76,6 +78,24 @@ def fresh():
     for k in (toy_kernels.scale, toy_kernels.scale_checked, toy_kernels.add):
         k._memo.clear()
         k._warned.clear()
+
+
+@contextlib.contextmanager
+def estimate_modules(*names):
+    """benchmarks/estimates modules imported by name; afterwards they, the modules they import
+    from there (``also``: name prefixes) and the stub ``tpu_inference`` modules their import
+    installs are taken out of ``sys.modules`` again."""
+    folder = os.path.join(os.path.dirname(TESTS_DIR), "benchmarks", "estimates")
+    before = set(sys.modules)
+    sys.path.insert(0, folder)
+    try:
+        yield tuple(importlib.import_module(n) for n in names)
+    finally:
+        sys.path.remove(folder)
+        for k in set(sys.modules) - before:
+            if (k == "tpu_inference" or k.startswith("tpu_inference.")
+                    or os.path.dirname(getattr(sys.modules[k], "__file__", "") or "") == folder):
+                del sys.modules[k]
 
 
 def subprocess_env(**extra):

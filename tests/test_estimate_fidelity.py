@@ -5,14 +5,10 @@ load without vLLM and that the proxy's quantization computes what the original d
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 
 import pytest
-
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
-                          "estimates")
+from conftest import estimate_modules
 
 SOURCE = """
 from typing import NamedTuple
@@ -32,18 +28,10 @@ TUNED_BLOCK_SIZES = {k: v for k, v in TUNED_BLOCK_SIZES_RAW.items()}
 
 @pytest.fixture(scope="module")
 def ef():
-    """The benchmark module; the stub ``tpu_inference`` modules its import installs (where
-    tpu-inference is installed) are taken out of ``sys.modules`` again afterwards."""
-    before = {k for k in sys.modules if k == "tpu_inference" or k.startswith("tpu_inference.")}
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        yield importlib.import_module("estimate_fidelity")
-    finally:
-        sys.path.remove(BENCHMARKS)
-        for k in [k for k in sys.modules if (k == "tpu_inference" or k.startswith(
-                "tpu_inference.")) and k not in before]:
-            del sys.modules[k]
-        sys.modules.pop("estimate_fidelity", None)
+    """The benchmark module, taken out of ``sys.modules`` afterwards with the stub
+    ``tpu_inference`` modules its import installs (where tpu-inference is installed)."""
+    with estimate_modules("estimate_fidelity") as (module,):
+        yield module
 
 
 @pytest.fixture

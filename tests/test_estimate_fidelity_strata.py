@@ -6,15 +6,10 @@ report's figures: the winner's rank estimated in the whole space, K95, and what 
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
-import sys
 
 import pytest
-
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
-                          "estimates")
+from conftest import estimate_modules
 
 RAW = {
     (6, 16, 1536, 640, "int8", "int8"): (16, 768, 640),
@@ -31,20 +26,10 @@ RAW = {
 
 @pytest.fixture(scope="module")
 def mods():
-    """(strata, report) modules; the stub ``tpu_inference`` modules their import installs are
-    taken out of ``sys.modules`` again afterwards."""
-    before = {k for k in sys.modules if k == "tpu_inference" or k.startswith("tpu_inference.")}
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        yield (importlib.import_module("estimate_fidelity_strata"),
-               importlib.import_module("estimate_fidelity_strata_report"))
-    finally:
-        sys.path.remove(BENCHMARKS)
-        for k in [k for k in sys.modules if (k == "tpu_inference" or k.startswith(
-                "tpu_inference.")) and k not in before]:
-            del sys.modules[k]
-        for m in [m for m in sys.modules if m.startswith("estimate_fidelity")]:
-            sys.modules.pop(m, None)
+    """(strata, report) modules, taken out of ``sys.modules`` afterwards with the stub
+    ``tpu_inference`` modules their import installs."""
+    with estimate_modules("estimate_fidelity_strata", "estimate_fidelity_strata_report") as m:
+        yield m
 
 
 def test_chip_tables_keep_v6e_int8_and_v7_float8_only(mods):

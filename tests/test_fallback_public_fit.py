@@ -5,37 +5,23 @@ see (every key a fidelity report scores)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import os
-import sys
 import types
 
 import pytest
+from conftest import estimate_modules
 
 from pallas_tune.chips import chip_spec
 from pallas_tune.feasibility.fitted import V6E, Constants
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks",
-                          "estimates")
-
 
 @pytest.fixture(scope="module")
 def mods():
-    """(fit, report) modules; stub ``tpu_inference`` modules their import installs are taken
-    out of ``sys.modules`` again afterwards."""
-    before = {k for k in sys.modules if k == "tpu_inference" or k.startswith("tpu_inference.")}
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        yield (importlib.import_module("fallback_public_fit"),
-               importlib.import_module("fallback_public_report"))
-    finally:
-        sys.path.remove(BENCHMARKS)
-        for k in [k for k in sys.modules if (k == "tpu_inference"
-                                             or k.startswith("tpu_inference."))]:
-            if k not in before:
-                del sys.modules[k]
+    """(fit, report) modules, taken out of ``sys.modules`` afterwards with the stub
+    ``tpu_inference`` modules their import installs."""
+    with estimate_modules("fallback_public_fit", "fallback_public_report") as m:
+        yield m
 
 
 def _features(steps, nbytes):
