@@ -24,22 +24,23 @@ def mods():
         yield m
 
 
-def _features(steps, nbytes):
-    """A config's features, as feasibility.fitted.call_features would read them: grid steps
-    and bytes refetched with one buffer (nothing overlaps them)."""
-    return {"features": [{"steps": steps, "dots": [], "pipelined_bytes": 0.0,
-                          "serial_bytes": nbytes, "step_bytes": 0.0, "vec_elems": 0.0}],
-            "roofline_s": 1.0}
+def _features(rep, steps, nbytes):
+    """A config's features (a features file's entry), as feasibility.fitted.call_features
+    would read them: grid steps and bytes refetched with one buffer (nothing overlaps them)."""
+    return rep.Traced.of({"features": [{"steps": steps, "dots": [], "pipelined_bytes": 0.0,
+                                        "serial_bytes": nbytes, "step_bytes": 0.0,
+                                        "vec_elems": 0.0}], "roofline_s": 1.0})
 
 
-def _keys(fit, truth, spec):
+def _keys(rep, truth, spec):
     """Keys trading grid steps against bytes; each one's winner is its best config under
     ``truth`` (the hidden chip)."""
     out = []
     for scale in (0.5, 1.0, 2.0, 4.0):
-        feats = {(1, 1, 1): _features(200 * scale, 1e6), (2, 2, 2): _features(10, 1e8 * scale),
-                 (3, 3, 3): _features(60 * scale, 3e7 * scale)}
-        times = fit.model_times(feats, spec, truth)
+        feats = {(1, 1, 1): _features(rep, 200 * scale, 1e6),
+                 (2, 2, 2): _features(rep, 10, 1e8 * scale),
+                 (3, 3, 3): _features(rep, 60 * scale, 3e7 * scale)}
+        times = rep.model_times(feats, spec, truth)
         out.append((min(times, key=times.get), feats))
     return out
 
@@ -48,12 +49,12 @@ def test_the_fit_ranks_the_winners_a_hidden_chip_chose(mods):
     fit, rep = mods
     spec = chip_spec("v6e")
     truth = Constants(mxu_eff=1.0, bw_eff=1.0, step_s=5e-6, vec_s=1e-12)
-    keys = _keys(fit, truth, spec)
-    before = [rep.exact(fit.model_times(f, spec, V6E), w)["rank"] for w, f in keys]
+    keys = _keys(rep, truth, spec)
+    before = [rep.exact(rep.model_times(f, spec, V6E), w)["rank"] for w, f in keys]
     assert before.count(1) < 4  # libtpu's fit misranks them.
     c, loss = fit.fit(keys, spec, 0.05)
     assert loss < fit.loss([math.log(getattr(V6E, p)) for p in fit.PARAMS], keys, spec, 0.05)
-    assert [rep.exact(fit.model_times(f, spec, c), w)["rank"] for w, f in keys] == [1] * 4
+    assert [rep.exact(rep.model_times(f, spec, c), w)["rank"] for w, f in keys] == [1] * 4
     for p in fit.PARAMS:
         lo, hi = fit.BOUNDS[p]
         assert lo <= getattr(c, p) <= hi

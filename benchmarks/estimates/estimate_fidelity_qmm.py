@@ -232,34 +232,48 @@ def roofline_figures(key: Key, blocks: Sequence[Blocks]) -> dict[Blocks, float]:
     return out
 
 
+def accepted_calls(key: Key, blocks: Sequence[Blocks], chip: str, w_dtype: str
+                   ) -> dict[Blocks, Any]:
+    """The unmodified kernel's traced pallas_calls per config, or None where it cannot be
+    traced at those blocks or the block rules or the VMEM model refuse it (no model figure)."""
+    from pallas_tune.chips import chip_spec
+    from pallas_tune.feasibility import inspect as _inspect
+    from pallas_tune.feasibility import model
+
+    spec, args = chip_spec(chip), operands(key, w_dtype)
+    out: dict[Blocks, Any] = {}
+    for b in blocks:
+        try:
+            calls = _inspect.find_pallas_calls(unmodified_qmm, args, config(b))
+        except Exception:  # noqa: BLE001 - not traceable at these blocks: no figure.
+            out[b] = None
+            continue
+        refused = (_inspect.block_rule_violations(calls)
+                   or model.model_verdict(calls, spec).status == "infeasible")
+        out[b] = None if refused else calls
+    return out
+
+
 def model_figures(key: Key, blocks: Sequence[Blocks], chip: str, w_dtype: str
                   ) -> tuple[dict[Blocks, float], dict[Blocks, float], dict[Blocks, float]]:
     """pallas-tune's roofline model, its model with the constants fitted to libtpu's v6e
     estimates (``feasibility.fitted.V6E``) and with the chip's constants fitted to real-TPU
     winners (``feasibility.fitted.constants_for``: what ``--estimate-fallback model`` ranks
-    by), seconds, of the unmodified kernel, for the configs the block rules and the VMEM model
-    accept; one trace per config for all three."""
+    by), seconds, of the unmodified kernel, for the configs :func:`accepted_calls` accepts;
+    one trace per config for all three."""
     from pallas_tune.chips import chip_spec
-    from pallas_tune.feasibility import inspect as _inspect
-    from pallas_tune.feasibility import model
     from pallas_tune.feasibility.fitted import V6E, constants_for, fitted_calls
     from pallas_tune.feasibility.roofline import roofline_calls
 
-    spec, args = chip_spec(chip), operands(key, w_dtype)
+    spec = chip_spec(chip)
     roof: dict[Blocks, float] = {}
     fitted: dict[Blocks, float] = {}
     public: dict[Blocks, float] = {}
-    for b in blocks:
-        try:
-            calls = _inspect.find_pallas_calls(unmodified_qmm, args, config(b))
-        except Exception:  # noqa: BLE001 - not traceable at these blocks: no figure.
-            continue
-        if (_inspect.block_rule_violations(calls)
-                or model.model_verdict(calls, spec).status == "infeasible"):
-            continue
-        roof[b] = roofline_calls(calls, spec).time_s
-        fitted[b] = fitted_calls(calls, spec, V6E)
-        public[b] = fitted_calls(calls, spec, constants_for(spec))
+    for b, calls in accepted_calls(key, blocks, chip, w_dtype).items():
+        if calls is not None:
+            roof[b] = roofline_calls(calls, spec).time_s
+            fitted[b] = fitted_calls(calls, spec, V6E)
+            public[b] = fitted_calls(calls, spec, constants_for(spec))
     return roof, fitted, public
 
 

@@ -38,6 +38,7 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as bench  # noqa: E402
+import fallback_public_report as rep  # noqa: E402
 
 # A ranking loss fixes the constants only up to a common scale (times all 2x: the same order),
 # and a tune calibrates the fallback onto libtpu's figures per key, so the MXU's rate is held at
@@ -73,31 +74,20 @@ def reported_keys(data_dir: str, planned: Sequence[Any]) -> set[tuple[str, Key]]
 
 def trace_features(key: Key, blocks: Sequence[Blocks], chip: str, w_dtype: str
                    ) -> dict[Blocks, Any]:
-    """Per config: the fitted model's features of its traced pallas_calls (as dicts) and the
-    roofline's time, or None where the block rules or the VMEM model refuse it (no figure)."""
-    from estimate_fidelity_qmm import config, operands, unmodified_qmm
+    """Per config: the fitted model's features of its traced pallas_calls (as dicts: the
+    features file's form) and the roofline's time, or None where the block rules or the VMEM
+    model refuse it (no figure)."""
+    from estimate_fidelity_qmm import accepted_calls
 
     from pallas_tune.chips import chip_spec
-    from pallas_tune.feasibility import inspect as _inspect
-    from pallas_tune.feasibility import model
     from pallas_tune.feasibility.fitted import call_features
     from pallas_tune.feasibility.roofline import roofline_calls
 
-    spec, args = chip_spec(chip), operands(key, w_dtype)
-    out: dict[Blocks, Any] = {}
-    for b in blocks:
-        try:
-            calls = _inspect.find_pallas_calls(unmodified_qmm, args, config(b))
-        except Exception:  # noqa: BLE001 - not traceable at these blocks: no figure.
-            out[b] = None
-            continue
-        if (_inspect.block_rule_violations(calls)
-                or model.model_verdict(calls, spec).status == "infeasible"):
-            out[b] = None
-            continue
-        out[b] = {"features": [dataclasses.asdict(call_features(c)) for c in calls],
-                  "roofline_s": roofline_calls(calls, spec).time_s}
-    return out
+    spec = chip_spec(chip)
+    return {b: None if calls is None else {
+        "features": [dataclasses.asdict(call_features(c)) for c in calls],
+        "roofline_s": roofline_calls(calls, spec).time_s}
+        for b, calls in accepted_calls(key, blocks, chip, w_dtype).items()}
 
 
 def constants(theta: Sequence[float]) -> Any:
@@ -110,33 +100,13 @@ def constants(theta: Sequence[float]) -> Any:
     return Constants(**vals)
 
 
-_CALLS: dict[int, Any] = {}  # id(a cached features entry) -> its CallFeatures, made once.
-
-
-def model_times(feats: Mapping[Blocks, Any], spec: Any, c: Any) -> dict[Blocks, float]:
-    """The fitted model's time (s) with constants ``c`` of each config that has features."""
-    from pallas_tune.feasibility.fitted import CallFeatures, time_of
-
-    out = {}
-    for b, f in feats.items():
-        if f is None:
-            continue
-        calls = _CALLS.get(id(f))
-        if calls is None:
-            calls = _CALLS[id(f)] = (f, [
-                CallFeatures(**{**x, "dots": tuple(tuple(d) for d in x["dots"])})
-                for x in f["features"]])
-        out[b] = time_of(calls[1], spec, c)
-    return out
-
-
 def loss(theta: Sequence[float], keys: Sequence[tuple[Blocks, Mapping[Blocks, Any]]],
          spec: Any, tau: float) -> float:
     """Mean softmax cross-entropy of each key's winner over its configs, on log time / tau."""
     c = constants(theta)
     total = 0.0
     for winner, feats in keys:
-        t = model_times(feats, spec, c)
+        t = rep.model_times(feats, spec, c)
         logs = [-math.log(v) / tau for v in t.values()]
         top = max(logs)
         lse = top + math.log(sum(math.exp(v - top) for v in logs))
@@ -164,7 +134,6 @@ def fit(keys: Sequence[tuple[Blocks, Mapping[Blocks, Any]]], spec: Any, tau: flo
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import fallback_public_report as rep
     import estimate_fidelity_stratified as strat
     from estimate_fidelity_qmm import TPU_INFERENCE_DIR, qmm
     from estimate_fidelity_strata import CHIPS, strata_space
@@ -176,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=6)
     p.add_argument("--fidelity", default=os.path.join(DATA, FIDELITY_DUMPS[0]),
                    help="the stratified fidelity run's dump: its keys are the held-out set")
-    p.add_argument("--features", default=bench.scratch("pt-public-fit-") + "/features.json",
+    p.add_argument("--features", default="",
                    help="a file of traced features, reused across runs that name it "
                         "(default: a temporary one)")
     p.add_argument("--out", default=bench.output(bench.result("fallback_public_fit.md")))
@@ -191,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         held_runs = json.load(f)["runs"]
     planned = strat.plan(tabs, strat.PER_STRATUM, strat.SEED, None)
     never = reported_keys(DATA, planned)
+    a.features = a.features or os.path.join(bench.scratch("pt-public-fit-"), "features.json")
     cache = rep.load_features(a.features)
     t0 = time.time()
     fits = {}
@@ -225,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"command": bench.command(__file__, argv), "date": bench.today(),
             "host": bench.host(), "wall_s": time.time() - t0, "tau": a.tau,
             "versions": bench.versions("jax", "tpu-inference", "scipy", "pallas-tune")}
-    bench.write(a.out, rep.report(fits, meta, model_times))
+    bench.write(a.out, rep.report(fits, meta))
     return 0
 
 

@@ -147,7 +147,7 @@ def call_features(call: _inspect.PallasCallInfo) -> CallFeatures:
                         vec_elems=vec)
 
 
-def time_of(features: Sequence[CallFeatures], spec: ChipSpec, c: Constants = V6E) -> float:
+def time_of(features: Sequence[CallFeatures], spec: ChipSpec, c: Constants) -> float:
     """The model's time (s) of a program's pallas_calls, from their features."""
     side = spec.mxu_dim or 128
     bf16 = spec.bf16_flops or 1e14

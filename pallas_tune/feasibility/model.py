@@ -100,7 +100,7 @@ class KernelVmem:
     # towards a refusal: the compiler may keep them in vregs or stream them (tpu-inference's
     # quantized matmul on v6e: its need 30% to 54% below an estimate made of them, at configs
     # the model had refused; benchmarks/results/feasibility_accuracy.txt).
-    dot_temp_bytes: int = 0
+    dot_temp_bytes: int
     limit_bytes: int  # What the need is checked against: the requested limit, capped.
     # The call's vmem_limit_bytes, or the chip's default scoped limit where it sets none. Above
     # the usable physical VMEM it is capped (limit_bytes): the compiler's failure is physical.
