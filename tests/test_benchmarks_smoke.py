@@ -88,6 +88,9 @@ SMOKES = {
                                             needs=("tpu_inference",)),
     "estimates/fallback_public_fit.py": Smoke(("## The constants", "| 7x | 3 |"),
                                               needs=("tpu_inference",)),
+    "estimates/scale_rule_selection.py": Smoke(("| the larger of libtpu's and the calibrated "
+                                                "model's (the rule) |", "2 v6e int8 keys"),
+                                               needs=("tpu_inference",)),
     "estimates/estimate_correction_fit.py": Smoke(("fitting sample",),
                                                   needs=("tpu_inference",)),
     "estimates/xla_footing.py": Smoke(("## The footing pallas-tune decides on",),

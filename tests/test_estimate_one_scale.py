@@ -1,8 +1,10 @@
 """Issue 55, items 1 and 4: every figure a tpu-estimate run ranks is on one scale (a model's
 figure for a candidate libtpu gave none is calibrated on the configs with both, or ranked apart
-and kept out of the pick), every trial and the entry name the figure they have, and the entry
-keeps the estimate's shortlist, which ``confirm_top`` then measures without estimating again.
-Fake evaluators: no libtpu, no device."""
+and kept out of the pick; with the fitted model every candidate is ranked by the larger of
+libtpu's figure and the calibrated model's; where libtpu figured fewer than MIN_PAIRS, by the
+model alone), every trial and the entry name the figure they have, and the entry keeps the
+estimate's shortlist, which ``confirm_top`` then measures without estimating again. Fake
+evaluators: no libtpu, no device."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pallas_tune as pt
 from pallas_tune.measure.evaluate import Evaluator
 from pallas_tune.measure.records import (DEFAULT_SHORTLIST_K, Measurement, Outcome,
                                          TrialRecord)
-from pallas_tune.measure.unprofiled import MIN_PAIRS, one_scale
+from pallas_tune.measure.scale import MIN_PAIRS, one_scale, scale_figures
 
 
 def _libtpu(a):  # libtpu's figure: big a is fast.
@@ -33,9 +35,9 @@ class FakeEstimate(Evaluator):
 
     kind = "estimate"
 
-    def __init__(self, modelled):
+    def __init__(self, modelled, model=_model, bound=False):
         super().__init__()
-        self.modelled = set(modelled)
+        self.modelled, self.model, self.bound = set(modelled), model, bound
 
     def start(self):
         self.device = {"chip": "v6e", "platform": "tpu", "device_kind": "TPU v6 lite",
@@ -51,7 +53,7 @@ class FakeEstimate(Evaluator):
                 number=number, config=dict(config), outcome=Outcome.OK,
                 fingerprint=f"p{a}", detail="fitted model (libtpu's static profile aborted: "
                 "FIFO: ...)" if by_model else "",
-                measurement=Measurement(times_ms=(_model(a) if by_model else _libtpu(a),),
+                measurement=Measurement(times_ms=(self.model(a) if by_model else _libtpu(a),),
                                         compile_ms=0.0,
                                         timer="fitted-model" if by_model else "tpu-estimate"))
             self._note(rec)
@@ -59,7 +61,8 @@ class FakeEstimate(Evaluator):
         return out
 
     def one_scale(self, records):
-        return one_scale(list(records), lambda configs: [_model(c["a"]) for c in configs])
+        return one_scale(list(records), lambda configs: [self.model(c["a"]) for c in configs],
+                         timer="fitted-model", bound=self.bound)
 
     def roofline(self, configs, chip):
         return [None for _ in configs]
@@ -74,12 +77,12 @@ def kern(cache_dir):
     return kern, jnp.ones((64, 128))
 
 
-def _estimate(kern, x, modelled, **options):
+def _estimate(kern, x, modelled, model=_model, bound=False, **options):
     from pallas_tune.tuning import TuneOptions, run
 
     opts = TuneOptions(timer="tpu-estimate", chip="v6e", trials=8, retime_top=0, seed=0,
                        warm_start=0, transfer=False, **{"write": False, **options})
-    return run(kern, (x,), {}, opts, evaluator=FakeEstimate(modelled))
+    return run(kern, (x,), {}, opts, evaluator=FakeEstimate(modelled, model, bound))
 
 
 def test_a_model_figure_never_decides_the_pick_raw(kern):
@@ -97,17 +100,67 @@ def test_a_model_figure_never_decides_the_pick_raw(kern):
     assert all(r.measurement.timer == "tpu-estimate" for r in res.records if r.config != {"a": 6})
 
 
-def test_uncalibrated_model_figures_are_ranked_apart(kern):
-    """With fewer than MIN_PAIRS configs that have both figures, the model's figures are not
-    in the pick at all (a=7, 1.5 ms raw, stays out; libtpu's best of a=0, a=1 wins)."""
+def test_too_few_libtpu_figures_rank_every_candidate_by_the_model_alone(kern):
+    """libtpu figured a=0 and a=1 only (fewer than MIN_PAIRS: nothing to calibrate on, too few
+    to pick from, as fp8 on 7x where its profiler aborts on most): every candidate is ranked
+    by the model's own figure, libtpu's kept in the detail; the model's best (a=7) wins."""
     kern, x = kern
     res = _estimate(kern, x, modelled=set(range(2, 8)))
-    assert MIN_PAIRS > 2 and res.best == {"a": 1}
-    apart = [r for r in res.records if r.config["a"] >= 2]
+    assert MIN_PAIRS > 2 and res.best == {"a": 7} and res.best_ms == pytest.approx(1.5)
+    assert all(r.measurement.timer == "fitted-model" for r in res.records)
+    one = next(r for r in res.records if r.config == {"a": 1})
+    assert one.median_ms == pytest.approx(_model(1)) and "(its own 9 ms)" in one.detail
+    assert res.provenance["timer"] == "fitted-model"
+    assert "libtpu figured 2 of the run's candidates" in res.provenance["timing_note"]
+
+
+def test_model_figures_that_cannot_be_calibrated_are_ranked_apart(kern):
+    """libtpu figured six candidates but the model traces none of them: nothing to calibrate
+    on, so the two model-figured ones stay out of the pick (a=7, 1.5 ms raw, would win)."""
+    kern, x = kern
+    res = _estimate(kern, x, modelled={6, 7},
+                    model=lambda a: _model(a) if a >= 6 else None)
+    assert res.best == {"a": 5}
+    apart = [r for r in res.records if r.config["a"] >= 6]
     assert all(not r.outcome.timed and r.error.startswith("not ranked: fitted-model figure")
                for r in apart)
     assert res.provenance["timer"] == "tpu-estimate"
     assert "ranked apart, not in the pick" in res.provenance["timing_note"]
+
+
+def test_the_fitted_model_bounds_libtpu_figures_from_below(kern):
+    """With the fitted model (``bound``), a candidate libtpu rates fast but the model,
+    calibrated on libtpu's best, rates slow is ranked by the model's figure: libtpu leaves out
+    costs the chip pays. Model: a=7 three times as slow as libtpu says, the rest on half
+    libtpu's scale (calibration x2 from the median)."""
+    kern, x = kern
+    res = _estimate(kern, x, modelled=set(),
+                    model=lambda a: 4.5 if a == 7 else _model(a), bound=True)
+    assert res.best == {"a": 6} and res.best_ms == 4.0
+    seven = next(r for r in res.records if r.config == {"a": 7})
+    assert seven.median_ms == pytest.approx(9.0)
+    assert seven.measurement.timer == "fitted-model calibrated"
+    assert seven.detail.startswith("libtpu's figure 3 ms; the fitted-model figure 4.5 ms "
+                                   "calibrated on 8 configs with both (x2) is larger")
+    assert res.provenance["timer"] == "max(tpu-estimate, fitted-model calibrated)"
+    assert "(1 of 8 libtpu-figured by the model's)" in res.provenance["timing_note"]
+
+
+def test_the_rule_on_plain_figures():
+    """scale_figures, as a benchmark scores it: each case of the rule."""
+    lib = {"a": 1.0, "b": 2.0, "c": 3.0}
+    model = {"a": 0.5, "b": 1.0, "c": 3.0, "d": 1.0}  # x2 calibration (median of 2, 2, 1).
+    s = scale_figures(lib, model, bound=True)
+    assert (s.how, s.pairs, s.ratio) == ("calibrated", 3, 2.0)
+    assert s.figures == {"a": (1.0, "libtpu"), "b": (2.0, "libtpu"), "c": (6.0, "bound"),
+                         "d": (2.0, "calibrated")}
+    assert scale_figures(lib, model, bound=False).figures["c"] == (3.0, "libtpu")
+    assert scale_figures(lib, {}, bound=False).how == "libtpu"
+    few = scale_figures({"a": 1.0}, {"a": 0.5, "d": 0.2}, bound=True)
+    assert few.how == "model" and few.figures == {"a": (0.5, "model"), "d": (0.2, "model")}
+    assert scale_figures({}, {"d": 0.2}, bound=True).figures == {"d": (0.2, "model")}
+    apart = scale_figures(lib, {"d": 1.0}, bound=True)
+    assert apart.how == "apart" and "d" not in apart.figures
 
 
 def test_when_every_candidate_has_a_model_figure_the_entry_names_the_model(kern):
@@ -154,7 +207,7 @@ def test_the_entry_keeps_its_shortlist_and_confirm_top_measures_exactly_it(kern)
     res = _estimate(kern, x, modelled=set(), write=True)
     entry, path = kern.cache.lookup("v6e", kern.name, key)
     kept = entry["shortlist"]
-    assert kept["k"] == DEFAULT_SHORTLIST_K == 23 and "not measured" in kept["k_from"]
+    assert kept["k"] == DEFAULT_SHORTLIST_K == 15 and "not measured" in kept["k_from"]
     assert kept["configs"] == [{"a": a} for a in range(7, -1, -1)]
     assert kept["figures_ms"] == [_libtpu(a) for a in range(7, -1, -1)]
     assert "shortlist" not in entry["provenance"] and res.cache_path
@@ -166,7 +219,7 @@ def test_the_entry_keeps_its_shortlist_and_confirm_top_measures_exactly_it(kern)
     assert chip.evaluated == [{"a": 7}, {"a": 6}, {"a": 5}, {"a": 4}]
     assert confirmed.best == {"a": 5}
     source = confirmed.provenance["confirmed"]["from"]
-    assert source.startswith(f"tpu_v6e:{key} (estimate entry's shortlist of 23")
+    assert source.startswith(f"tpu_v6e:{key} (estimate entry's shortlist of 15")
 
 
 @pt.tunable(br=[8, 16, 32], bc=[128, 256], f32=[False, True])
@@ -198,12 +251,14 @@ def test_a_real_run_half_aborted_ranks_the_model_calibrated(cache_dir, monkeypat
     x = jnp.ones((256, 512), jnp.bfloat16)
     res = half_aborting.tune(x, timer="tpu-estimate", chip="v6e", trials=12, write=False,
                              transfer=False, workers=2, warm_start=0, estimate_fallback="model")
-    libtpu = [r for r in res.records if r.outcome.timed and r.measurement.timer == "tpu-estimate"]
-    modelled = [r for r in res.records if r.outcome.timed and r is not None
-                and r.measurement.timer != "tpu-estimate"]
-    assert libtpu and all(r.config["f32"] for r in libtpu), [r.config for r in libtpu]
-    assert modelled and all(not r.config["f32"] for r in modelled)
+    timed = [r for r in res.records if r.outcome.timed]
+    libtpu = [r for r in timed if r.config["f32"]]
+    modelled = [r for r in timed if not r.config["f32"]]
+    assert libtpu and modelled and len(libtpu) + len(modelled) == len(timed)
     assert all(r.measurement.timer == "fitted-model calibrated" and
                " calibrated on " in r.detail and "aborted" in r.detail for r in modelled)
-    assert res.provenance["timer"] == "tpu-estimate+fitted-model calibrated"
+    # libtpu's own figure, or the calibrated model's where it is larger (and says so).
+    assert all(r.measurement.timer == "tpu-estimate" or r.detail.startswith("libtpu's figure")
+               for r in libtpu)
+    assert res.provenance["timer"] == "max(tpu-estimate, fitted-model calibrated)"
     assert res.provenance["calibration"]["pairs"] >= 3

@@ -2,8 +2,8 @@
 the real winner's rank distribution first (K95: the K for which the winner is inside a figure's
 top K on at least 95% of keys), then top-1/3/8 and pick-within-2% rates, overall, per chip and
 per stratum, for libtpu's estimate, pallas-tune's fitted model, its roofline, and what a tune
-with ``--estimate-fallback model`` ranks (libtpu's figure, the fitted model calibrated onto it
-where libtpu aborts)."""
+with ``--estimate-fallback model`` ranks (the larger of libtpu's figure and the fitted model's
+calibrated onto it; the calibrated model's where libtpu aborts)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ from estimate_fidelity_strata import BATCH_BANDS, SIZE_NAMES  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate_fidelity.py")
 FIGURES = (("libtpu", "libtpu's estimate (of the proxy)"),
-           ("tune", "a tune with --estimate-fallback model (libtpu; calibrated model where it "
-                    "aborts)"),
+           ("tune", "a tune with --estimate-fallback model (the larger of libtpu's and the "
+                    "calibrated model's; the model's where libtpu aborts)"),
            ("public", "pallas-tune's model, constants fitted to real-TPU winners of other keys "
                       "(feasibility.fitted.PUBLIC)"),
            ("fitted", "pallas-tune's model, constants fitted to libtpu's v6e estimates "
                       "(feasibility.fitted.V6E)"),
            ("roofline", "pallas-tune's roofline model"))
-MIN_PAIRS, MAX_PAIRS = 3, 16  # As pallas_tune.measure.unprofiled.one_scale.
 TOPS = (1, 3, 8)
 
 Blocks = tuple[int, ...]
@@ -35,14 +34,16 @@ Blocks = tuple[int, ...]
 
 def figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float]:
     """One figure of every drawn config that has it (ms): ``libtpu`` (the proxy's), or the
-    run's ``<name>_ms`` (``fitted``, ``roofline``, ``public``...). ``tune``: libtpu's where it
-    estimated; configs whose profile aborted, or ran out of VMEM only with the profiling flag,
-    get the fitted model's figure times the median of
-    libtpu/model over libtpu's best ``MAX_PAIRS`` (with at least ``MIN_PAIRS`` such configs;
-    else they stay out, as a tune ranks them apart), or the model's alone where libtpu
-    estimated nothing (one scale: the model's). The model is the one a tune ranks by now, the
+    run's ``<name>_ms`` (``fitted``, ``roofline``, ``public``...). ``tune``: what a tune with
+    ``--estimate-fallback model`` ranks by, by the library's own rule
+    (pallas_tune.measure.scale.scale_figures): configs whose profile aborted, or ran out of VMEM
+    only with the profiling flag, get the model's figure, and every config is ranked by the
+    larger of libtpu's figure and the model's calibrated onto it; where libtpu figured fewer
+    than 3 configs, the model's figure alone. The model is the one a tune ranks by now, the
     public fit's, in runs that have it, else the fitted one's; ``tune+<model>``: that
     model's."""
+    from pallas_tune.measure.scale import scale_figures
+
     lib = {tuple(b): v for b, v in run["proxy_ms"]}
     if name == "libtpu":
         return lib
@@ -51,14 +52,8 @@ def figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float]:
     model = name.partition("+")[2] or ("public" if "public_ms" in run else "fitted")
     fit = {tuple(b): v for b, v in run[f"{model}_ms"]}
     aborted = {tuple(b) for b in (*run["aborted"], *run.get("flag_only_oom", ()))}
-    if not lib:
-        return {b: v for b, v in fit.items() if b in aborted}
-    base = sorted(lib, key=lib.get)[:MAX_PAIRS]
-    pairs = [lib[b] / fit[b] for b in base if fit.get(b)]
-    if len(pairs) < MIN_PAIRS:
-        return lib
-    k = statistics.median(pairs)
-    return {**lib, **{b: fit[b] * k for b in aborted if b in fit}}
+    figs = {**{b: fit[b] for b in aborted if b in fit}, **{b: fit.get(b) for b in lib}}
+    return {b: ms for b, (ms, _) in scale_figures(lib, figs, bound=True).figures.items()}
 
 
 def judge(run: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -191,14 +186,16 @@ def compared(meta: Mapping[str, Any]) -> list[str]:
         "`estimate_fidelity_qmm.py`). On 7x in float8 the profiler aborts on many configs "
         "(`Cannot schedule FIFO push instruction when the FIFO is full`): they get no "
         "libtpu figure, and are counted below, not dropped.",
-        "- **tune**: what a tune with `--timer tpu-estimate --estimate-fallback model` ranks: "
-        "libtpu's figure; a config whose profile aborted, or that ran out of VMEM only under "
-        "the profiling flag (checked by an unprofiled compile of the same stand-in), gets the "
-        "model's figure with the chip's constants fitted to real-TPU winners of other keys "
-        "(`public`; runs made before that fit: the fitted model's) "
-        "times the median of libtpu/model over libtpu's best 16 configs (with at least 3 "
-        "such configs; else it is ranked apart, out of the pick); where libtpu estimated "
-        "nothing, the model alone.",
+        "- **tune**: what a tune with `--timer tpu-estimate --estimate-fallback model` ranks, "
+        "by the library's own rule (`pallas_tune.measure.scale`): the model's figure with the "
+        "chip's constants fitted to real-TPU winners of other keys (`public`; runs made before "
+        "that fit: the fitted model's) is calibrated onto libtpu's, times the median of "
+        "libtpu/model over libtpu's best 16 configs (at least 3 with both); each config is "
+        "ranked by the larger of libtpu's figure and the calibrated model's, and a config "
+        "whose profile aborted, or that ran out of VMEM only under the profiling flag "
+        "(checked by an unprofiled compile of the same stand-in), by the calibrated model's. "
+        "Where libtpu figured fewer than 3 configs, every config by the model's figure alone. "
+        "The rule was chosen on 20 other keys (`scale_rule_selection.md`).",
         "- **public**: pallas-tune's model with constants fitted per chip to tpu-inference's "
         "published winners of other keys of these tables (`feasibility.fitted.PUBLIC`; "
         "`fallback_public_fit.md`), of the unmodified kernel; **fitted**: the same model with "

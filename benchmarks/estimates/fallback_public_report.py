@@ -188,9 +188,10 @@ def report(fits: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
         "", "## Held out, on the configs the fidelity run drew, beside libtpu's", "",
         "As `estimate_fidelity.md` ranks them (the winner's rank in the space estimated from "
         "the drawn rivals): `tune` is what a tune ranks with this fit as its fallback "
-        "(libtpu's figure; this fit's, calibrated onto it, where libtpu has none), "
-        "`tune+fitted` the same with the constants fitted to libtpu's estimates (the fallback "
-        "before this fit).",
+        "(pallas_tune.measure.scale: the larger of libtpu's figure and this fit's calibrated "
+        "onto it; the calibrated fit's where libtpu has none; the fit's alone where libtpu "
+        "figured fewer than 3 configs), `tune+fitted` the same with the constants fitted to "
+        "libtpu's estimates (the fallback before this fit).",
         ""] + drawn_rows(drawn_runs(fits)) + [
         "", "## In sample: the training keys (winner and drawn rivals)", ""] + whole_rows(
         fits, "train") + [""]

@@ -42,8 +42,8 @@ from pallas_tune.measure.pool import Pool
 from pallas_tune.measure.pool import worker_memory_limit as _memory_limit
 from pallas_tune.measure.records import Measurement, Outcome, TrialRecord
 from pallas_tune.measure.standin import shrink_parallel, standin_verdict
-from pallas_tune.measure.unprofiled import (MODEL_NAMES, MODEL_TIMERS, UnprofiledCheck,
-                                            one_scale, settle)
+from pallas_tune.measure.scale import one_scale
+from pallas_tune.measure.unprofiled import MODEL_NAMES, MODEL_TIMERS, UnprofiledCheck, settle
 
 __all__ = ["EstimateEvaluator", "EstimateResult", "EstimateSession", "Estimator",
            "estimate_flag_missing_message", "shrink_parallel",
@@ -334,10 +334,15 @@ class EstimateEvaluator(PoolEvaluator):
         return r
 
     def one_scale(self, records: Sequence[TrialRecord]) -> tuple[list[TrialRecord], dict]:
-        """The run's figures on one scale (unprofiled.one_scale); a pick made among fewer
-        candidates than libtpu was asked for says so (a warning, and the note)."""
-        changed, note = one_scale(list(records), lambda configs: [
-            s * 1e3 if (s := self._model(c)) else None for c in configs])
+        """The run's figures on one scale (measure.scale: with the fitted model, each
+        candidate ranked by the larger of libtpu's figure and the model's calibrated onto it);
+        a pick made among fewer candidates than libtpu was asked for says so (a warning, and
+        the note)."""
+        changed, note = [], {}
+        if self.fallback in MODEL_TIMERS:
+            changed, note = one_scale(list(records), lambda configs: [
+                s * 1e3 if (s := self._model(c)) else None for c in configs],
+                timer=MODEL_TIMERS[self.fallback], bound=self.fallback == "model")
         if self._unfigured and self.fallback not in ("roofline", "model"):
             from pallas_tune import errors
 

@@ -143,13 +143,14 @@ def describe_tally(t: dict[str, int]) -> str:
 
 
 # The estimate's shortlist: how many of its best configs a tpu-estimate entry keeps for
-# ``--confirm-top`` to measure on the chip. 23: on the one sample of real-hardware winners drawn
+# ``--confirm-top`` to measure on the chip. 15: on the one sample of real-hardware winners drawn
 # at random within strata (benchmarks/results/estimate_fidelity.md: tpu-inference's quantized
-# matmul, 30 v6e int8 and 12 v7 float8 keys), a tune's figure held the winner in its top 23 on
-# 40 of the 42 keys (K95: 95%), in its top 8 on 37 (v6e alone: K95 13; 7x alone: none, the
-# winner had no usable figure on 2 of 12). Measuring 23 configs on the chip takes seconds. Per
-# kernel where a sample has measured it (none of pallas-tune's own yet).
-DEFAULT_SHORTLIST_K: Final = 23
+# matmul, 30 v6e int8 and 12 v7 float8 keys), a tune's figure (``--estimate-fallback model``)
+# held the winner in its top 15 on 40 of the 42 keys (K95: 95%), in its top 8 on 39 (v6e
+# alone: K95 8; 7x alone: 29, 2 of 12 keys out of the top 8). libtpu's figure alone reaches no
+# K95 there. Measuring 15 configs on the chip takes seconds. Per kernel where a sample has
+# measured it (none of pallas-tune's own yet).
+DEFAULT_SHORTLIST_K: Final = 15
 SHORTLIST_K: Final[dict[str, int]] = {}
 
 
@@ -163,9 +164,10 @@ def shortlist(records: Any, kernel: str) -> dict[str, Any] | None:
     if not ranked:
         return None
     return {"k": k, "k_from": (f"measured for {kernel}" if kernel in SHORTLIST_K else
-                               "default, not measured for this kernel: a top 23 held the "
+                               "default, not measured for this kernel: a top 15 held the "
                                "real-hardware winner on 95% of a stratified sample of 42 keys "
-                               "of another quantized matmul (a top 8 on 37)"),
+                               "of another quantized matmul (a top 8 on 39), ranked as "
+                               "--estimate-fallback model ranks"),
             "configs": [dict(r.config) for r in ranked],
             "figures_ms": [r.median_ms for r in ranked],
             "figures": [r.measurement.timer for r in ranked]}

@@ -82,8 +82,8 @@ def settle(r: Any, *, fallback: str | None, model: Any, fits: Any,
     compile worker died of a profiler abort (:func:`.loops.profiler_abort`: a known text, or a
     fatal signal) or whose profiled compile ran out of VMEM, where the same program compiles
     without the flag (``fits(config)``), is not refused as infeasible: with a fallback it gets
-    the model's figure (``model(config)``, seconds), labelled (:func:`one_scale` then puts it on
-    libtpu's scale or ranks it apart); else it is not estimable, and says why. An abort is
+    the model's figure (``model(config)``, seconds), labelled (:func:`.scale.one_scale` puts it
+    on one scale with libtpu's); else it is not estimable, and says why. An abort is
     checked without the flag once per kind of abort (``checked``: the tuning run's memo); where
     that compile fails too, it is the compiler's failure, not the profiler's, and the record
     says so. Returns the record and, for an abort, its cause ("" else)."""
@@ -121,58 +121,3 @@ def settle(r: Any, *, fallback: str | None, model: Any, fits: Any,
         r, outcome=Outcome.COMPILE_ERROR, detail=NOT_ESTIMABLE,
         error=f"not estimable: {label}; --estimate-fallback model ranks it by a model, "
               "calibrated onto libtpu's figures"), ""
-
-
-MIN_PAIRS: Final = 3  # Configs with both figures needed to calibrate a model onto libtpu's.
-MAX_PAIRS: Final = 16  # libtpu's best this many are given a model figure to calibrate on.
-
-
-def one_scale(records: list[Any], model_ms: Any) -> tuple[list[Any], dict[str, Any]]:
-    """Every ranked figure of a run on one scale (issue 55: the model runs 0.54 to 2.73 times
-    libtpu's figure on 7x, so ranked raw, whether a model-figured config wins is an accident
-    of scale). Where libtpu estimated some candidates and a model figured others, the model is
-    calibrated on libtpu's best ``MAX_PAIRS`` (``model_ms(configs)``: their model figures, ms):
-    each model figure times the median of libtpu/model over the configs with both, said in the
-    trial; with fewer than ``MIN_PAIRS`` such configs, model-figured trials are ranked apart:
-    not in the pick, their figure kept in their error. Where every candidate has a model figure
-    they are one scale already. Returns the records that changed and what the figures are
-    (``figure``: the entry's timer; ``note``)."""
-    import statistics
-
-    ranked = [r for r in records if r.outcome is Outcome.OK and r.duplicate_of is None
-              and r.measurement is not None]
-    models = set(MODEL_TIMERS.values())
-    modelled = [r for r in ranked if r.measurement.timer in models]
-    libtpu = [r for r in ranked if r.measurement.timer not in models]
-    if not modelled:
-        return [], {}
-    timer = "+".join(sorted({r.measurement.timer for r in modelled}))
-    if not libtpu:
-        return [], {"figure": timer, "note": f"every ranked candidate has a {timer} figure and "
-                    "none a libtpu estimate: one scale, the model's, labelled as such"}
-    base = sorted(libtpu, key=lambda r: r.median_ms)[:MAX_PAIRS]
-    pairs = [(r.median_ms, m) for r, m in zip(base, model_ms([r.config for r in base]),
-                                              strict=True) if m is not None and m > 0]
-    if len(pairs) < MIN_PAIRS:
-        note = (f"{len(modelled)} candidate(s) with only a {timer} figure ranked apart, not in "
-                f"the pick: {len(pairs)} config(s) have both figures, {MIN_PAIRS} are needed to "
-                "calibrate the model onto libtpu's scale")
-        return [dataclasses.replace(
-            r, outcome=Outcome.COMPILE_ERROR, detail=NOT_ESTIMABLE, measurement=None,
-            error=f"not ranked: {timer} figure {r.median_ms:.4g} ms, on another scale than "
-                  f"libtpu's, and {len(pairs)} config(s) have both figures ({MIN_PAIRS} needed "
-                  f"to calibrate it)" + (f"; {r.detail}" if r.detail else ""))
-        for r in modelled], {
-            "figure": "tpu-estimate", "note": note}
-    ratio = statistics.median(a / b for a, b in pairs)
-    out = [dataclasses.replace(
-        r, measurement=dataclasses.replace(r.measurement, times_ms=(r.median_ms * ratio,),
-                                           timer=f"{r.measurement.timer} calibrated"),
-        detail=f"{r.measurement.timer} figure {r.median_ms:.4g} ms calibrated on {len(pairs)} "
-               f"configs with both (x{ratio:.3g}, the median of libtpu/model)"
-               + (f": {r.detail}" if r.detail else ""))
-        for r in modelled]
-    return out, {"figure": f"tpu-estimate+{timer} calibrated",
-                 "note": f"{len(modelled)} candidate(s) by the {timer} figure calibrated on "
-                         f"{len(pairs)} configs with both (x{ratio:.3g})",
-                 "calibration": {"pairs": len(pairs), "ratio": ratio}}

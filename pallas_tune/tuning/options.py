@@ -121,8 +121,11 @@ class TuneOptions:
         VMEM), rank it by a model, labelled as such: ``"model"`` (pallas-tune's fitted model,
         feasibility.fitted: on v6e and 7x its constants fitted to published real-TPU winners,
         elsewhere to libtpu's v6e estimates) or ``"roofline"`` (the plain roofline
-        model). Default None: no figure, and a tune whose first candidates all get none stops
-        and says why.
+        model), calibrated onto libtpu's figures (pallas_tune.measure.scale). With ``"model"``
+        every candidate is ranked by the larger of libtpu's figure and the calibrated model's
+        (on real-TPU winners it ranked better than libtpu's alone), and where libtpu figures
+        fewer than 3 candidates, by the model alone. Default None: libtpu's figure only, and a
+        tune whose first candidates all get none stops and says why.
       estimate_correction: add to libtpu's v6e estimate two terms it may leave out on the chip
         (exposed DMA at the chip's bandwidth, per-step overhead;
         :mod:`pallas_tune.measure.correction`); trials keep libtpu's own cycles. False by
