@@ -141,9 +141,14 @@ def test_a_tune_ranks_aborted_configs_by_the_model_calibrated_onto_libtpu(mods):
     oom = _run(proxy_ms=lib, fitted_ms=fit, flag_only_oom=[[1, 1, 1]])
     assert rp.figures(oom, "tune")[(1, 1, 1)] == pytest.approx(0.5)
     assert (1, 1, 1) not in rp.figures(_run(proxy_ms=lib, fitted_ms=fit), "tune")
-    # Fewer than 3 configs with both figures: the aborted config stays out of the ranking.
-    assert (1, 1, 1) not in rp.figures(_run(proxy_ms=lib[:2], fitted_ms=fit,
-                                            aborted=[[1, 1, 1]]), "tune")
+    # libtpu figured fewer than 3 configs: every config by the model's own figure.
+    few = rp.figures(_run(proxy_ms=lib[:2], fitted_ms=fit, aborted=[[1, 1, 1]]), "tune")
+    assert few == {(1, 1, 1): 1.0, (2, 2, 2): 2.0, (3, 3, 3): 4.0}
+    # Every config by the larger of libtpu's and the calibrated model's: (4, 4, 4), libtpu's
+    # 3.0 but the model's 12.0 x 0.5, is ranked at 6.0.
+    slow = [[[1, 1, 1], 1.0], [[2, 2, 2], 2.0], [[3, 3, 3], 4.0], [[4, 4, 4], 12.0]]
+    bound = rp.figures(_run(proxy_ms=lib, fitted_ms=slow, aborted=[[1, 1, 1]]), "tune")
+    assert bound == {(1, 1, 1): 0.5, (2, 2, 2): 1.0, (3, 3, 3): 2.0, (4, 4, 4): 6.0}
     # libtpu estimated nothing: the model's figures, one scale, for the aborted configs.
     alone = rp.figures(_run(fitted_ms=fit, aborted=[[1, 1, 1], [2, 2, 2]]), "tune")
     assert alone == {(1, 1, 1): 1.0, (2, 2, 2): 2.0}
