@@ -145,15 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=6)
     p.add_argument("--fidelity", default=os.path.join(DATA, FIDELITY_DUMPS[0]),
                    help="the stratified fidelity run's dump: its keys are the held-out set")
-    p.add_argument("--features", default="",
-                   help="a file of traced features, reused across runs that name it "
-                        "(default: a temporary one)")
-    p.add_argument("--out", default=bench.output(bench.result("fallback_public_fit.md")))
+    rep.common_args(p, "fallback_public_fit.md")
     a = p.parse_args(argv)
     if TPU_INFERENCE_DIR is None:
-        print("tpu-inference is not installed: pip install --no-deps tpu-inference==0.32.0. "
-              "Nothing to fit on.", file=sys.stderr)
-        return 2
+        return rep.no_tpu_inference("fit on")
     qmm()
     tabs = strat.tables(TPU_INFERENCE_DIR)
     with open(a.fidelity) as f:

@@ -21,6 +21,26 @@ WHOLE = (("fitted", "fitted to libtpu's v6e estimates (shipped)"),
 DRAWN = ("libtpu", "tune+fitted", "tune", "fitted", "public", "roofline")
 
 
+def common_args(p: Any, page: str) -> None:
+    """The options both scripts that trace the public fit's features take: ``--features`` (a
+    cache file) and ``--out``."""
+    import _common as bench
+
+    p.add_argument("--features", default="",
+                   help="a file of traced features, reused across runs that name it "
+                        "(default: a temporary one)")
+    p.add_argument("--out", default=bench.output(bench.result(page)))
+
+
+def no_tpu_inference(what: str) -> int:
+    """Says tpu-inference is missing and how to get it; the scripts' exit status (2)."""
+    import sys
+
+    print("tpu-inference is not installed: pip install --no-deps tpu-inference==0.32.0. "
+          f"Nothing to {what}.", file=sys.stderr)
+    return 2
+
+
 def load_features(path: str) -> dict[str, Any]:
     if path and os.path.exists(path):
         with open(path) as f:

@@ -107,15 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from estimate_fidelity_qmm import TPU_INFERENCE_DIR
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--features", default="",
-                   help="a file of traced features, reused across runs that name it "
-                        "(default: a temporary one)")
-    p.add_argument("--out", default=bench.output(bench.result("scale_rule_selection.md")))
+    rep.common_args(p, "scale_rule_selection.md")
     a = p.parse_args(argv)
     if TPU_INFERENCE_DIR is None:
-        print("tpu-inference is not installed: pip install --no-deps tpu-inference==0.32.0. "
-              "Nothing to score.", file=sys.stderr)
-        return 2
+        return rep.no_tpu_inference("score")
     runs = []
     for name in DUMPS:
         with open(os.path.join(bench.result("data"), name)) as f:
