@@ -54,6 +54,8 @@ SMOKES = {
     "search/search_efficiency.py": Smoke(("| default | 1 |", "Default against the best peer"),
                                          note="GPU landscapes (../shared), KT:* without "
                                               "kernel_tuner, the AM score without its package"),
+    "search/surrogate_quality.py": Smoke(("| landscapes/matmul_2048_bf16_v6e_estimate | 128 |",
+                                          "n=20: rank")),
     "search/search_settings.py": Smoke(("Leave one kernel out", "| matmul | v")),
     "search/loop_efficiency.py": Smoke(("asked evaluated", "matmul 256^2            after "),
                                        note="'before' (needs an old checkout), "
