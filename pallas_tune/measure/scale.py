@@ -15,7 +15,7 @@ The rule, where the run has model figures:
   and the calibrated model's. libtpu leaves out costs a real chip pays (at large batch, per
   grid step), and the model, fitted to real-TPU winners, counts them; chosen on the keys a fit
   or selection may use, it ranked the real winner better than or as well as libtpu's figure on
-  every count (benchmarks/results/estimate_fidelity.md);
+  every count (benchmarks/results/scale_rule_selection.md);
 * where libtpu figured fewer than ``MIN_PAIRS`` candidates (fp8 on 7x: its profiler aborts on
   most), there is nothing to calibrate on and libtpu's few figures are too few to pick from:
   every candidate is ranked by the model's own figure, one scale, the model's;
@@ -96,7 +96,7 @@ def one_scale(records: Sequence[Any], model_ms: Callable[[list], list[float | No
     modelled = [r for r in ranked if r.measurement.timer == timer]
     libtpu = sorted((r for r in ranked if r.measurement.timer != timer),
                     key=lambda r: r.median_ms)
-    if not modelled and not bound:
+    if not ranked or (not modelled and not bound):
         return [], {}
     asked = libtpu if bound else libtpu[:MAX_PAIRS]
     model = dict(zip((r.number for r in asked), model_ms([r.config for r in asked]),
