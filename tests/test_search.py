@@ -265,3 +265,20 @@ def test_pow2_feature_finds_a_power_of_two_optimum_among_step_sizes():
     with_it = [evals_to_best(True, s) for s in range(4)]
     without = [evals_to_best(False, s) for s in range(4)]
     assert max(with_it) <= 15 and sum(with_it) < sum(without)
+
+
+def test_the_initial_design_can_grow_with_the_parameters_that_vary():
+    """``startup_per_dim``: at least that many initial configs per varying parameter (a
+    constant parameter does not count); 0 keeps ``n_startup``."""
+    cands = list(itertools.product([1, 2, 4, 8], [16, 32], ["a", "b", "c"], [7]))
+    choices = [[1, 2, 4, 8], [16, 32], ["a", "b", "c"], [7]]
+    assert CandidateBO(cands, choices, seed=0).n_startup == 5
+    assert CandidateBO(cands, choices, seed=0, startup_per_dim=2).n_startup == 6
+    assert CandidateBO(cands, choices, seed=0, startup_per_dim=1).n_startup == 5
+    bo = CandidateBO(cands, choices, seed=0, startup_per_dim=3)
+    measured = {}
+    for _ in range(9):  # Nine initial configs: random, never repeated, none from the GP yet.
+        c = bo.propose(measured)
+        assert c not in measured
+        measured[c] = 1.0 + c[0]
+    assert bo._model_steps == 0

@@ -100,6 +100,9 @@ class CandidateBO:
     densities, as multivariate TPE). Pending configs are filled in with the GP's mean (kriging
     believer), so a batch of proposals spreads out.
 
+    ``startup_per_dim``: the initial design has at least this many configs per parameter that
+    varies (0, the default: ``n_startup`` alone; a setting for replay studies).
+
     ``prior`` (transfer, :mod:`.prior`): per task already measured elsewhere (other shapes,
     chips or devices of the same kernel), a score per candidate, lower is faster: a (tasks,
     candidates) array, or one row. The initial design is then the prior's best configs, and
@@ -115,7 +118,8 @@ class CandidateBO:
                  values: Sequence[Sequence[Any]] | None = None,
                  cap_quantile: float = CAP_QUANTILE, xi: float = XI,
                  cycle: str = CYCLE, local_radius: int = LOCAL_RADIUS, init: str = INIT,
-                 prior: Sequence[float] | np.ndarray | None = None, pow2: bool = POW2):
+                 prior: Sequence[float] | np.ndarray | None = None, pow2: bool = POW2,
+                 startup_per_dim: float = 0.0):
         if not candidates:
             raise ValueError("CandidateBO needs at least one candidate")
         if init not in ("random", "maximin"):
@@ -136,7 +140,8 @@ class CandidateBO:
         self._ranks = ranks
         self._ordinal = np.array([is_ordinal(v) for v in feats], dtype=bool)
         self.rng = np.random.default_rng(seed)
-        self.n_startup = n_startup
+        varying = sum(len(ch) > 1 for ch in choices)
+        self.n_startup = max(n_startup, math.ceil(startup_per_dim * varying))
         self.refit_every = max(1, refit_every)
         self.cap_quantile = cap_quantile
         self.xi = xi
