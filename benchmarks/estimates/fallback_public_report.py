@@ -9,9 +9,11 @@ import json
 import math
 import os
 import statistics
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import _common as bench
 import estimate_fidelity_strata_report as srep
 
 Blocks = tuple[int, int, int]
@@ -24,8 +26,6 @@ DRAWN = ("libtpu", "tune+fitted", "tune", "fitted", "public", "roofline")
 def common_args(p: Any, page: str) -> None:
     """The options both scripts that trace the public fit's features take: ``--features`` (a
     cache file) and ``--out``."""
-    import _common as bench
-
     p.add_argument("--features", default="",
                    help="a file of traced features, reused across runs that name it "
                         "(default: a temporary one)")
@@ -34,8 +34,6 @@ def common_args(p: Any, page: str) -> None:
 
 def no_tpu_inference(what: str) -> int:
     """Says tpu-inference is missing and how to get it; the scripts' exit status (2)."""
-    import sys
-
     print("tpu-inference is not installed: pip install --no-deps tpu-inference==0.32.0. "
           f"Nothing to {what}.", file=sys.stderr)
     return 2

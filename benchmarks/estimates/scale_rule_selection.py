@@ -56,7 +56,7 @@ def rule_figures(rule: str, lib: Mapping[Blocks, float], model: Mapping[Blocks, 
         return dict(lib)
     if rule == "model":
         return dict(model)
-    s = scale_figures(lib, {**model}, bound=rule == "max")
+    s = scale_figures(lib, model, bound=rule == "max")
     figs = {b: ms for b, (ms, _) in s.figures.items()}
     if rule == "geomean" and s.ratio is not None:
         figs.update({b: math.sqrt(v * model[b] * s.ratio) for b, v in lib.items()
