@@ -6,6 +6,7 @@ import numpy as np
 import optuna
 import pytest
 
+from pallas_tune.search import gp
 from pallas_tune.search.gp import CandidateBO, CandidateSampler, encode_features
 
 SIZES = [16, 32, 64, 128, 256, 512, 1024]
@@ -253,7 +254,9 @@ def test_pow2_feature_finds_a_power_of_two_optimum_among_step_sizes():
     best = min(map(cost, cands))
 
     def evals_to_best(pow2, seed):
-        bo = CandidateBO(cands, [sizes, [1, 2, 3]], seed=seed, pow2=pow2)
+        # Five initial configs, as when the feature was measured: what is tested is the
+        # feature, not the initial design.
+        bo = CandidateBO(cands, [sizes, [1, 2, 3]], seed=seed, pow2=pow2, n_startup=5)
         measured = {}
         while min(measured.values(), default=math.inf) > best:
             c = bo.propose(measured)
@@ -272,13 +275,50 @@ def test_the_initial_design_can_grow_with_the_parameters_that_vary():
     constant parameter does not count); 0 keeps ``n_startup``."""
     cands = list(itertools.product([1, 2, 4, 8], [16, 32], ["a", "b", "c"], [7]))
     choices = [[1, 2, 4, 8], [16, 32], ["a", "b", "c"], [7]]
-    assert CandidateBO(cands, choices, seed=0).n_startup == 5
-    assert CandidateBO(cands, choices, seed=0, startup_per_dim=2).n_startup == 6
-    assert CandidateBO(cands, choices, seed=0, startup_per_dim=1).n_startup == 5
-    bo = CandidateBO(cands, choices, seed=0, startup_per_dim=3)
+    assert CandidateBO(cands, choices, seed=0, n_startup=5).n_startup == 5
+    assert CandidateBO(cands, choices, seed=0, n_startup=5, startup_per_dim=2).n_startup == 6
+    assert CandidateBO(cands, choices, seed=0, n_startup=5, startup_per_dim=1).n_startup == 5
+    bo = CandidateBO(cands, choices, seed=0, n_startup=5, startup_per_dim=3)
     measured = {}
     for _ in range(9):  # Nine initial configs: random, never repeated, none from the GP yet.
         c = bo.propose(measured)
         assert c not in measured
         measured[c] = 1.0 + c[0]
     assert bo._model_steps == 0
+
+
+def test_the_initial_design_keeps_most_of_a_known_budget_for_the_model():
+    """The default initial design is 15 configs; with ``budget`` known, at most
+    ``startup_share`` of it and never below 5: a 32-trial tune spends 9 at random (warm
+    starts included), a 100-trial one 15."""
+    sizes = [16, 32, 64, 128, 256]
+    choices = [sizes] * 3 + [["x", "y"], [0, 1], [7]]
+    cands = list(itertools.product(*choices))
+    assert gp.DEFAULT_STARTUP == 15 and gp.MIN_STARTUP == 5
+    assert CandidateBO(cands, choices, seed=0).n_startup == 15
+    assert CandidateBO(cands, choices, seed=0, budget=100).n_startup == 15
+    assert CandidateBO(cands, choices, seed=0, budget=32).n_startup == 9
+    assert CandidateBO(cands, choices, seed=0, budget=10).n_startup == 5
+    assert CandidateBO(cands, choices, seed=0, budget=32, startup_share=0.5).n_startup == 15
+    assert CandidateBO(cands, choices, seed=0, budget=100, startup_per_dim=4).n_startup == 20
+    # Optuna's sampler, as a tune builds it with its trial budget.
+    dists = {f"p{i}": optuna.distributions.CategoricalDistribution(list(range(len(ch))))
+             for i, ch in enumerate(choices)}
+    configs = [{f"p{i}": choices[i].index(v) for i, v in enumerate(c)} for c in cands]
+    assert CandidateSampler(configs, dists, budget=32)._bo.n_startup == 9
+    # With a prior, the prior's best configs replace the design, whatever the budget.
+    prior = np.arange(len(cands), dtype=float)
+    assert CandidateBO(cands, choices, seed=0, budget=100, prior=prior).n_startup == 2
+
+
+def test_a_prior_keeps_the_cycle_transfer_was_measured_with():
+    """Without a prior the cycle takes a multivariate TPE step; with one it is ``prior_cycle``
+    (global and trust-region steps), and a bad cycle string is refused by name."""
+    choices = [[16, 32, 64, 128], [1, 2, 3]]
+    cands = list(itertools.product(*choices))
+    assert CandidateBO(cands, choices, seed=0).cycle == gp.CYCLE == "glm"
+    prior = np.arange(len(cands), dtype=float)
+    assert CandidateBO(cands, choices, seed=0, prior=prior).cycle == gp.PRIOR_CYCLE == "gl"
+    assert CandidateBO(cands, choices, seed=0, prior=prior, prior_cycle="g").cycle == "g"
+    with pytest.raises(ValueError, match="prior_cycle='gx'"):
+        CandidateBO(cands, choices, seed=0, prior_cycle="gx")

@@ -20,6 +20,7 @@ kernels, so that leaving one out still leaves one to choose on), not ../shared.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -33,20 +34,36 @@ from pallas_tune.search import gp, replay  # noqa: E402
 
 # The settings compared (each label overrides CandidateBO's defaults).
 VARIANTS = [
-    "default[cycle='g',xi=0.3,init='random']",     # the previous default: global EI only
-    "default[cycle='gl',xi=0.3,init='random']",    # alternate global and trust-region EI
-    "default[cycle='gll',xi=0.3,init='random']",   # two trust-region steps per global one
-    "default[cycle='glt',xi=0.3,init='random']",   # ... and an (independent) TPE step
-    "default[cycle='gl',xi=0.3,init='maximin']",   # space-filling initial design
-    "default[cycle='gl',xi=0.1,init='random']",    # less exploration
-    "default[cycle='gm',xi=0.3,init='random']",    # global EI and multivariate TPE
-    "default[cycle='glm',xi=0.3,init='random']",   # global EI, trust region, multivariate TPE
+    "default[cycle='gl',n_startup=5]",                     # the previous default
+    "default[cycle='gl',n_startup=5,startup_per_dim=2]",   # 2 initial per varying parameter
+    "default[cycle='gl',n_startup=15]",                    # 15 initial
+    "default[cycle='glm',n_startup=5]",                    # a multivariate TPE step
+    "default[cycle='glm',n_startup=5,startup_per_dim=2]",  # both, 2 per parameter
+    "default[cycle='glm',n_startup=15]",                   # both, 15 initial
 ]
 
 
 def shipped() -> dict:
-    return {"cycle": gp.CYCLE, "local_radius": gp.LOCAL_RADIUS, "init": gp.INIT,
-            "xi": gp.XI, "cap_quantile": gp.CAP_QUANTILE, "n_startup": gp.DEFAULT_STARTUP}
+    """CandidateBO's defaults for the settings the variants change."""
+    keys = ("cycle", "local_radius", "init", "xi", "cap_quantile", "n_startup",
+            "startup_per_dim")
+    params = inspect.signature(gp.CandidateBO.__init__).parameters
+    return {k: params[k].default for k in keys}
+
+
+def _scores(paths: list[str], variants: list[str], units: list, recs: list
+            ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
+    """Per (landscape id, variant): the mean @50 over seeds, and its standard error."""
+    score, se = {}, {}
+    for q in paths:
+        land = h.load(q)
+        for v in variants:
+            xs = [h.at(land, r, 50) for u, r in zip(units, recs, strict=True)
+                  if u[0] == q and u[1] == v]
+            score[(h.landscape_id(q), v)] = statistics.mean(xs)
+            se[(h.landscape_id(q), v)] = (statistics.stdev(xs) / len(xs) ** 0.5
+                                          if len(xs) > 1 else 0.0)
+    return score, se
 
 
 def main() -> None:
@@ -65,21 +82,16 @@ def main() -> None:
     if not paths:
         sys.exit(f"no landscapes: set --landscapes or ${replay.LANDSCAPES_ENV}")
     units = [(q, v, a.budget, s) for q in paths for v in variants for s in range(a.seeds)]
-    recs = h.replay_many(units, a.jobs)
-    score: dict[tuple[str, str], float] = {}
-    for q in paths:
-        land = h.load(q)
-        for v in variants:
-            rs = [r for u, r in zip(units, recs, strict=True) if u[0] == q and u[1] == v]
-            score[(h.landscape_id(q), v)] = statistics.mean(h.at(land, r, 50) for r in rs)
+    score, se = _scores(paths, variants, units, h.replay_many(units, a.jobs))
     ids = [h.landscape_id(q) for q in paths]
     tag = os.environ.get("PT_SEARCH_CACHE_TAG")
     env = f"PT_SEARCH_CACHE_TAG={tag}" if tag else ""
     lines = [f"# $ {bench.command(__file__, env=env)}",
              f"# {bench.today()}; {a.seeds} seeds, budget {a.budget}; cells: mean @50 "
-             "(min(1, optimum / mean time of the best-measured config)); with 5 seeds a cell's "
-             "standard error is about 0.01 (dedispersion) to 0.05 (convolution_milo), so most "
-             "differences between variants here are within noise."
+             "(min(1, optimum / mean time of the best-measured config)); a cell's standard error "
+             f"over seeds runs from {min(se.values()):.3f} to {max(se.values()):.3f} "
+             f"({max(se, key=se.get)[0]}), so many differences between variants here are "
+             "within noise."
              + (f" Replays read from the cache tagged {tag!r} (the same code paths for every "
                 "variant's settings)." if tag else ""),
              "", "#### Every variant on every landscape (T: in gp.TUNING_SET)",

@@ -1,6 +1,7 @@
 """The default search over an enumerated candidate set: Bayesian optimization with a Gaussian
 process on the tile parameters, its expected improvement scored on every candidate not yet
-measured, alternated with the same score restricted to a trust region around the incumbent.
+measured, alternated with the same score restricted to a trust region around the incumbent
+and with a multivariate TPE step (scored on the same candidates).
 
 Why not only Optuna's TPE: a tile space is a finite set of valid configs, so the acquisition can
 be scored on *every* candidate (TPE samples from per-parameter densities and wastes proposals on
@@ -31,8 +32,16 @@ from pallas_tune.search.model import (GP, encode_features, expected_improvement,
 __all__ = ["DEFAULT_STARTUP", "TUNING_SET", "CandidateBO", "CandidateSampler",
            "encode_features"]
 
-# Proposals before the GP takes over (after any warm starts).
-DEFAULT_STARTUP = 5
+# The initial design (proposals before the GP takes over; warm starts count among them):
+# DEFAULT_STARTUP configs, but at most STARTUP_SHARE of the run's budget where it is known and
+# never fewer than MIN_STARTUP (a 32-trial tune: 9). Chosen with the "glm" cycle below on
+# TUNING_SET by benchmarks/search/search_settings.py (10 seeds, budget 50): over the 15 GPU
+# landscapes, 15 initial and "glm" score a mean @50 of 0.940 against the previous default's
+# (5, "gl") 0.921, and hold when a kernel or a device is left out of the choice
+# (benchmarks/results/search_settings.txt; 20 seeds in search_efficiency.md).
+DEFAULT_STARTUP = 15
+MIN_STARTUP = 5
+STARTUP_SHARE = 0.3
 # From 20 measurements on, log times above this quantile are capped at it (what is slower than
 # the median only tells "bad"), and expected improvement is taken over the best minus XI (in
 # standard deviations of the capped log times).
@@ -42,7 +51,7 @@ XI = 0.1
 # every free candidate, "l" the same within LOCAL_RADIUS rank steps of the incumbent (a trust
 # region), "t" the best TPE score (independent Parzen densities of good and bad configs), "m"
 # the best multivariate TPE score (joint densities over categorical parameters).
-CYCLE = "gl"
+CYCLE = "glm"
 LOCAL_RADIUS = 2
 # Initial design: "random" or "maximin" (greedy farthest points in feature space).
 INIT = "random"
@@ -56,11 +65,12 @@ INIT = "random"
 POW2 = True
 
 # Landscapes (kernel/device in ../shared/landscapes) whose replays chose the settings above:
-# CYCLE, XI and INIT were chosen by benchmarks/search/search_settings.py on these six alone (the
-# first device of each kernel in name order, and pnpoly RTX 3090); CAP_QUANTILE,
-# DEFAULT_STARTUP and the one-hot selectors earlier on the convolution_milo and
-# dedispersion_milo A100 and pnpoly RTX 3090 spaces. The other nine were not used to choose
-# anything; leave-one-kernel-out scores are in benchmarks/results/search_settings.txt.
+# CYCLE, XI, INIT and DEFAULT_STARTUP were chosen by benchmarks/search/search_settings.py on
+# these six alone (the first device of each kernel in name order, and pnpoly RTX 3090);
+# CAP_QUANTILE and the one-hot selectors earlier on the convolution_milo and dedispersion_milo
+# A100 and pnpoly RTX 3090 spaces. The other nine chose nothing, but the variants compared for
+# CYCLE and DEFAULT_STARTUP came out of replays on all five convolution_milo GPUs; leave-one-
+# kernel-out and leave-one-device-out scores are in benchmarks/results/search_settings.txt.
 TUNING_SET: frozenset[str] = frozenset({
     "convolution/RTX_2080_Ti", "convolution_milo/A100", "dedispersion_milo/A100",
     "gemm/RTX_2080_Ti", "pnpoly/RTX_2080_Ti", "pnpoly/RTX_3090"})
@@ -72,8 +82,12 @@ MAX_SCORED = 4096
 
 # With a prior (other tasks' trials, :mod:`.prior`): proposals before the GP takes over (the
 # prior's best configs), the pseudo-points its scale is shrunk towards 1 with, and how many of
-# its best free configs every global proposal scores on top of the subsample.
+# its best free configs every global proposal scores on top of the subsample. PRIOR_CYCLE: the
+# cycle with a prior (global steps alternating with and without it, and trust-region steps), as
+# transfer was measured with; the TPE step of CYCLE only thinned the prior's global steps there
+# (W7800: 0.981 to 0.952 at 50).
 PRIOR_STARTUP = 2
+PRIOR_CYCLE = "gl"
 PRIOR_EVERY = 2
 PRIOR_HALF = 30.0
 PRIOR_SHRINK = 3.0
@@ -101,7 +115,9 @@ class CandidateBO:
     believer), so a batch of proposals spreads out.
 
     ``startup_per_dim``: the initial design has at least this many configs per parameter that
-    varies (0, the default: ``n_startup`` alone; a setting for replay studies).
+    varies (0, the default: ``n_startup`` alone; a setting for replay studies). ``budget``:
+    the evaluations the run will make, where known; the initial design is then at most
+    ``startup_share`` of it, and never below ``MIN_STARTUP``.
 
     ``prior`` (transfer, :mod:`.prior`): per task already measured elsewhere (other shapes,
     chips or devices of the same kernel), a score per candidate, lower is faster: a (tasks,
@@ -109,7 +125,7 @@ class CandidateBO:
     every other global step's GP models the residual from ``a * prior + b`` (fitted on the new
     task's points, the slope shrunk towards 1 at first and towards 0 as points accumulate; the
     tasks weighted by how well each orders those points); the other steps ignore the prior,
-    so a misleading one costs evaluations, not the search.
+    so a misleading one costs evaluations, not the search. The cycle is then ``prior_cycle``.
     """
 
     def __init__(self, candidates: Sequence[tuple[Hashable, ...]],
@@ -119,14 +135,16 @@ class CandidateBO:
                  cap_quantile: float = CAP_QUANTILE, xi: float = XI,
                  cycle: str = CYCLE, local_radius: int = LOCAL_RADIUS, init: str = INIT,
                  prior: Sequence[float] | np.ndarray | None = None, pow2: bool = POW2,
-                 startup_per_dim: float = 0.0):
+                 startup_per_dim: float = 0.0, budget: int | None = None,
+                 startup_share: float = STARTUP_SHARE, prior_cycle: str = PRIOR_CYCLE):
         if not candidates:
             raise ValueError("CandidateBO needs at least one candidate")
         if init not in ("random", "maximin"):
             raise ValueError(f"init={init!r} must be 'random' or 'maximin'")
-        if not cycle or set(cycle) - set("gltm"):
-            raise ValueError(f"cycle={cycle!r} must be a non-empty string of 'g', 'l', 't' "
-                             "and 'm'")
+        for name, c in (("cycle", cycle), ("prior_cycle", prior_cycle)):
+            if not c or set(c) - set("gltm"):
+                raise ValueError(f"{name}={c!r} must be a non-empty string of 'g', 'l', 't' "
+                                 "and 'm'")
         self.candidates = list(candidates)
         self.index = {c: i for i, c in enumerate(self.candidates)}
         feats = values if values is not None else choices
@@ -142,6 +160,9 @@ class CandidateBO:
         self.rng = np.random.default_rng(seed)
         varying = sum(len(ch) > 1 for ch in choices)
         self.n_startup = max(n_startup, math.ceil(startup_per_dim * varying))
+        if budget is not None:  # At most this share of the evaluations spent at random.
+            self.n_startup = min(self.n_startup,
+                                 max(MIN_STARTUP, math.floor(startup_share * budget)))
         self.refit_every = max(1, refit_every)
         self.cap_quantile = cap_quantile
         self.xi = xi
@@ -166,6 +187,7 @@ class CandidateBO:
         self.prior = None if self._tasks is None else _standard(self._tasks.mean(0))
         if self.prior is not None:  # The prior's best configs replace the initial design.
             self.n_startup = min(self.n_startup, PRIOR_STARTUP)
+            self.cycle = prior_cycle
 
     def propose(self, measured: Mapping[tuple[Hashable, ...], float],
                 pending: Sequence[tuple[Hashable, ...]] = ()) -> tuple[Hashable, ...] | None:
@@ -328,13 +350,14 @@ class CandidateSampler(optuna.samplers.BaseSampler):
     are only indices (the features are built from these: log2 tile sizes, not indices).
     Running trials are the pending set, so several hosts or a batch of asks spread out.
     Enqueued trials (warm starts) keep their fixed parameters. ``prior``: per other task, a
-    score per candidate (see :class:`CandidateBO`, :mod:`.prior`)."""
+    score per candidate (see :class:`CandidateBO`, :mod:`.prior`). ``budget``: the trials the
+    run will measure (caps the initial design, see :class:`CandidateBO`)."""
 
     def __init__(self, candidates: Sequence[Mapping[str, Any]],
                  distributions: Mapping[str, CategoricalDistribution], *,
                  values: Mapping[str, Sequence[Any]] | None = None,
                  seed: int | None = None, n_startup: int = DEFAULT_STARTUP,
-                 prior: Any = None):
+                 prior: Any = None, budget: int | None = None):
         self._names = list(distributions)
         self._dists = dict(distributions)
         values = values or {}
@@ -342,7 +365,8 @@ class CandidateSampler(optuna.samplers.BaseSampler):
         features = [list(values.get(n, self._dists[n].choices)) for n in self._names]
         # CandidateBO sees choice positions mapped to the values they stand for.
         self._bo = CandidateBO(tuples, [list(self._dists[n].choices) for n in self._names],
-                               seed=seed, n_startup=n_startup, values=features, prior=prior)
+                               seed=seed, n_startup=n_startup, values=features, prior=prior,
+                               budget=budget)
         self._random = optuna.samplers.RandomSampler(seed=seed)
 
     def reseed_rng(self) -> None:

@@ -145,7 +145,7 @@ def _default(land: Landscape, budget: int, seed: int, evaluate, measured, **sett
     """pallas-tune's default sampler (``settings`` override its defaults, for studies)."""
     from pallas_tune.search.gp import CandidateBO
 
-    bo = CandidateBO(land.configs, land.choices, seed=seed, **settings)
+    bo = CandidateBO(land.configs, land.choices, seed=seed, budget=budget, **settings)
     while len(measured) < budget:
         c = bo.propose(measured)
         if c is None:

@@ -403,7 +403,7 @@ def _sampler(space: Any, codec: ParamCodec, strategy: str, seed: int | None, tri
             scores = prior.scores([tuple(c[n] for n in names) for c in configs],
                                   [space[n].choices for n in names])
         return CandidateSampler([codec.encode(c) for c in configs], codec.distributions,
-                                seed=seed, prior=scores)
+                                seed=seed, prior=scores, budget=trials)
     return optuna.samplers.TPESampler(
         seed=seed, multivariate=True, group=False, constant_liar=True,
         n_startup_trials=max(1, min(5, trials // 5)))
