@@ -68,7 +68,7 @@ KT = ["adaptive_tabu_greywolf", "hybrid_vndx", "dual_annealing", "firefly_algori
 # +prior: the other devices' landscapes as its prior; PREVIOUS: the default before its initial
 # design grew with the parameters and its cycle took a multivariate TPE step (an ablation, and a
 # variant for the leave-one-device-out choice).
-PREVIOUS = "default[cycle='gl',n_startup=5]"
+PREVIOUS = h.PREVIOUS_DEFAULT
 OURS = ["default", "default+prior", PREVIOUS]
 PEERS = ["random", "tpe-mv", "cmaes", "optuna-gp"] + [f"KT:{s}" for s in KT]
 SMOKE_STRATEGIES = ["default", "default+prior", PREVIOUS, "random", "tpe-mv",

@@ -40,6 +40,9 @@ import _common as bench  # noqa: E402
 from pallas_tune.search import replay  # noqa: E402
 
 CACHE = bench.output(bench.result("cache", "search"))  # Smoke runs: a fresh folder.
+# The default before its initial design of 15 and its multivariate TPE step: the baseline both
+# search_settings.py and search_efficiency.py replay it as.
+PREVIOUS_DEFAULT = "default[cycle='gl',n_startup=5]"
 
 
 def landscape_id(path: str) -> str:

@@ -34,7 +34,7 @@ from pallas_tune.search import gp, replay  # noqa: E402
 
 # The settings compared (each label overrides CandidateBO's defaults).
 VARIANTS = [
-    "default[cycle='gl',n_startup=5]",                     # the previous default
+    h.PREVIOUS_DEFAULT,                                    # the previous default
     "default[cycle='gl',n_startup=5,startup_per_dim=2]",   # 2 initial per varying parameter
     "default[cycle='gl',n_startup=15]",                    # 15 initial
     "default[cycle='glm',n_startup=5]",                    # a multivariate TPE step

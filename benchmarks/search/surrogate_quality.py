@@ -36,30 +36,32 @@ import _common as bench  # noqa: E402
 import search_harness as h  # noqa: E402
 
 from pallas_tune.search import replay  # noqa: E402
+from pallas_tune.search.gp import CandidateBO  # noqa: E402
+from pallas_tune.search.model import GP  # noqa: E402
 
 TRANSFORMS = ("default", "rank", "log")
 TOP = 5
 
 
-def targets(y: np.ndarray, transform: str) -> np.ndarray:
-    """Standardized model targets from log times, as the default does (``default``) or not."""
+def targets(bo: CandidateBO, times: np.ndarray, transform: str) -> np.ndarray:
+    """Standardized model targets from run times: the search's own (``default``: ``bo``'s, the
+    same code a search step runs) or another transform of the log times."""
+    if transform == "default":
+        return bo._targets(list(enumerate(times)), list(times))
+    y = np.log(times)
     if transform == "rank":
         from scipy.stats import norm, rankdata
 
         y = norm.ppf((rankdata(y) - 0.5) / len(y))
-    elif transform == "default" and len(y) >= 20:
-        y = np.minimum(y, np.quantile(y, 0.5))
     return (y - y.mean()) / (y.std() or 1.0)
 
 
 def found(land: replay.Landscape, n: int, draws: int) -> dict[str, float]:
     """Per transform, the mean over draws of optimum / best recorded time of the GP's top 5."""
-    from pallas_tune.search.gp import CandidateBO
-    from pallas_tune.search.model import GP
-
     t = np.array([land.means[c] for c in land.configs])
     ok = np.flatnonzero(np.isfinite(t))
-    x = CandidateBO(land.configs, land.choices, seed=0).x
+    bo = CandidateBO(land.configs, land.choices, seed=0)
+    x = bo.x
     out = {}
     for transform in TRANSFORMS:
         scores = []
@@ -67,7 +69,7 @@ def found(land: replay.Landscape, n: int, draws: int) -> dict[str, float]:
             rng = np.random.default_rng(seed)
             idx = rng.choice(ok, min(n, len(ok)), replace=False)
             gp = GP(x.shape[1], rng)
-            gp.fit(x[idx], targets(np.log(t[idx]), transform), optimize=True)
+            gp.fit(x[idx], targets(bo, t[idx], transform), optimize=True)
             mu, _ = gp.predict(x[ok])
             scores.append(land.optimum / t[ok[np.argsort(mu)[:TOP]]].min())
         out[transform] = float(np.mean(scores))
