@@ -28,19 +28,20 @@ RAW = {
 def mods():
     """(strata, report) modules, taken out of ``sys.modules`` afterwards with the stub
     ``tpu_inference`` modules their import installs."""
-    with estimate_modules("estimate_fidelity_strata", "estimate_fidelity_strata_report") as m:
+    with estimate_modules("estimate_fidelity_strata", "estimate_fidelity_strata_report",
+                          "estimate_fidelity_complete") as m:
         yield m
 
 
 def test_chip_tables_keep_v6e_int8_and_v7_float8_only(mods):
-    st, _ = mods
+    st, *_ = mods
     v6e, v7 = st.chip_table(RAW, "v6e"), st.chip_table(RAW, "7x")
     assert len(v6e) == 5 and (64, 128, 128) not in v6e
     assert v7 == {(1024, 4096, 4096): (256, 256, 256), (64, 1024, 1024): (64, 512, 1024)}
 
 
 def test_strata_hold_8192_and_16384_apart_and_cut_size_at_tertiles(mods):
-    st, _ = mods
+    st, *_ = mods
     table = st.chip_table(RAW, "v6e")
     lo, hi = st.size_edges(table)
     assert lo <= hi
@@ -52,7 +53,7 @@ def test_strata_hold_8192_and_16384_apart_and_cut_size_at_tertiles(mods):
 
 
 def test_the_draw_is_seeded_and_covers_every_stratum_before_any_twice(mods):
-    st, _ = mods
+    st, *_ = mods
     tables = {c: st.chip_table(RAW, c) for c in st.CHIPS}
     entries = st.draw(tables, {"v6e": 2, "7x": 1}, seed=5)
     assert entries == st.draw(tables, {"v6e": 2, "7x": 1}, seed=5)
@@ -66,7 +67,7 @@ def test_the_draw_is_seeded_and_covers_every_stratum_before_any_twice(mods):
 
 
 def test_the_drawn_space_holds_the_winner_the_default_and_seeded_rivals(mods):
-    st, _ = mods
+    st, *_ = mods
     table = st.chip_table(RAW, "v6e")
     e = st.Entry("v6e", (16384, 4096, 4096), (1024, 2048, 4096), "s")
     blocks, n = st.drawn_space(e, table, rivals=5, seed=1)
@@ -79,7 +80,7 @@ def test_the_drawn_space_holds_the_winner_the_default_and_seeded_rivals(mods):
 
 
 def test_the_capped_standin_bounds_the_compile_and_scales_by_the_blocks_cut(mods):
-    st, _ = mods
+    st, *_ = mods
     key = (16384, 4096, 8192)
     for b in [(128, 128, 128), (1024, 2048, 512), (2048, 4096, 8192), (16384, 128, 128)]:
         keep = st.standin_keep(key, b)
@@ -113,7 +114,7 @@ def _run(**kw):
 
 
 def test_the_winners_rank_is_estimated_in_the_whole_space_and_k95_counts_misses(mods):
-    _, rp = mods
+    _, rp, _ = mods
     figs = [[[1, 1, 1], 2.0], [[2, 2, 2], 1.0], [[3, 3, 3], 3.0], [[4, 4, 4], 4.0]]
     exact = rp.judge(_run(proxy_ms=figs), "libtpu")
     assert (exact["rank"], exact["est_rank"], exact["ratio"]) == (2, 2, 2.0)
@@ -130,7 +131,7 @@ def test_the_winners_rank_is_estimated_in_the_whole_space_and_k95_counts_misses(
 
 
 def test_a_tune_ranks_aborted_configs_by_the_model_calibrated_onto_libtpu(mods):
-    _, rp = mods
+    _, rp, _ = mods
     lib = [[[2, 2, 2], 1.0], [[3, 3, 3], 2.0], [[4, 4, 4], 3.0]]
     fit = [[[1, 1, 1], 1.0], [[2, 2, 2], 2.0], [[3, 3, 3], 4.0], [[4, 4, 4], 6.0]]
     run = _run(proxy_ms=lib, fitted_ms=fit, aborted=[[1, 1, 1]])
@@ -158,7 +159,7 @@ def test_a_tune_ranks_by_the_public_fit_where_the_run_has_it(mods):
     """Runs made since the fallback's constants were fitted to real-TPU winners carry that
     model's figures (public_ms): a tune's fallback is that model; ``tune+fitted`` is the one
     before it (libtpu's fit). Runs without it keep the fitted model."""
-    _, rp = mods
+    _, rp, _ = mods
     lib = [[[2, 2, 2], 1.0], [[3, 3, 3], 2.0], [[4, 4, 4], 3.0]]
     fit = [[[1, 1, 1], 1.0], [[2, 2, 2], 2.0], [[3, 3, 3], 4.0], [[4, 4, 4], 6.0]]
     pub = [[[1, 1, 1], 8.0], [[2, 2, 2], 2.0], [[3, 3, 3], 4.0], [[4, 4, 4], 6.0]]
@@ -172,7 +173,7 @@ def test_a_tune_ranks_by_the_public_fit_where_the_run_has_it(mods):
 
 
 def test_the_report_says_how_many_planned_keys_were_done(mods):
-    _, rp = mods
+    _, rp, _ = mods
     meta = {"planned": [{"chip": "v6e", "key": [1024, 1024, 1024]},
                         {"chip": "7x", "key": [64, 1024, 1024]}],
             "versions": {"tpu-inference": "0.32.0"}, "command": "x", "date": "d",
@@ -182,3 +183,122 @@ def test_the_report_says_how_many_planned_keys_were_done(mods):
     text = rp.report({"meta": meta, "runs": [_run(proxy_ms=[[[1, 1, 1], 1.0]])]})
     assert "1 of 2 planned keys done" in text and "7x (64, 1024, 1024)" in text
     assert "K95" in text and "| v6e | 1024-4096 / small | (1024, 1024, 1024) |" in text
+
+
+def _completed():
+    """Drawn: the winner (1, 1, 1) and two rivals, libtpu and the model agreeing (calibration
+    1.0). The whole space adds (5, 5, 5) and (6, 6, 6), which the model puts ahead of the
+    winner (contenders: compiled), and (7, 7, 7), which it puts behind (never compiled)."""
+    drawn = [[[1, 1, 1], 1.0], [[2, 2, 2], 2.0], [[3, 3, 3], 3.0]]
+    run = _run(proxy_ms=drawn, public_ms=drawn, space=6)
+    whole = [*drawn, [[5, 5, 5], 0.5], [[6, 6, 6], 0.8], [[7, 7, 7], 5.0]]
+    return run, whole
+
+
+def test_only_configs_the_model_puts_ahead_are_compiled_to_complete_a_run(mods):
+    _, _, ec = mods
+    run, whole = _completed()
+    public = {tuple(b): v for b, v in whole}
+    assert ec.contenders(run, public) == [(5, 5, 5), (6, 6, 6)]
+    # The drawn pick bounds it too: a winner far behind raises the threshold to its figure.
+    slow = _run(proxy_ms=[[[1, 1, 1], 6.0], *run["proxy_ms"][1:]],
+                public_ms=[[[1, 1, 1], 6.0], *run["public_ms"][1:]])
+    assert ec.contenders(slow, public) == [(5, 5, 5), (6, 6, 6), (7, 7, 7)]
+    # Ranked by the model alone (libtpu figured under 3): its whole-space rank is the model's.
+    few = _run(proxy_ms=run["proxy_ms"][:2], public_ms=run["public_ms"])
+    assert ec.contenders(few, public) == []
+
+
+def test_a_completed_run_ranks_the_models_and_the_tune_over_the_whole_space(mods):
+    _, rp, ec = mods
+    run, whole = _completed()
+    # (5, 5, 5): libtpu's 2.5 is behind the winner; (6, 6, 6): its profile aborted, ranked by
+    # the calibrated model's 0.8, ahead; a contender whose compile failed has no figure.
+    run["whole"] = {"public_ms": whole, "roofline_ms": whole, "fitted_ms": whole,
+                    "contenders": [[5, 5, 5], [6, 6, 6], [8, 8, 8]],
+                    "proxy_ms": [[[5, 5, 5], 2.5]], "aborted": [[6, 6, 6]],
+                    "flag_only_oom": [], "failures": {"vmem_physical_oom": 1}}
+    run["whole"]["public_ms"] = [*whole, [[8, 8, 8], 0.1]]
+    tune = ec.whole_tune(run)
+    assert tune[(5, 5, 5)] == 2.5 and tune[(6, 6, 6)] == pytest.approx(0.8)
+    assert tune[(7, 7, 7)] == 5.0 and (8, 8, 8) not in tune  # A lower bound; no figure.
+    t = rp.judge(run, "tune")
+    assert (t["rank"], t["exact"], t["ratio"]) == (2, True, pytest.approx(1 / 0.8))
+    pub = rp.judge(run, "public")
+    assert (pub["rank"], pub["est_rank"], pub["exact"]) == (4, 4, True)  # (8, 8, 8) too.
+    lib = rp.judge(run, "libtpu")  # No bound outside the drawn configs: the draw's estimate.
+    assert (lib["rank"], lib["exact"]) == (1, False)
+    meta = {"planned": [{"chip": "v6e", "key": [1024, 1024, 1024]}],
+            "versions": {"tpu-inference": "0.32.0"}, "command": "x", "date": "d",
+            "host": "h", "workers": 1, "total_s": 60, "rivals": 2, "seed": 55,
+            "per_stratum": {"v6e": 2}, "complete_command": "y --complete",
+            "caps": {"mac_cap": 1e9, "step_cap": 256, "min_steps": 128, "check_cap_s": 20}}
+    text = rp.report({"meta": meta, "runs": [run]})
+    assert "y --complete" in text and "| 2 (exact) | 4 (exact) |" in text
+
+
+class _FakeEstimator:
+    """Estimator.map's shape: per config, libtpu's figure from ``cycles`` (by block sizes), a
+    physical VMEM OOM for the configs in ``oom``, or a profiler abort for those in ``abort``."""
+
+    def __init__(self, cycles, oom=(), abort=()):
+        self.cycles, self.oom, self.abort, self.asked = cycles, set(oom), set(abort), []
+
+    def map(self, parts, args, kwargs, configs, chip, **_):
+        from pallas_tune.feasibility.compile import VMEM_PHYSICAL
+        from pallas_tune.measure.estimate import EstimateResult
+
+        out = []
+        for c in configs:
+            b = (c["batch_block"], c["out_block"], c["in_block"])
+            self.asked.append(b)
+            if b in self.oom:
+                out.append(EstimateResult(ok=False, kind=VMEM_PHYSICAL, message="vmem"))
+            elif b in self.abort:
+                out.append(EstimateResult(ok=False, kind="compile_error",
+                                          message="Cannot schedule FIFO push instruction when the FIFO is full"))
+            else:
+                out.append(EstimateResult(ok=True, kind="ok", cycles=self.cycles(b)))
+        return out
+
+
+def test_completing_a_run_compiles_exactly_its_contenders(mods):
+    """The whole-space step as the benchmark runs it, libtpu faked: the models traced over the
+    key's whole space, the contenders (and nothing else) sent to libtpu, a profile abort and
+    a flag-only VMEM OOM (the unprofiled compile fits) kept apart from a real failure."""
+    st, _, ec = mods
+    from estimate_fidelity_qmm import TPU_INFERENCE_DIR
+
+    if TPU_INFERENCE_DIR is None:
+        pytest.skip("tpu-inference is not installed (pip install --no-deps "
+                    "tpu-inference==0.32.0): its kernel is traced for the model's figures")
+    from pallas_tune.chips import chip_spec
+
+    table = st.chip_table(RAW, "v6e")
+    key = (16, 1536, 640)
+    full, _ = st.strata_space(key, table)
+    public = {b: v * 1e3 for b, v in st.model_figures(key, full, "v6e", "int8")[2].items()}
+    winner = sorted(public, key=public.get)[3]  # As if: three configs the model puts ahead.
+    clock = chip_spec("v6e").clock_hz
+    # libtpu agrees with the model (calibration 1) on the drawn configs: the winner and the
+    # two configs the model ranks last; everything the model puts ahead is a contender.
+    drawn = [winner] + sorted(public, key=public.get)[-2:]
+    rows = [[list(b), public[b]] for b in drawn]
+    run = {"chip": "v6e", "key": list(key), "winner": list(winner), "stratum": "s",
+           "proxy_ms": rows, "public_ms": rows, "aborted": [], "flag_only_oom": []}
+    ahead = sorted(b for b, v in public.items() if v < public[winner])
+    est = _FakeEstimator(lambda b: int(public[winner] * 10 * clock / 1e3), oom=ahead[:1],
+                         abort=ahead[1:2])
+    plain = _FakeEstimator(lambda b: 1)  # Without the profiling flag, everything compiles.
+    whole = ec.complete_run(est, plain, run, table)
+    assert sorted(est.asked) == ahead == sorted(tuple(b) for b in whole["contenders"])
+    assert whole["space"] == len(full) and len(whole["public_ms"]) == len(public)
+    assert [tuple(b) for b in whole["flag_only_oom"]] == ahead[:1] == plain.asked
+    assert [tuple(b) for b in whole["aborted"]] == ahead[1:2]
+    assert {tuple(b) for b, _ in whole["proxy_ms"]} == set(ahead[2:])
+    run["whole"] = whole
+    tune = ec.whole_tune(run)
+    # libtpu's figure puts the contenders it estimated far behind the winner;
+    # the aborted and flag-only ones keep the calibrated model's figure, ahead of it.
+    rank = 1 + sum(1 for b, v in tune.items() if b != winner and v < tune[winner])
+    assert rank == 1 + len(ahead[:2])

@@ -56,21 +56,42 @@ def figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float]:
     return {b: ms for b, (ms, _) in scale_figures(lib, figs, bound=True).figures.items()}
 
 
+def whole_figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float] | None:
+    """A figure over the key's whole space (``--complete``): the models' (traced everywhere),
+    the tune's (exact where it can decide the rank or the pick:
+    :func:`estimate_fidelity_complete.whole_tune`); None for libtpu's own figure, which has no
+    bound outside the drawn configs, and for runs not completed."""
+    from estimate_fidelity_complete import whole_tune
+
+    whole = run.get("whole")
+    if not whole or name == "libtpu" or "+" in name:
+        return None
+    if name == "tune":
+        return whole_tune(run)
+    return {tuple(b): v for b, v in whole.get(f"{name}_ms", ())}
+
+
 def judge(run: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """The real winner under one figure: its rank among the drawn configs, its rank in the
-    key's whole space estimated from the share of drawn rivals put ahead of it (exact where
-    every config was drawn), and est(winner) / est(pick among the drawn)."""
-    figs = figures(run, name)
+    """The real winner under one figure: its rank in the key's whole space, exact where the
+    run was completed and the figure has one there (``exact``), else estimated from the share
+    of drawn rivals put ahead of it (exact where every config was drawn); its rank among the
+    drawn configs; and fig(winner) / fig(pick) over the same configs."""
     winner = tuple(run["winner"])
-    rivals = run["configs"] - 1
+    whole = whole_figures(run, name)
+    figs = whole if whole is not None else figures(run, name)
     if winner not in figs:
-        return {"rank": None, "est_rank": math.inf, "ratio": None, "ranked": len(figs)}
+        return {"rank": None, "est_rank": math.inf, "ratio": None, "ranked": len(figs),
+                "exact": whole is not None}
     beat = sum(1 for b, v in figs.items() if b != winner and v < figs[winner])
-    space_rivals = run["space"] - 1
-    est = 1 + (beat * space_rivals / rivals if rivals else 0)
     pick = min(figs, key=figs.get)
-    return {"rank": 1 + beat, "est_rank": est, "ranked": len(figs),
-            "ratio": figs[winner] / figs[pick] if figs[pick] > 0 else None}
+    ratio = figs[winner] / figs[pick] if figs[pick] > 0 else None
+    if whole is not None:
+        return {"rank": 1 + beat, "est_rank": 1 + beat, "ranked": len(figs), "ratio": ratio,
+                "exact": True}
+    rivals = run["configs"] - 1
+    est = 1 + (beat * (run["space"] - 1) / rivals if rivals else 0)
+    return {"rank": 1 + beat, "est_rank": est, "ranked": len(figs), "ratio": ratio,
+            "exact": False}
 
 
 def k95(est_ranks: Sequence[float]) -> float:
@@ -215,11 +236,7 @@ def compared(meta: Mapping[str, Any]) -> list[str]:
         f"whole batch). Compiling all of it is past this host's budget at large keys "
         f"(hundreds of configs), so each key's run estimates the real winner, the miss "
         f"default and {meta['rivals']} rivals drawn at random from its space (all of it where "
-        "smaller). `rank` is the winner's rank among those; `est. in space` its rank in the "
-        "whole space estimated as 1 + (rivals ahead of it / rivals drawn) x (rivals in the "
-        "space), exact where every config was drawn. Top-K rates and K95 use that estimate. "
-        "`pick within 2%`: est(winner) <= 1.02 x est(best drawn config): on a drawn space "
-        "this is the flattering side (the whole space's best can only be better).",
+        "smaller).", *ranks_text(meta),
         f"- Stand-in (every compile bounded): fewer batch blocks (the parallel axis; at "
         f"least {caps['min_steps']} steps where they exist), then, while the compile would "
         f"simulate more than {caps['mac_cap']:.0e} multiply-accumulates or "
@@ -228,6 +245,31 @@ def compared(meta: Mapping[str, Any]) -> list[str]:
         "most-cut scaled config whose full compile is predicted to cost at most "
         f"{caps['check_cap_s']:g} CPU s is compiled in full and the error said (never acted "
         "on: the budget).", ""]
+
+
+def ranks_text(meta: Mapping[str, Any]) -> list[str]:
+    """How the winner's rank in the whole space is had, per figure."""
+    drawn = ("1 + (rivals ahead of it / rivals drawn) x (rivals in the space), exact where "
+             "every config was drawn")
+    if not meta.get("complete_command"):
+        return [f"- `rank`: the winner's rank among the drawn configs; in brackets its rank in "
+                f"the whole space estimated as {drawn}. Top-K rates and K95 use that estimate. "
+                "`pick within 2%`: est(winner) <= 1.02 x est(best drawn config): the flattering "
+                "side (the whole space's best can only be better)."]
+    return [
+        "- **Ranks over the whole space** (`--complete`: "
+        f"`{meta['complete_command']}`"
+        + (f"; {meta['complete_s'] / 60:.1f} min" if meta.get("complete_s") else "")
+        + "). A drawn sample of 10 estimates a winner 1st whenever "
+        "no drawn rival is ahead of it, and rarely holds its near rivals, so the models' "
+        "ranks are taken over every config of the space (a trace each). A tune's figure is "
+        "never below the calibrated model's, so only the configs whose calibrated model "
+        "figure lies below the winner's tune figure (or the drawn pick's) can be ahead of it "
+        "or be the pick: those were compiled too, as the drawn ones were, with the drawn "
+        "sample's calibration, which makes the tune's rank over the whole space exact. "
+        "**libtpu's own figure has no such bound**: its rank stays estimated from the draw, "
+        f"as {drawn}, and its top-K rates and pick are the drawn sample's (flattering). "
+        "`pick within 2%`: fig(winner) <= 1.02 x the best figure over the same configs."]
 
 
 def cannot_profile(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -267,15 +309,15 @@ def standin_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def key_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["| chip | stratum | key (n_batch, n_out, n_in) | real winner | drawn / space | "
-             "libtpu figures | " + " | ".join(f"{n}: rank (est. in space)" for n, _ in FIGURES)
+             "libtpu figures | " + " | ".join(f"{n}: rank" for n, _ in FIGURES)
              + " | libtpu ratio | no libtpu figure | stand-in check |",
              "|" + "---|" * (9 + len(FIGURES))]
     for r in sorted(runs, key=lambda r: (r["chip"], stratum_order(r["stratum"]), r["key"])):
         cells = []
         for n, _ in FIGURES:
             j = judge(r, n)
-            cells.append("-" if j["rank"] is None else
-                         f"{j['rank']}/{j['ranked']} ({j['est_rank']:.0f})")
+            cells.append("-" if j["rank"] is None else f"{j['rank']} (exact)" if j["exact"]
+                         else f"{j['rank']}/{j['ranked']} ({j['est_rank']:.0f})")
         ratio = judge(r, "libtpu")["ratio"]
         fails = ", ".join(f"{k} {n}" for k, n in sorted(r["failures"].items())) or "none"
         lines.append(
@@ -292,8 +334,9 @@ def report(data: Mapping[str, Any]) -> str:
     lines += ["## The real winner's rank: K95 first", "",
               "K95: the least K for which the real winner is inside the figure's top K on at "
               "least 95% of the keys (`none`: the winner has no figure on more than 5%); "
-              "then on how many keys it is 1st, in the top 3, in the top 8 (rank estimated in "
-              "the whole space), and on how many the figure's pick is within 2% of it.", ""]
+              "then on how many keys it is 1st, in the top 3, in the top 8 of the whole space "
+              "(libtpu's: estimated from the draw), and on how many the figure's pick is "
+              "within 2% of it.", ""]
     chips = sorted({r["chip"] for r in runs})
     groups = [("all keys", runs)] + [(c, [r for r in runs if r["chip"] == c]) for c in chips]
     lines += rate_rows(groups) + [""]
@@ -307,7 +350,8 @@ def report(data: Mapping[str, Any]) -> str:
               "The same, pooled by n_batch band and by problem size (the docs' table).", ""]
     lines += user_rows(runs) + [""]
     lines += cannot_profile(runs) + standin_lines(runs)
-    lines += ["## Per key", "", "`rank`: among the drawn configs with that figure (ranked); "
-              "in brackets the estimated rank in the key's whole space.", ""]
+    lines += ["## Per key", "", "`rank`: `(exact)` over the key's whole space; otherwise "
+              "among the drawn configs with that figure (ranked), in brackets the rank in the "
+              "whole space estimated from them.", ""]
     lines += key_rows(runs) + [""]
     return "\n".join(lines)

@@ -45,7 +45,8 @@ def metadata(argv: Sequence[str] | None, a: argparse.Namespace,
              planned: Sequence[st.Entry]) -> dict[str, Any]:
     import jax
 
-    return {"command": bench.command(SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off"),
+    command = bench.command(SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
+    return {"command": command, "complete_command": command,
             "date": bench.today(), "host": bench.host(), "workers": a.workers,
             "seed": a.seed, "rivals": a.rivals, "per_stratum": dict(PER_STRATUM),
             "versions": {"libtpu": bench.version("libtpu"), "jax": jax.__version__,
@@ -109,8 +110,10 @@ def done_before(path: str, seed: int, rivals: int) -> list[dict[str, Any]]:
 
 def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
         meta: dict[str, Any], a: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every entry's run, in order (``--resume``: after those the dump holds); the dump and the
-    report rewritten after each."""
+    """Every entry's run, in order (``--resume``: after those the dump holds), completed over
+    its whole space (:mod:`estimate_fidelity_complete`); the dump and the report rewritten
+    after each."""
+    import estimate_fidelity_complete as ec
     from pallas_tune.measure.estimate import Estimator
 
     runs: list[dict[str, Any]] = done_before(a.dump, a.seed, a.rivals) if a.resume else []
@@ -123,6 +126,7 @@ def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
           Estimator(1, timeout_s=a.timeout_s, memory_limit_bytes=limit, profile=False) as plain):
         for i, e in enumerate(entries, 1):
             r = st.run_entry(est, e, tabs[e.chip], a.rivals, a.seed, plain)
+            r["whole"] = ec.complete_run(est, plain, r, tabs[e.chip])
             runs.append(r)
             meta["total_s"] = meta["total_s_before"] + time.perf_counter() - t0
             if a.dump:
@@ -134,8 +138,39 @@ def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
             print(f"[{i}/{len(entries)}] {e.chip} {e.key} ({e.stratum}) winner {e.winner}: "
                   f"{len(r['proxy_ms'])}/{r['configs']} estimated, failures {r['failures']}, "
                   f"winner {r['winner_kind'][:60]}; stand-in {r['standin_check']}; "
+                  f"{len(r['whole']['contenders'])} contenders of {r['space']}; "
                   f"{r['wall_s']:.0f} s", flush=True)
     return runs
+
+
+def complete(tabs: Mapping[str, Mapping[Key, Any]], a: argparse.Namespace,
+             argv: Sequence[str] | None) -> int:
+    """``--complete``: every run of ``--dump`` without whole-space figures gets them
+    (:mod:`estimate_fidelity_complete`: the models over the whole space, libtpu's figure of
+    the contenders), the dump and the report rewritten after each key."""
+    import estimate_fidelity_complete as ec
+    from pallas_tune.measure.estimate import Estimator
+
+    with open(a.dump, encoding="utf-8") as f:
+        data = json.load(f)
+    todo = [r for r in data["runs"] if "whole" not in r]
+    if bench.SMOKE:
+        todo = todo[:1]
+    print(f"{len(todo)} of {len(data['runs'])} keys to complete", flush=True)
+    limit = int(a.memory_gb * 2**30)
+    with (Estimator(a.workers, timeout_s=a.timeout_s, memory_limit_bytes=limit) as est,
+          Estimator(1, timeout_s=a.timeout_s, memory_limit_bytes=limit, profile=False) as plain):
+        for i, r in enumerate(todo, 1):
+            r["whole"] = ec.complete_run(est, plain, r, tabs[r["chip"]])
+            data["meta"]["complete_command"] = bench.command(
+                SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
+            save(a.dump, data["meta"], data["runs"])
+            render(a.out, data)
+            w = r["whole"]
+            print(f"[{i}/{len(todo)}] {r['chip']} {tuple(r['key'])}: {len(w['contenders'])} "
+                  f"contenders of {w['space']}, {len(w['proxy_ms'])} estimated, failures "
+                  f"{w['failures']}; {w['wall_s']:.0f} s", flush=True)
+    return 0
 
 
 def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
@@ -155,6 +190,10 @@ def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
     parser.add_argument("--retrace-models", action="store_true",
                         help="with --from-dump: trace every drawn config again for the model "
                              "figures as the models are now (kept in the dump)")
+    parser.add_argument("--complete", action="store_true",
+                        help="rank over each key's whole space: trace the models there and "
+                             "compile the configs a tune's figure could put ahead of the "
+                             "winner (kept in --dump's runs; see estimate_fidelity_complete)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument("--resume", action="store_true",
                         help="keep the keys --dump holds (same --seed and --rivals), run the rest")
@@ -173,6 +212,8 @@ def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
         render(a.out, data)
         return 0
     tabs = tables(TPU_INFERENCE_DIR)
+    if a.complete:
+        return complete(tabs, a, argv) if bench.have_libtpu(stream=sys.stderr) else 2
     entries = plan(tabs, PER_STRATUM, a.seed, None if bench.SMOKE else a.keys)
     if bench.SMOKE:  # The cheapest keys only.
         entries = sorted(entries, key=lambda e: st.predicted_cost_s(

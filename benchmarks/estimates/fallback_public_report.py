@@ -145,8 +145,8 @@ def drawn_runs(fits: Mapping[str, Any]) -> list[dict]:
         for r, feats in f["held"]:
             t = model_times(feats, f["spec"], f["constants"])
             drawn = {tuple(b) for b, _ in r["fitted_ms"]}
-            out.append({**r, "public_ms": [[list(b), 1e3 * v] for b, v in t.items()
-                                           if b in drawn]})
+            out.append({**r, "whole": None,  # Ranked from the draw (the section's scope).
+                        "public_ms": [[list(b), 1e3 * v] for b, v in t.items() if b in drawn]})
     return out
 
 
@@ -204,8 +204,9 @@ def report(fits: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
         "`fitted`: the shipped constants; `public`: this fit.", ""] + whole_rows(
         fits, "held") + [
         "", "## Held out, on the configs the fidelity run drew, beside libtpu's", "",
-        "As `estimate_fidelity.md` ranks them (the winner's rank in the space estimated from "
-        "the drawn rivals): `tune` is what a tune ranks with this fit as its fallback "
+        "The winner's rank in the space estimated from the drawn rivals, as "
+        "`estimate_fidelity.md` ranked them before it ranked over the whole space (where a "
+        "tune's rank is exact: that page): `tune` is what a tune ranks with this fit as its fallback "
         "(pallas_tune.measure.scale: the larger of libtpu's figure and this fit's calibrated "
         "onto it; the calibrated fit's where libtpu has none; the fit's alone where libtpu "
         "figured fewer than 3 configs), `tune+fitted` the same with the constants fitted to "
