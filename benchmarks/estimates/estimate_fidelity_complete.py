@@ -124,13 +124,3 @@ def complete_run(est: Any, plain: Any, run: dict[str, Any], table: Mapping[Block
             "proxy_ms": rows(proxy), "aborted": [list(b) for b in sorted(aborts)],
             "flag_only_oom": [list(b) for b in sorted(flag_only)],
             "failures": dict(failures), "wall_s": time.perf_counter() - t0}
-
-
-def predicted_cost_s(run: Mapping[str, Any], table: Mapping[Blocks, Blocks]) -> float:
-    """CPU seconds the run's contenders are predicted to cost (traces the models once)."""
-    _, dtypes, chip = st.CHIPS[run["chip"]]
-    key = tuple(run["key"])
-    full, _ = st.strata_space(key, table)
-    public = model_figures(key, full, chip, dtypes[1])[2]
-    todo = contenders(run, {b: v * 1e3 for b, v in public.items()})
-    return sum(st.compile_cost_s(key, b, st.standin_keep(key, b)) for b in todo)

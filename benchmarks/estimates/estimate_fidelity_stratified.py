@@ -124,6 +124,9 @@ def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
     limit = int(a.memory_gb * 2**30)
     with (Estimator(a.workers, timeout_s=a.timeout_s, memory_limit_bytes=limit) as est,
           Estimator(1, timeout_s=a.timeout_s, memory_limit_bytes=limit, profile=False) as plain):
+        for r in runs:  # Resumed from a dump made before runs were completed as they went.
+            if "whole" not in r:
+                r["whole"] = ec.complete_run(est, plain, r, tabs[r["chip"]])
         for i, e in enumerate(entries, 1):
             r = st.run_entry(est, e, tabs[e.chip], a.rivals, a.seed, plain)
             r["whole"] = ec.complete_run(est, plain, r, tabs[e.chip])
@@ -151,6 +154,8 @@ def complete(tabs: Mapping[str, Mapping[Key, Any]], a: argparse.Namespace,
     import estimate_fidelity_complete as ec
     from pallas_tune.measure.estimate import Estimator
 
+    if not a.dump or not os.path.exists(a.dump):
+        raise SystemExit(f"--complete completes the runs of --dump; {a.dump!r} is no dump")
     with open(a.dump, encoding="utf-8") as f:
         data = json.load(f)
     todo = [r for r in data["runs"] if "whole" not in r]
@@ -164,6 +169,8 @@ def complete(tabs: Mapping[str, Mapping[Key, Any]], a: argparse.Namespace,
             r["whole"] = ec.complete_run(est, plain, r, tabs[r["chip"]])
             data["meta"]["complete_command"] = bench.command(
                 SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
+            data["meta"]["complete_s"] = sum(x["whole"]["wall_s"] for x in data["runs"]
+                                             if "whole" in x)
             save(a.dump, data["meta"], data["runs"])
             render(a.out, data)
             w = r["whole"]
