@@ -82,7 +82,7 @@ SMOKES = {
     "estimates/tpu_estimate.py": Smoke(("== matmul_256_bf16", "exhaustive optimum"),
                                        libtpu=True),
     "estimates/model_fidelity.py": Smoke(("| matmul |",)),
-    "estimates/rpa_fidelity.py": Smoke(("| 8/1 | 32 | 512 | 128 | (4, 64) |", "## Per page size"),
+    "estimates/rpa_fidelity.py": Smoke(("| 8/1 | 32 | 512 | 128 | (4, 64) |", "| K95 | top 1 |"),
                                        libtpu=True, note="one (heads, page size) group, two "
                                                          "keys, four configs"),
     "estimates/estimate_fidelity.py": Smoke(("keys (stratified, seed 55)",

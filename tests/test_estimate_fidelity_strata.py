@@ -6,6 +6,7 @@ report's figures: the winner's rank estimated in the whole space, K95, and what 
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -256,7 +257,7 @@ class _FakeEstimator:
                 out.append(EstimateResult(ok=False, kind=VMEM_PHYSICAL, message="vmem"))
             elif b in self.abort:
                 out.append(EstimateResult(ok=False, kind="compile_error",
-                                          message="Cannot schedule FIFO push instruction when the FIFO is full"))
+                                          message="Cannot schedule FIFO push instruction"))
             else:
                 out.append(EstimateResult(ok=True, kind="ok", cycles=self.cycles(b)))
         return out
@@ -302,3 +303,21 @@ def test_completing_a_run_compiles_exactly_its_contenders(mods):
     # the aborted and flag-only ones keep the calibrated model's figure, ahead of it.
     rank = 1 + sum(1 for b, v in tune.items() if b != winner and v < tune[winner])
     assert rank == 1 + len(ahead[:2])
+
+
+def test_the_page_carries_ragged_paged_attentions_rows_in_its_rank_table(mods, tmp_path):
+    """rpa_fidelity.py's like-for-like ranks, read back into this page's rank table: K95 (none
+    where the winner is unranked on more than 5% of keys), top 1 / 3 / 8, pick within 2%."""
+    _, rp, _ = mods
+    assert rp.rpa_lines(str(tmp_path / "absent.json")) == []
+    rows = [{"page": 16, "heads": "32/8", "rank": 1, "ratio": 1.0},
+            {"page": 16, "heads": "32/8", "rank": 2, "ratio": 1.05},
+            {"page": 128, "heads": "28/4", "rank": None, "ratio": None}]
+    path = tmp_path / "ranks.json"
+    path.write_text(json.dumps({"command": "python rpa_fidelity.py", "date": "d",
+                                "versions": "jax x", "rows": rows}))
+    text = "\n".join(rp.rpa_lines(str(path)))
+    assert "| page 16 (32/8 q/kv heads) | 2 | 2 | 1/2 / 2/2 / 2/2 | 1/2 |" in text
+    assert "| page 128 (28/4 q/kv heads) | 1 | none | 0/1 / 0/1 / 0/1 | 0/1 |" in text
+    assert "| all keys | 3 | none | 1/3 / 2/3 / 2/3 | 1/3 |" in text
+    assert "`python rpa_fidelity.py`" in text

@@ -7,6 +7,7 @@ calibrated onto it; the calibrated model's where libtpu aborts)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -19,6 +20,7 @@ import _common as bench  # noqa: E402
 from estimate_fidelity_strata import BATCH_BANDS, SIZE_NAMES  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate_fidelity.py")
+RPA_RANKS = bench.result("data", "rpa_fidelity_ranks.json")  # rpa_fidelity.py writes it.
 FIGURES = (("libtpu", "libtpu's estimate (of the proxy)"),
            ("tune", "a tune with --estimate-fallback model (the larger of libtpu's and the "
                     "calibrated model's; the model's where libtpu aborts)"),
@@ -307,6 +309,35 @@ def standin_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             + f"; {unchecked} keys unchecked (every full compile over the cap).", ""]
 
 
+def rpa_lines(path: str = RPA_RANKS) -> list[str]:
+    """Ragged paged attention's rows (``rpa_fidelity.py``'s like-for-like ranks), in this page's
+    rank table: per page size and overall; none where that run's ranks are absent."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    rows = data["rows"]
+    pages = sorted({r["page"] for r in rows})
+    groups = [(f"page {p} ({next(r['heads'] for r in rows if r['page'] == p)} q/kv heads)",
+               [r for r in rows if r["page"] == p]) for p in pages] + [("all keys", rows)]
+    lines = ["## Ragged paged attention (v6e, JAX's published winners)", "",
+             "libtpu cannot estimate it as it is (loops over lengths read at run time): its "
+             "figure is composed from the call's concrete lengths (`kernels/_rpa_estimate.py`). "
+             "Ranked against the block sizes JAX publishes as measured best on v6e, on the "
+             "metadata and over the configs they were timed on: the rank among every config "
+             "of that space that estimated (a key whose winner did not is a miss). From "
+             f"`{data['command']}` ({data['date']}; "
+             f"{data['versions']}); method and every key: `rpa_fidelity.md`.", "",
+             "| group | keys | K95 | top 1 / 3 / 8 | pick within 2% |", "|---|---|---|---|---|"]
+    for label, g in groups:
+        ranks = [r["rank"] if r["rank"] is not None else math.inf for r in g]
+        within = sum(r["ratio"] is not None and r["ratio"] <= 1.02 for r in g)
+        lines.append(f"| {label} | {len(g)} | {k_text(k95(ranks))} | "
+                     + " / ".join(frac(sum(x <= t for x in ranks), len(g)) for t in TOPS)
+                     + f" | {frac(within, len(g))} |")
+    return lines + [""]
+
+
 def key_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["| chip | stratum | key (n_batch, n_out, n_in) | real winner | drawn / space | "
              "libtpu figures | " + " | ".join(f"{n}: rank" for n, _ in FIGURES)
@@ -349,7 +380,7 @@ def report(data: Mapping[str, Any]) -> str:
     lines += ["## What a user's shapes see", "",
               "The same, pooled by n_batch band and by problem size (the docs' table).", ""]
     lines += user_rows(runs) + [""]
-    lines += cannot_profile(runs) + standin_lines(runs)
+    lines += cannot_profile(runs) + standin_lines(runs) + rpa_lines()
     lines += ["## Per key", "", "`rank`: `(exact)` over the key's whole space; otherwise "
               "among the drawn configs with that figure (ranked), in brackets the rank in the "
               "whole space estimated from them.", ""]

@@ -206,7 +206,8 @@ def report(fits: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
         "", "## Held out, on the configs the fidelity run drew, beside libtpu's", "",
         "The winner's rank in the space estimated from the drawn rivals, as "
         "`estimate_fidelity.md` ranked them before it ranked over the whole space (where a "
-        "tune's rank is exact: that page): `tune` is what a tune ranks with this fit as its fallback "
+        "tune's rank is exact: that page): `tune` is what a tune ranks with this fit as its "
+        "fallback "
         "(pallas_tune.measure.scale: the larger of libtpu's figure and this fit's calibrated "
         "onto it; the calibrated fit's where libtpu has none; the fit's alone where libtpu "
         "figured fewer than 3 configs), `tune+fitted` the same with the constants fitted to "

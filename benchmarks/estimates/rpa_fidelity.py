@@ -36,6 +36,7 @@ import argparse
 import collections
 import importlib
 import json
+import math
 import os
 import random
 import statistics
@@ -60,6 +61,7 @@ VMEM = 100 * 2**20
 BKV = [1, 2, 4, 8, 16, 32, 64, 128]
 BQ = [8, 16, 32, 64, 128, 256]
 ALL_BKV, ALL_BQ = tuple(BKV), tuple(BQ)  # The adapter's space (BKV, BQ: those estimated).
+RANKS = bench.result("data", "rpa_fidelity_ranks.json")
 _table = importlib.import_module(
     "jax.experimental.pallas.ops.tpu.ragged_paged_attention.tuned_block_sizes")
 
@@ -200,6 +202,19 @@ def rank_key(group: tuple, tokens: int, mml: int, winner: tuple, costs: dict,
     return row
 
 
+def k95(rows: list[dict]) -> str:
+    """The least K with the winner inside the estimate's top K on at least 95% of the keys
+    (``none``: unranked on more than 5%), as estimate_fidelity's rank table counts it."""
+    ranks = sorted(r["rank"] or math.inf for r in rows)
+    k = ranks[math.ceil(0.95 * len(ranks)) - 1] if ranks else math.inf
+    return "none" if k == math.inf else str(k)
+
+
+def within2(rows: list[dict]) -> int:
+    """Keys whose pick is within 2% of the winner's figure."""
+    return sum(r["ratio"] is not None and r["ratio"] <= 1.02 for r in rows)
+
+
 def summary(rows: list[dict]) -> str:
     ranked = [r for r in rows if r["rank"] is not None]
     top = lambda k: sum(r["rank"] <= k for r in ranked)  # noqa: E731
@@ -207,9 +222,20 @@ def summary(rows: list[dict]) -> str:
     chance = sum(min(3, r["ranked"]) / r["ranked"] for r in ranked)  # A random ranking's.
     return (f"published winner in the estimate's top 3 on {top(3)} of {len(rows)} keys "
             f"({100 * top(3) / max(1, len(rows)):.0f}%; a random ranking of the same configs: "
-            f"{chance:.1f} expected); top 1 on {top(1)}, top 8 on {top(8)}; "
+            f"{chance:.1f} expected); top 1 on {top(1)}, top 8 on {top(8)}, K95 {k95(rows)}; "
+            f"pick within 2% of the winner on {within2(rows)}; "
             + (f"median est(winner)/est(pick) {statistics.median(ratios):.3f}, worst "
                f"{max(ratios):.3f}" if ratios else "no winner ranked"))
+
+
+def save_ranks(path: str, rows: list[dict], command: str) -> None:
+    """The like-for-like rows, for estimate_fidelity's page (its RPA rows)."""
+    keep = [{"page": r["group"][5], "heads": f"{r['group'][2]}/{r['group'][3]}",
+             "tokens": r["tokens"], "max_model_len": r["mml"], "winner": list(r["winner"]),
+             "rank": r["rank"], "ranked": r["ranked"], "ratio": r["ratio"]} for r in rows]
+    _save(bench.output(path), {"command": command, "date": bench.today(),
+                               "versions": bench.versions("jax", "jaxlib", "libtpu"),
+                               "rows": keep})
 
 
 VARIANTS = {("tuner", "published"): "the published tuner's metadata and space (like for like)",
@@ -238,10 +264,10 @@ def render(rows: dict, sampled: list, n_groups: int, seed: int, wall: float,
     by_page = collections.defaultdict(list)
     for r in main_rows:
         by_page[r["group"][5]].append(r)
-    lines += bench.table(["page size", "q/kv heads", "keys", "top 1", "top 3", "top 8",
-                          "median ratio"], sorted(by_page.items()), lambda kv: [
-        kv[0], f"{kv[1][0]['group'][2]}/{kv[1][0]['group'][3]}", len(kv[1]),
-        *(sum((r["rank"] or 99) <= k for r in kv[1]) for k in (1, 3, 8)),
+    lines += bench.table(["page size", "q/kv heads", "keys", "K95", "top 1", "top 3", "top 8",
+                          "pick within 2%", "median ratio"], sorted(by_page.items()), lambda kv: [
+        kv[0], f"{kv[1][0]['group'][2]}/{kv[1][0]['group'][3]}", len(kv[1]), k95(kv[1]),
+        *(sum((r["rank"] or 99) <= k for r in kv[1]) for k in (1, 3, 8)), within2(kv[1]),
         f"{statistics.median([r['ratio'] for r in kv[1] if r['ratio']] or [0]):.3f}"])
     lines += ["", "## Per key", "", "(bkv, bq) as they run (clamped to the pages per sequence); "
               "rank / configs ranked (distinct effective configs whose three pieces all "
@@ -274,6 +300,8 @@ def main() -> None:
     p.add_argument("--out", default=bench.result("rpa_fidelity.md"))
     p.add_argument("--data", default=bench.result("data", "rpa_fidelity.json"),
                    help="the pieces' costs per group and config, kept across runs")
+    p.add_argument("--ranks", default=RANKS,
+                   help="where the like-for-like ranks go (estimate_fidelity's RPA rows)")
     p.add_argument("--only", type=int, nargs="*", help="estimate only these sampled groups "
                    "(indices), e.g. to split the compiles over processes; the others are read "
                    "from --data where there")
@@ -281,6 +309,10 @@ def main() -> None:
                    help="a compile's time limit: a config past it is not ranked (counted)")
     p.add_argument("--published-only", action="store_true",
                    help="estimate only the published tuner's configs (bkv >= 4, bq >= 32)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="estimate again the configs of the groups estimated whose compile "
+                        "failed before (kept in --data as the failure's kind), e.g. a worker "
+                        "that ran out of memory beside other jobs")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                    help="check the composition against single compiles (3 more compiles)")
     a = p.parse_args()
@@ -311,6 +343,9 @@ def main() -> None:
                 costs = {tuple(map(int, c.split(","))): tuple(v) if isinstance(v, list) else v
                          for c, v in done.items()}
             else:
+                if a.retry_failed:
+                    for name in [n for n, v in done.items() if not isinstance(v, list)]:
+                        del done[name]
                 costs = piece_costs(est, g, keys, done, say, lambda: _save(data_path, data))
             failed = collections.Counter(v for v in costs.values() if not isinstance(v, tuple))
             if failed:
@@ -327,6 +362,8 @@ def main() -> None:
                          say) if a.check else [])
     bench.write(a.out, render(rows, sampled, len(all_groups), a.seed,
                               time.perf_counter() - t0, log, checks))
+    save_ranks(a.ranks, rows.get(("tuner", "published"), []),
+               bench.command(__file__, env="PALLAS_TUNE_TPU_LOGS=off"))
 
 
 def _save(path: str, data: dict) -> None:
