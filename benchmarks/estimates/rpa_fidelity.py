@@ -91,9 +91,11 @@ def call_args(group: tuple, pps: int, tokens: int) -> list:
             S((1,), jnp.int32)]
 
 
-def piece_costs(est: Estimator, group: tuple, keys: dict, done: dict, log, save) -> dict:
+def piece_costs(est: Estimator, group: tuple, keys: dict, done: dict, log, save,
+                retry: bool = False) -> dict:
     """(bkv, bq) -> (fixed, per step, per iteration) cycles, or the failure's kind; ``done``:
-    those already estimated (the data file), kept."""
+    those already estimated (the data file), kept (``retry``: a failure kept is estimated
+    again, and replaced)."""
     pps_max = max(mml // group[5] for _, mml in keys)
     args = call_args(group, pps_max, max(t for t, _ in keys))
     out = {}
@@ -101,7 +103,7 @@ def piece_costs(est: Estimator, group: tuple, keys: dict, done: dict, log, save)
     for bkv in [b for b in BKV if b <= pps_max]:
         for bq in BQ:
             name = f"{bkv},{bq}"
-            if name not in done:
+            if name not in done or (retry and not isinstance(done[name], list)):
                 t1 = time.perf_counter()
                 rs = [est.map(ud.ragged_paged_attention, a, k, [cfg(bkv, bq)], "v6e",
                               standin=False)[0] for a, k in rpa.piece_problems(args, {}, bq)]
@@ -343,10 +345,8 @@ def main() -> None:
                 costs = {tuple(map(int, c.split(","))): tuple(v) if isinstance(v, list) else v
                          for c, v in done.items()}
             else:
-                if a.retry_failed:
-                    for name in [n for n, v in done.items() if not isinstance(v, list)]:
-                        del done[name]
-                costs = piece_costs(est, g, keys, done, say, lambda: _save(data_path, data))
+                costs = piece_costs(est, g, keys, done, say, lambda: _save(data_path, data),
+                                    retry=a.retry_failed)
             failed = collections.Counter(v for v in costs.values() if not isinstance(v, tuple))
             if failed:
                 say(f"    not estimated: {dict(failed)}")
