@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
@@ -200,3 +201,12 @@ def static_profile_env(prefix: str, *, bundles: bool = False) -> str:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     return dump
+
+
+def k95(ranks: Sequence[float]) -> float:
+    """The least K with a real winner inside a figure's top K on at least 95% of keys (inf: on
+    more than 5% of keys the winner has no figure; nan: no key): the estimate pages' K95."""
+    if not ranks:
+        return math.nan
+    k = sorted(ranks)[math.ceil(0.95 * len(ranks)) - 1]
+    return k if k == math.inf else math.ceil(k - 1e-9)

@@ -28,14 +28,17 @@ def _blocks(rows: Any) -> dict[Blocks, float]:
     return {tuple(b): v for b, v in rows}
 
 
-def drawn_scale(run: Mapping[str, Any]) -> Any:
-    """The tune's rule (``pallas_tune.measure.scale.scale_figures``) on the drawn configs: how
-    they are put on one scale and, where calibrated, the ratio."""
+def drawn_scale(run: Mapping[str, Any], model: str = "") -> Any:
+    """The tune's rule (``pallas_tune.measure.scale.scale_figures``, ``bound``: the larger of
+    libtpu's figure and the calibrated model's) on the drawn configs, with ``model``'s figures
+    (default: ``public`` where the run has them, else ``fitted``): configs whose profile
+    aborted, or ran out of VMEM only under the profiling flag, get the model's figure."""
     from pallas_tune.measure.scale import scale_figures
 
-    lib, model = _blocks(run["proxy_ms"]), _blocks(run.get("public_ms", ()))
+    model = model or ("public" if "public_ms" in run else "fitted")
+    lib, fit = _blocks(run["proxy_ms"]), _blocks(run[f"{model}_ms"])
     aborted = {tuple(b) for b in (*run["aborted"], *run.get("flag_only_oom", ()))}
-    figs = {**{b: model[b] for b in aborted if b in model}, **{b: model.get(b) for b in lib}}
+    figs = {**{b: fit[b] for b in aborted if b in fit}, **{b: fit.get(b) for b in lib}}
     return scale_figures(lib, figs, bound=True)
 
 
@@ -45,8 +48,9 @@ def _drawn(run: Mapping[str, Any]) -> set[Blocks]:
             | {tuple(b) for b in run["aborted"]})
 
 
-def drawn_tune(run: Mapping[str, Any]) -> dict[Blocks, float]:
-    return {b: ms for b, (ms, _) in drawn_scale(run).figures.items()}
+def drawn_tune(run: Mapping[str, Any], model: str = "") -> dict[Blocks, float]:
+    """What a tune ranks the drawn configs by (ms): :func:`drawn_scale`'s figures."""
+    return {b: ms for b, (ms, _) in drawn_scale(run, model).figures.items()}
 
 
 def contenders(run: Mapping[str, Any], whole_public: Mapping[Blocks, float]) -> list[Blocks]:

@@ -44,18 +44,13 @@ def figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float]:
     than 3 configs, the model's figure alone. The model is the one a tune ranks by now, the
     public fit's, in runs that have it, else the fitted one's; ``tune+<model>``: that
     model's."""
-    from pallas_tune.measure.scale import scale_figures
+    from estimate_fidelity_complete import drawn_tune
 
-    lib = {tuple(b): v for b, v in run["proxy_ms"]}
     if name == "libtpu":
-        return lib
+        return {tuple(b): v for b, v in run["proxy_ms"]}
     if not name.startswith("tune"):
         return {tuple(b): v for b, v in run.get(f"{name}_ms", ())}
-    model = name.partition("+")[2] or ("public" if "public_ms" in run else "fitted")
-    fit = {tuple(b): v for b, v in run[f"{model}_ms"]}
-    aborted = {tuple(b) for b in (*run["aborted"], *run.get("flag_only_oom", ()))}
-    figs = {**{b: fit[b] for b in aborted if b in fit}, **{b: fit.get(b) for b in lib}}
-    return {b: ms for b, (ms, _) in scale_figures(lib, figs, bound=True).figures.items()}
+    return drawn_tune(run, name.partition("+")[2])
 
 
 def whole_figures(run: Mapping[str, Any], name: str) -> dict[Blocks, float] | None:
@@ -96,14 +91,7 @@ def judge(run: Mapping[str, Any], name: str) -> dict[str, Any]:
             "exact": False}
 
 
-def k95(est_ranks: Sequence[float]) -> float:
-    """The least K with the winner inside the top K on at least 95% of keys (inf: on more than
-    5% of keys the winner has no figure)."""
-    if not est_ranks:
-        return math.nan
-    need = math.ceil(0.95 * len(est_ranks))
-    k = sorted(est_ranks)[need - 1]
-    return k if k == math.inf else math.ceil(k - 1e-9)
+k95 = bench.k95  # The least K holding the winner on 95% of keys.
 
 
 def rates(runs: Sequence[Mapping[str, Any]], name: str) -> dict[str, Any]:

@@ -205,11 +205,9 @@ def rank_key(group: tuple, tokens: int, mml: int, winner: tuple, costs: dict,
 
 
 def k95(rows: list[dict]) -> str:
-    """The least K with the winner inside the estimate's top K on at least 95% of the keys
-    (``none``: unranked on more than 5%), as estimate_fidelity's rank table counts it."""
-    ranks = sorted(r["rank"] or math.inf for r in rows)
-    k = ranks[math.ceil(0.95 * len(ranks)) - 1] if ranks else math.inf
-    return "none" if k == math.inf else str(k)
+    """K95 (:func:`_common.k95`) of the rows' winner ranks, as estimate_fidelity counts it."""
+    k = bench.k95([r["rank"] or math.inf for r in rows])
+    return "none" if k == math.inf else "-" if k != k else str(k)
 
 
 def within2(rows: list[dict]) -> int:

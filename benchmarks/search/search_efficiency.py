@@ -66,8 +66,8 @@ from pallas_tune.search import gp, replay  # noqa: E402
 KT = ["adaptive_tabu_greywolf", "hybrid_vndx", "dual_annealing", "firefly_algorithm", "pso",
       "genetic_algorithm"]
 # +prior: the other devices' landscapes as its prior; PREVIOUS: the default before its initial
-# design grew with the parameters and its cycle took a multivariate TPE step (an ablation, and a
-# variant for the leave-one-device-out choice).
+# design of 15 and its cycle's multivariate TPE step (an ablation, and a variant for the
+# leave-one-device-out choice).
 PREVIOUS = h.PREVIOUS_DEFAULT
 OURS = ["default", "default+prior", PREVIOUS]
 PEERS = ["random", "tpe-mv", "cmaes", "optuna-gp"] + [f"KT:{s}" for s in KT]
