@@ -32,7 +32,7 @@ HELPERS = {"_common.py", "search/search_harness.py", "feasibility/feasibility_ca
            "steps/collectives.py", "steps/sharded_render.py"}
 HELPERS |= {f"estimates/estimate_fidelity_{m}.py" for m in ("space", "qmm", "run", "report",
                                                            "strata", "strata_report",
-                                                           "stratified", "complete")}
+                                                           "stratified", "complete", "twopoint")}
 HELPERS.add("estimates/fallback_public_report.py")
 STEP_ROWS = "benchmarks/results/data/step_tuning_2026-11-25/mamba2.512.json"
 
@@ -86,7 +86,8 @@ SMOKES = {
                                        libtpu=True, note="one (heads, page size) group, two "
                                                          "keys, four configs"),
     "estimates/estimate_fidelity.py": Smoke(("keys (stratified, seed 55)",
-                                             "[1/1] ", " contenders of "), libtpu=True,
+                                             "[1/1] ", " contenders of ", "two-point: "),
+                                            libtpu=True,
                                             needs=("tpu_inference",)),
     "estimates/fallback_public_fit.py": Smoke(("## The constants", "| 7x | 3 |"),
                                               needs=("tpu_inference",)),

@@ -321,3 +321,91 @@ def test_the_page_carries_ragged_paged_attentions_rows_in_its_rank_table(mods, t
     assert "| page 128 (28/4 q/kv heads) | 1 | none | 0/1 / 0/1 / 0/1 | 0/1 |" in text
     assert "| all keys | 3 | none | 1/3 / 2/3 / 2/3 | 1/3 |" in text
     assert "`python rpa_fidelity.py`" in text
+
+
+class _AffineLibtpu:
+    """libtpu faked as a program that pays ``once`` cycles per compile and ``step`` per grid
+    step, on whatever operands (a stand-in's or the full problem's) it is given: the case the
+    two-point figure is exact for, and a scaled stand-in overcounts."""
+
+    def __init__(self, once, step):
+        self.once, self.step, self.full = once, step, []
+
+    def map(self, parts, args, kwargs, configs, chip, standin=True, **_):
+        from estimate_fidelity_strata import counts
+        from pallas_tune.measure.estimate import EstimateResult
+
+        out = []
+        for c in configs:
+            b = (c["batch_block"], c["out_block"], c["in_block"])
+            a, scale = list(args), 1.0
+            if standin and getattr(parts, "standin", None):
+                a, _, scale = parts.standin(a, kwargs, c)
+            else:
+                self.full.append(b)
+            key = (a[0].shape[0], a[1].shape[0], a[0].shape[1])
+            raw = self.once + self.step * math.prod(counts(key, b))
+            out.append(EstimateResult(ok=True, kind="ok", cycles=int(raw * scale),
+                                      standin_cycles=raw, scale=scale))
+        return out
+
+
+def test_two_point_figures_count_once_what_a_program_pays_once(mods):
+    """The two-point stand-in (``--two-point``) on a fake libtpu whose figure is affine in the
+    grid steps compiled: every cut config's figure becomes the full program's exactly (the
+    scaled one overcounts the once-per-program cost), an uncut config keeps its figure, the
+    scaled figures are kept, the contenders the new calibration admits are compiled, and the
+    check compiles the real winner in full."""
+    st, _, ec = mods
+    import estimate_fidelity_twopoint as tp
+    from pallas_tune.chips import chip_spec
+
+    key = (8192, 8192, 1024)
+    assert tp.pair(key, (512, 8192, 1024)) == ((1, 1, 1), (2, 1, 1))
+    assert tp.pair((64, 1024, 1024), (64, 512, 1024)) is None  # Nothing cut.
+    assert tp.extrapolate(3.0, 5.0, 1, 2, 16) == pytest.approx(3.0 + 2.0 * 15)
+    assert tp.extrapolate(5.0, 5.0, 1, 2, 16) is None  # No per-step cost seen.
+    clock = chip_spec("v6e").clock_hz
+    once, step = 40_000, 10_000
+    lib = _AffineLibtpu(once, step)
+
+    def ms(cycles):
+        return cycles / clock * 1e3
+
+    def scaled(b):
+        keep = st.standin_keep(key, b)
+        n, total = math.prod(keep), math.prod(st.counts(key, b))
+        return ms(once + step * n) * total / n
+
+    winner, rival, small = (512, 8192, 1024), (2048, 2048, 1024), (4096, 256, 128)
+    drawn = [winner, rival, small]
+    public = {winner: 1.0, rival: 1.0, small: 10.0, (1024, 8192, 1024): 0.9}
+    run = {"chip": "v6e", "key": list(key), "winner": list(winner), "stratum": "s",
+           "proxy_ms": [[list(b), scaled(b)] for b in drawn],
+           "public_ms": [[list(b), public[b]] for b in drawn], "aborted": [],
+           "flag_only_oom": []}
+    run["whole"] = {"public_ms": [[list(b), v] for b, v in public.items()], "contenders": [],
+                    "proxy_ms": [], "aborted": [], "flag_only_oom": [], "failures": {}}
+    # The run holds no contender yet: refining compiles those the new calibration admits.
+    tp.refine_run(lib, _FakeEstimator(lambda b: 1), run)
+    figs = {tuple(b): v for b, v in run["proxy_ms"]}
+    for b in drawn:
+        exact = ms(once + step * math.prod(st.counts(key, b)))
+        assert scaled(b) > exact * 1.01
+        assert figs[b] == pytest.approx(exact, rel=1e-4)
+    assert {tuple(b): v for b, v in run["scaled_proxy_ms"]} == {b: scaled(b) for b in drawn}
+    assert ec.contenders(run, public) == [(1024, 8192, 1024)]
+    assert run["whole"]["contenders"] == [[1024, 8192, 1024]]
+    (b, v), = run["whole"]["proxy_ms"]
+    assert v == pytest.approx(ms(once + step * 8), rel=1e-4)
+    # Compiled in full too where affordable (here every cut config but the 512-step one):
+    # the figure is the full compile's, which checks the two-point and scaled ones.
+    checks = {tuple(c["config"]): c for c in run["two_point"]["checks"]}
+    assert set(checks) == set(lib.full) == {winner, rival, (1024, 8192, 1024)}
+    for c in checks.values():
+        assert c["two_point_error"] == pytest.approx(0, abs=1e-4)
+    assert checks[winner]["scaled_error"] > 0.5  # 2 of 16 steps kept: once cost x8.
+    assert checks[winner]["winner"] and not checks[rival]["winner"]
+    s = tp.summary([run])
+    assert (s["configs"], s["full"], s["two_point"], s["kept_scaled"]) == (4, 3, 1, 0)
+    assert len(s["winner_two_point_errors"]) == 1

@@ -102,15 +102,29 @@ def complete_run(est: Any, plain: Any, run: dict[str, Any], table: Mapping[Block
                  ) -> dict[str, Any]:
     """The run's ``whole`` record: the models over the key's whole space, and libtpu's figure
     of its contenders (with why a contender has none)."""
-    from pallas_tune.chips import chip_spec
-
     t0 = time.perf_counter()
     _, dtypes, chip = st.CHIPS[run["chip"]]
-    entry = st.Entry(run["chip"], tuple(run["key"]), tuple(run["winner"]), run["stratum"])
-    full, _ = st.strata_space(entry.key, table)
-    roof, fitted, public = model_figures(entry.key, full, chip, dtypes[1])
+    full, _ = st.strata_space(tuple(run["key"]), table)
+    roof, fitted, public = model_figures(tuple(run["key"]), full, chip, dtypes[1])
     public_ms = {b: v * 1e3 for b, v in public.items()}
     todo = contenders(run, public_ms)
+    return {"space": len(full), "roofline_ms": rows(roof, 1e3), "fitted_ms": rows(fitted, 1e3),
+            "public_ms": rows(public_ms), "contenders": [list(b) for b in todo],
+            **estimate(est, plain, run, todo), "wall_s": time.perf_counter() - t0}
+
+
+def rows(figs: Mapping[Blocks, float], k: float = 1.0) -> list[list[Any]]:
+    return [[list(b), v * k] for b, v in sorted(figs.items())]
+
+
+def estimate(est: Any, plain: Any, run: Mapping[str, Any], todo: list[Blocks]
+             ) -> dict[str, Any]:
+    """libtpu's figure (ms, the capped stand-in's) of configs ``todo`` of ``run``'s key, as the
+    drawn ones got theirs: ``proxy_ms``, ``aborted``, ``flag_only_oom``, ``failures``."""
+    from pallas_tune.chips import chip_spec
+
+    _, dtypes, chip = st.CHIPS[run["chip"]]
+    entry = st.Entry(run["chip"], tuple(run["key"]), tuple(run["winner"]), run["stratum"])
     results = dict(zip(todo, est.map(st.proxy_parts(), operands(entry.key, dtypes[1]), {},
                                      [config(b) for b in todo], chip), strict=True))
     clock = chip_spec(chip).clock_hz
@@ -119,12 +133,5 @@ def complete_run(est: Any, plain: Any, run: dict[str, Any], table: Mapping[Block
     flag_only = st.flag_only_oom(plain, entry, results, dtypes[1])
     failures = collections.Counter(("profiler abort" if b in aborts else r.kind)
                                    for b, r in results.items() if b not in proxy)
-
-    def rows(figs: Mapping[Blocks, float], k: float = 1.0) -> list[list[Any]]:
-        return [[list(b), v * k] for b, v in sorted(figs.items())]
-
-    return {"space": len(full), "roofline_ms": rows(roof, 1e3), "fitted_ms": rows(fitted, 1e3),
-            "public_ms": rows(public_ms), "contenders": [list(b) for b in todo],
-            "proxy_ms": rows(proxy), "aborted": [list(b) for b in sorted(aborts)],
-            "flag_only_oom": [list(b) for b in sorted(flag_only)],
-            "failures": dict(failures), "wall_s": time.perf_counter() - t0}
+    return {"proxy_ms": rows(proxy), "aborted": [list(b) for b in sorted(aborts)],
+            "flag_only_oom": [list(b) for b in sorted(flag_only)], "failures": dict(failures)}

@@ -17,6 +17,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common as bench  # noqa: E402
+import estimate_fidelity_twopoint as tp  # noqa: E402
 from estimate_fidelity_strata import BATCH_BANDS, SIZE_NAMES  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "estimate_fidelity.py")
@@ -234,7 +235,7 @@ def compared(meta: Mapping[str, Any]) -> list[str]:
         "there are 2); the figure scaled by blocks in the grid / blocks kept. Per key, the "
         "most-cut scaled config whose full compile is predicted to cost at most "
         f"{caps['check_cap_s']:g} CPU s is compiled in full and the error said (never acted "
-        "on: the budget).", ""]
+        "on: the budget).", *tp.method_text(meta), ""]
 
 
 def ranks_text(meta: Mapping[str, Any]) -> list[str]:
@@ -329,7 +330,7 @@ def rpa_lines(path: str = RPA_RANKS) -> list[str]:
 def key_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = ["| chip | stratum | key (n_batch, n_out, n_in) | real winner | drawn / space | "
              "libtpu figures | " + " | ".join(f"{n}: rank" for n, _ in FIGURES)
-             + " | libtpu ratio | no libtpu figure | stand-in check |",
+             + " | libtpu ratio | no libtpu figure | stand-in check (refined: full compiles) |",
              "|" + "---|" * (9 + len(FIGURES))]
     for r in sorted(runs, key=lambda r: (r["chip"], stratum_order(r["stratum"]), r["key"])):
         cells = []
@@ -343,8 +344,19 @@ def key_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             f"| {r['chip']} | {r['stratum'].replace('n_batch ', '')} | {tuple(r['key'])} | "
             f"{tuple(r['winner'])} | {r['configs']}/{r['space']} | {len(r['proxy_ms'])} | "
             + " | ".join(cells) + f" | {'-' if ratio is None else f'{ratio:.3f}'} | {fails} | "
-            f"{r['standin_check']} |")
+            f"{check_text(r)} |")
     return lines
+
+
+def check_text(run: Mapping[str, Any]) -> str:
+    """The key's stand-in check; where refined, its full compiles (and the winner's errors)."""
+    if "two_point" not in run:
+        return run["standin_check"]
+    cs = {tuple(c["config"]): c for c in run["two_point"].get("checks", [])}
+    c = cs.get(tuple(run["winner"]))
+    return (f"{len(cs)} in full" + ("" if c is None else
+            f"; the winner's scaled {c['scaled_error']:+.1%}, two-point "
+            + ("-" if c["two_point_error"] is None else f"{c['two_point_error']:+.1%}")))
 
 
 def report(data: Mapping[str, Any]) -> str:
@@ -368,7 +380,8 @@ def report(data: Mapping[str, Any]) -> str:
     lines += ["## What a user's shapes see", "",
               "The same, pooled by n_batch band and by problem size (the docs' table).", ""]
     lines += user_rows(runs) + [""]
-    lines += cannot_profile(runs) + standin_lines(runs) + rpa_lines()
+    lines += (cannot_profile(runs) + standin_lines(runs) + tp.report_lines(runs, rate_rows)
+              + rpa_lines())
     lines += ["## Per key", "", "`rank`: `(exact)` over the key's whole space; otherwise "
               "among the drawn configs with that figure (ranked), in brackets the rank in the "
               "whole space estimated from them.", ""]

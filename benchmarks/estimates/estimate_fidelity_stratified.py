@@ -114,6 +114,7 @@ def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
     its whole space (:mod:`estimate_fidelity_complete`); the dump and the report rewritten
     after each."""
     import estimate_fidelity_complete as ec
+    import estimate_fidelity_twopoint as tp
     from pallas_tune.measure.estimate import Estimator
 
     runs: list[dict[str, Any]] = done_before(a.dump, a.seed, a.rivals) if a.resume else []
@@ -130,6 +131,7 @@ def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
         for i, e in enumerate(entries, 1):
             r = st.run_entry(est, e, tabs[e.chip], a.rivals, a.seed, plain)
             r["whole"] = ec.complete_run(est, plain, r, tabs[e.chip])
+            tp.refine_run(est, plain, r)
             runs.append(r)
             meta["total_s"] = meta["total_s_before"] + time.perf_counter() - t0
             if a.dump:
@@ -141,8 +143,9 @@ def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
             print(f"[{i}/{len(entries)}] {e.chip} {e.key} ({e.stratum}) winner {e.winner}: "
                   f"{len(r['proxy_ms'])}/{r['configs']} estimated, failures {r['failures']}, "
                   f"winner {r['winner_kind'][:60]}; stand-in {r['standin_check']}; "
-                  f"{len(r['whole']['contenders'])} contenders of {r['space']}; "
-                  f"{r['wall_s']:.0f} s", flush=True)
+                  f"{len(r['whole']['contenders'])} contenders of {r['space']}; two-point: "
+                  f"{len(r['two_point']['records'])} cut, {len(r['two_point']['checks'])} "
+                  f"compiled in full; {r['wall_s']:.0f} s", flush=True)
     return runs
 
 
@@ -180,6 +183,42 @@ def complete(tabs: Mapping[str, Mapping[Key, Any]], a: argparse.Namespace,
     return 0
 
 
+def two_point(a: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``--two-point``: every completed run of ``--dump`` not yet refined gets two-point
+    figures (:mod:`estimate_fidelity_twopoint`), the dump and the report rewritten after
+    each key."""
+    import estimate_fidelity_twopoint as tp
+    from pallas_tune.measure.estimate import Estimator
+
+    if not a.dump or not os.path.exists(a.dump):
+        raise SystemExit(f"--two-point refines the runs of --dump; {a.dump!r} is no dump")
+    with open(a.dump, encoding="utf-8") as f:
+        data = json.load(f)
+    todo = [r for r in data["runs"] if "checks" not in r.get("two_point", {})]
+    if bench.SMOKE:
+        todo = todo[:1]
+    print(f"{len(todo)} of {len(data['runs'])} keys to refine", flush=True)
+    limit = int(a.memory_gb * 2**30)
+    with (Estimator(a.workers, timeout_s=a.timeout_s, memory_limit_bytes=limit) as est,
+          Estimator(1, timeout_s=a.timeout_s, memory_limit_bytes=limit, profile=False) as plain):
+        for i, r in enumerate(todo, 1):
+            tp.refine_run(est, plain, r)
+            data["meta"]["two_point_command"] = bench.command(
+                SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
+            data["meta"]["two_point_run"] = (f"{bench.today()}, "
+                                             f"{bench.versions('libtpu', 'jax')}")
+            data["meta"]["two_point_s"] = sum(x["two_point"]["wall_s"] for x in data["runs"]
+                                              if "checks" in x.get("two_point", {}))
+            save(a.dump, data["meta"], data["runs"])
+            render(a.out, data)
+            t = r["two_point"]
+            print(f"[{i}/{len(todo)}] {r['chip']} {tuple(r['key'])}: {len(t['records'])} "
+                  f"cut, {len(t['checks'])} compiled in full, "
+                  f"{len(t.get('added_contenders', []))} contenders added; "
+                  f"{t['wall_s']:.0f} s", flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
     """The stratified run's options (added to ``parser``), then the run or a re-render."""
     parser.add_argument("--seed", type=int, default=SEED)
@@ -201,6 +240,9 @@ def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
                         help="rank over each key's whole space: trace the models there and "
                              "compile the configs a tune's figure could put ahead of the "
                              "winner (kept in --dump's runs; see estimate_fidelity_complete)")
+    parser.add_argument("--two-point", action="store_true",
+                        help="libtpu's figures of cut configs extrapolated from two stand-ins "
+                             "(kept in --dump's runs; see estimate_fidelity_twopoint)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument("--resume", action="store_true",
                         help="keep the keys --dump holds (same --seed and --rivals), run the rest")
@@ -221,6 +263,8 @@ def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
     tabs = tables(TPU_INFERENCE_DIR)
     if a.complete:
         return complete(tabs, a, argv) if bench.have_libtpu(stream=sys.stderr) else 2
+    if a.two_point:
+        return two_point(a, argv) if bench.have_libtpu(stream=sys.stderr) else 2
     entries = plan(tabs, PER_STRATUM, a.seed, None if bench.SMOKE else a.keys)
     if bench.SMOKE:  # The cheapest keys only.
         entries = sorted(entries, key=lambda e: st.predicted_cost_s(

@@ -145,10 +145,11 @@ def describe_tally(t: dict[str, int]) -> str:
 # The estimate's shortlist: how many of its best configs a tpu-estimate entry keeps for
 # ``--confirm-top`` to measure on the chip. On the one sample of real-hardware winners drawn at
 # random within strata (benchmarks/results/estimate_fidelity.md: tpu-inference's quantized
-# matmul, 30 v6e int8 and 12 v7 float8 keys), ranked over each key's whole space, a tune's
-# figure (``--estimate-fallback model``) held the winner in its top 9 on 40 of the 42 keys
-# (K95), in its top 15 on 41 and in its top 8 on 39 (the last key: 16th). 15 is kept: one key
-# more for six measurements, seconds on the chip. libtpu's figure alone reaches no K95 there.
+# matmul, 30 v6e int8 and 12 v7 float8 keys), ranked over each key's whole space with libtpu's
+# figures of the full programs (or extrapolated from two stand-ins), a tune's figure
+# (``--estimate-fallback model``) held the winner in its top 7 on 40 of the 42 keys (K95), in
+# its top 13 on all 42 (the last: 13th, on 7x) and in its top 3 on 36. 15 is kept: a margin of
+# two past the worst key, for seconds on the chip. libtpu's figure alone reaches no K95 there.
 # Per kernel where a sample has measured it (none of pallas-tune's own yet).
 DEFAULT_SHORTLIST_K: Final = 15
 SHORTLIST_K: Final[dict[str, int]] = {}
@@ -165,8 +166,8 @@ def shortlist(records: Any, kernel: str) -> dict[str, Any] | None:
         return None
     return {"k": k, "k_from": (f"measured for {kernel}" if kernel in SHORTLIST_K else
                                "default, not measured for this kernel: a top 15 held the "
-                               "real-hardware winner on 41 of a stratified sample of 42 keys "
-                               "of another quantized matmul (a top 9 on 40, 95%), ranked as "
+                               "real-hardware winner on 42 of a stratified sample of 42 keys "
+                               "of another quantized matmul (a top 7 on 40, 95%), ranked as "
                                "--estimate-fallback model ranks"),
             "configs": [dict(r.config) for r in ranked],
             "figures_ms": [r.median_ms for r in ranked],
