@@ -452,3 +452,36 @@ def test_tuner_filter_uses_the_kernel_estimator_and_vreg_limit():
     spill, _ = _check(matmul, dict(cfg, bm=1024, bn=1024), (X, X), {}, "tpu_v6e", "model",
                       vreg_limit=1.0)
     assert spill[0] is Outcome.INFEASIBLE and spill[2] == "vreg_pressure"
+
+
+def _weight_resident(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+
+def _resident_matmul(x, w, *, bm, bn):
+    m, k = x.shape
+    n = w.shape[1]
+    return pl.pallas_call(
+        _weight_resident, grid=(m // bm, n // bn),
+        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((k, bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32))(x, w)
+
+
+@pytest.mark.parametrize("bn, w_fetches", [(512, 1), (256, 8)])
+def test_a_window_whose_index_stays_put_is_fetched_once(bn, w_fetches):
+    """A weight block over the whole weight (its index follows only an axis of extent 1) is
+    fetched once, as Pallas's pipeline skips the copy while the index is unchanged; split in
+    two along n it is fetched at every step. The models' bytes follow."""
+    from pallas_tune.feasibility.roofline import fetches, roofline_calls
+
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    (call,) = _inspect.find_pallas_calls(_resident_matmul, (x, w), {"bm": 256, "bn": bn})
+    grid = list(call.grid)
+    steps = grid[0] * grid[1]
+    counts = [fetches(b, grid, steps) for b in call.blocks]
+    assert counts == [4, w_fetches, steps]  # x: once per row block; the output: every step.
+    nbytes = (4 * 256 * 256 * 2 + w_fetches * 256 * bn * 2 + steps * 256 * bn * 4)
+    assert roofline_calls([call], chip_spec("v6e")).hbm_bytes == nbytes

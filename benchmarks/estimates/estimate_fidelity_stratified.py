@@ -77,10 +77,11 @@ def render(path: str, data: Mapping[str, Any]) -> None:
 
 def retrace_models(runs: Sequence[dict[str, Any]], tabs: Mapping[str, Mapping[Key, Any]],
                    meta: Mapping[str, Any], *, all_runs: bool) -> int:
-    """The model figures (roofline, fitted, public; ms) of every drawn config, traced again
-    (never compiled) with the models as they are now: in every run (``all_runs``,
-    ``--retrace-models``) or in runs made before the public fit (no ``public_ms``); how many
-    runs were traced."""
+    """The model figures (roofline, fitted, public; ms) of every drawn config, and of the whole
+    space where the run has it, traced again (never compiled) with the models as they are
+    now: in every run (``all_runs``, ``--retrace-models``) or in runs made before the public
+    fit (no ``public_ms``); how many runs were traced. The contenders the new figures admit
+    are compiled by ``--two-point``."""
     done = 0
     for r in runs:
         if not all_runs and "public_ms" in r:
@@ -91,6 +92,11 @@ def retrace_models(runs: Sequence[dict[str, Any]], tabs: Mapping[str, Mapping[Ke
         figs = model_figures(entry.key, blocks, spec_name, dtypes[1])
         for name, f in zip(("roofline_ms", "fitted_ms", "public_ms"), figs, strict=True):
             r[name] = [[list(b), v * 1e3] for b, v in sorted(f.items())]
+        if r.get("whole"):
+            full, _ = st.strata_space(entry.key, tabs[r["chip"]])
+            figs = model_figures(entry.key, full, spec_name, dtypes[1])
+            for name, f in zip(("roofline_ms", "fitted_ms", "public_ms"), figs, strict=True):
+                r["whole"][name] = [[list(b), v * 1e3] for b, v in sorted(f.items())]
         done += 1
     return done
 
@@ -183,6 +189,14 @@ def complete(tabs: Mapping[str, Mapping[Key, Any]], a: argparse.Namespace,
     return 0
 
 
+def stale(run: Mapping[str, Any]) -> bool:
+    """Whether the run's whole-space contenders miss some its figures now admit (the models
+    retraced since: ``--retrace-models``)."""
+    import estimate_fidelity_twopoint as tp
+
+    return bool(run.get("whole")) and bool(tp.missing_contenders(run))
+
+
 def two_point(a: argparse.Namespace, argv: Sequence[str] | None) -> int:
     """``--two-point``: every completed run of ``--dump`` not yet refined gets two-point
     figures (:mod:`estimate_fidelity_twopoint`), the dump and the report rewritten after
@@ -194,7 +208,7 @@ def two_point(a: argparse.Namespace, argv: Sequence[str] | None) -> int:
         raise SystemExit(f"--two-point refines the runs of --dump; {a.dump!r} is no dump")
     with open(a.dump, encoding="utf-8") as f:
         data = json.load(f)
-    todo = [r for r in data["runs"] if "checks" not in r.get("two_point", {})]
+    todo = [r for r in data["runs"] if "checks" not in r.get("two_point", {}) or stale(r)]
     if bench.SMOKE:
         todo = todo[:1]
     print(f"{len(todo)} of {len(data['runs'])} keys to refine", flush=True)

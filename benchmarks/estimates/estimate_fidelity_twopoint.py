@@ -155,8 +155,7 @@ def refine_run(est: Any, plain: Any, run: dict[str, Any]) -> None:
         part.setdefault("scaled_proxy_ms", list(part["proxy_ms"]))
     _refined(est, chip, dtypes[1], key, run, rec, done)
     for _ in range(3 if whole else 0):
-        new = [b for b in ec.contenders(run, _rows(whole["public_ms"]))
-               if list(b) not in whole["contenders"]]
+        new = missing_contenders(run)
         if not new:
             break
         more = ec.estimate(est, plain, run, new)
@@ -171,6 +170,25 @@ def refine_run(est: Any, plain: Any, run: dict[str, Any]) -> None:
         _refined(est, chip, dtypes[1], key, whole, rec, done)
     rec["checks"] = checks(run)
     rec["wall_s"] = rec.get("wall_s", 0.0) + time.perf_counter() - t0
+
+
+def missing_contenders(run: Mapping[str, Any]) -> list[Blocks]:
+    """The configs the run's figures admit as contenders (its refined figures', and its scaled
+    figures', which the report ranks beside them) that were not compiled."""
+    import estimate_fidelity_complete as ec
+
+    public = _rows(run["whole"]["public_ms"])
+    views = [run, scaled_view(run)] if "scaled_proxy_ms" in run else [run]
+    return sorted({b for v in views for b in ec.contenders(v, public)
+                   if list(b) not in run["whole"]["contenders"]})
+
+
+def scaled_view(run: Mapping[str, Any]) -> dict[str, Any]:
+    """The run as its scaled stand-ins' figures had it."""
+    out = {**run, "proxy_ms": run["scaled_proxy_ms"]}
+    if run.get("whole"):
+        out["whole"] = {**run["whole"], "proxy_ms": run["whole"]["scaled_proxy_ms"]}
+    return out
 
 
 def _rows(rows: Any) -> dict[Blocks, float]:
@@ -249,7 +267,8 @@ def method_text(meta: Mapping[str, Any]) -> list[str]:
         "is its figure (what a tune's own compile gives): those are the large-block configs "
         "that decide a rank. The contenders were recomputed from the new calibration and the "
         "added ones compiled the same way. Both stand-ins' errors against the full figures "
-        "are below."]
+        "are below.", *([f"- Models retraced {meta['models_retraced']}."]
+                        if meta.get("models_retraced") else [])]
 
 
 def report_lines(runs: Sequence[Mapping[str, Any]], rate_rows: Any) -> list[str]:
@@ -280,11 +299,4 @@ def report_lines(runs: Sequence[Mapping[str, Any]], rate_rows: Any) -> list[str]
             "The rates with libtpu's scaled figures instead (the same runs, the same exact "
             "ranks: every contender either figure admits was compiled):", "",
             *rate_rows([("all keys, full and two-point", done),
-                        ("all keys, scaled", [_scaled_view(r) for r in done])]), ""]
-
-
-def _scaled_view(run: Mapping[str, Any]) -> dict[str, Any]:
-    out = {**run, "proxy_ms": run["scaled_proxy_ms"]}
-    if run.get("whole"):
-        out["whole"] = {**run["whole"], "proxy_ms": run["whole"]["scaled_proxy_ms"]}
-    return out
+                        ("all keys, scaled", [scaled_view(r) for r in done])]), ""]

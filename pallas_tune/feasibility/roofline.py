@@ -38,14 +38,17 @@ class RooflineEstimate:
 
 def fetches(blk: Any, grid: Sequence[int], steps: int) -> int:
     """How often a window is fetched over the grid: at every step where its index may follow
-    anything (unknown axes), once where it follows none, else whenever an axis at or outside
-    the innermost one its index depends on advances."""
+    anything (unknown axes), else whenever an axis at or outside the innermost one its index
+    depends on advances; an axis of extent 1 never advances, so a window whose index depends
+    on none but those (a weight block spanning the whole weight, under a grid over the batch)
+    is fetched once: Pallas's pipeline skips the copy while the block index is unchanged."""
     axes = blk.grid_axes
     if axes is None:
         return steps
-    if not axes:
+    moving = [a for a in axes if a < len(grid) and grid[a] > 1]
+    if not moving:
         return 1
-    return math.prod(grid[: max(axes) + 1])
+    return math.prod(grid[: max(moving) + 1])
 
 
 def roofline_calls(calls: Sequence[_inspect.PallasCallInfo], spec: ChipSpec) -> RooflineEstimate:

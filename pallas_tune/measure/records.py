@@ -148,8 +148,8 @@ def describe_tally(t: dict[str, int]) -> str:
 # matmul, 30 v6e int8 and 12 v7 float8 keys), ranked over each key's whole space with libtpu's
 # figures of the full programs (or extrapolated from two stand-ins), a tune's figure
 # (``--estimate-fallback model``) held the winner in its top 7 on 40 of the 42 keys (K95), in
-# its top 13 on all 42 (the last: 13th, on 7x) and in its top 3 on 36. 15 is kept: a margin of
-# two past the worst key, for seconds on the chip. libtpu's figure alone reaches no K95 there.
+# its top 15 on all 42 (the last: 15th, on 7x) and in its top 3 on 36. 15 is kept: it holds the
+# worst key, for seconds on the chip. libtpu's figure alone reaches no K95 there.
 # Per kernel where a sample has measured it (none of pallas-tune's own yet).
 DEFAULT_SHORTLIST_K: Final = 15
 SHORTLIST_K: Final[dict[str, int]] = {}
