@@ -10,6 +10,11 @@ with a seed), the real winner's rank distribution first (K95), per chip and stra
     PALLAS_TUNE_TPU_LOGS=off python benchmarks/estimates/estimate_fidelity.py [--resume]
         [--keys N] [--rivals 8] [--workers 1] [--dry-run] [--from-dump JSON]
 
+Each key's winner is ranked over its whole space (``estimate_fidelity_complete``), with
+libtpu's figures of the full programs where affordable and extrapolated from two stand-ins
+elsewhere (``estimate_fidelity_twopoint``); ``--complete`` and ``--two-point`` do either for
+the runs of an older ``--dump``.
+
 ``--seeded-sample`` runs the earlier, biased sample (issue 39; keys drawn only among those cheap
 to compile) described below, which the correction's fit reads; its report goes to
 ``benchmarks/results/estimate_fidelity_seeded10.md``.

@@ -155,38 +155,45 @@ def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
     return runs
 
 
-def complete(tabs: Mapping[str, Mapping[Key, Any]], a: argparse.Namespace,
-             argv: Sequence[str] | None) -> int:
-    """``--complete``: every run of ``--dump`` without whole-space figures gets them
-    (:mod:`estimate_fidelity_complete`: the models over the whole space, libtpu's figure of
-    the contenders), the dump and the report rewritten after each key."""
-    import estimate_fidelity_complete as ec
+def over_dump(a: argparse.Namespace, flag: str, todo_of: Any, step: Any) -> int:
+    """``step(est, plain, run, meta)`` (a line to print) on each run of ``--dump`` that
+    ``todo_of`` picks, the dump and the report rewritten after each key."""
     from pallas_tune.measure.estimate import Estimator
 
     if not a.dump or not os.path.exists(a.dump):
-        raise SystemExit(f"--complete completes the runs of --dump; {a.dump!r} is no dump")
+        raise SystemExit(f"{flag} works on the runs of --dump; {a.dump!r} is no dump")
     with open(a.dump, encoding="utf-8") as f:
         data = json.load(f)
-    todo = [r for r in data["runs"] if "whole" not in r]
+    todo = [r for r in data["runs"] if todo_of(r)]
     if bench.SMOKE:
         todo = todo[:1]
-    print(f"{len(todo)} of {len(data['runs'])} keys to complete", flush=True)
+    print(f"{len(todo)} of {len(data['runs'])} keys to do ({flag})", flush=True)
     limit = int(a.memory_gb * 2**30)
     with (Estimator(a.workers, timeout_s=a.timeout_s, memory_limit_bytes=limit) as est,
           Estimator(1, timeout_s=a.timeout_s, memory_limit_bytes=limit, profile=False) as plain):
         for i, r in enumerate(todo, 1):
-            r["whole"] = ec.complete_run(est, plain, r, tabs[r["chip"]])
-            data["meta"]["complete_command"] = bench.command(
-                SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
-            data["meta"]["complete_s"] = sum(x["whole"]["wall_s"] for x in data["runs"]
-                                             if "whole" in x)
+            line = step(est, plain, r, data["meta"])
             save(a.dump, data["meta"], data["runs"])
             render(a.out, data)
-            w = r["whole"]
-            print(f"[{i}/{len(todo)}] {r['chip']} {tuple(r['key'])}: {len(w['contenders'])} "
-                  f"contenders of {w['space']}, {len(w['proxy_ms'])} estimated, failures "
-                  f"{w['failures']}; {w['wall_s']:.0f} s", flush=True)
+            print(f"[{i}/{len(todo)}] {r['chip']} {tuple(r['key'])}: {line}", flush=True)
     return 0
+
+
+def complete(tabs: Mapping[str, Mapping[Key, Any]], a: argparse.Namespace,
+             argv: Sequence[str] | None) -> int:
+    """``--complete``: every run of ``--dump`` without whole-space figures gets them
+    (:mod:`estimate_fidelity_complete`: the models over the whole space, libtpu's figure of
+    the contenders)."""
+    import estimate_fidelity_complete as ec
+
+    def step(est: Any, plain: Any, r: dict[str, Any], meta: dict[str, Any]) -> str:
+        r["whole"] = w = ec.complete_run(est, plain, r, tabs[r["chip"]])
+        meta["complete_command"] = bench.command(SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
+        meta["complete_s"] = meta.get("complete_s", 0.0) + w["wall_s"]
+        return (f"{len(w['contenders'])} contenders of {w['space']}, {len(w['proxy_ms'])} "
+                f"estimated, failures {w['failures']}; {w['wall_s']:.0f} s")
+
+    return over_dump(a, "--complete", lambda r: "whole" not in r, step)
 
 
 def stale(run: Mapping[str, Any]) -> bool:
@@ -198,39 +205,22 @@ def stale(run: Mapping[str, Any]) -> bool:
 
 
 def two_point(a: argparse.Namespace, argv: Sequence[str] | None) -> int:
-    """``--two-point``: every completed run of ``--dump`` not yet refined gets two-point
-    figures (:mod:`estimate_fidelity_twopoint`), the dump and the report rewritten after
-    each key."""
+    """``--two-point``: every completed run of ``--dump`` not yet refined (or whose contenders
+    are stale) gets full and two-point figures (:mod:`estimate_fidelity_twopoint`)."""
     import estimate_fidelity_twopoint as tp
-    from pallas_tune.measure.estimate import Estimator
 
-    if not a.dump or not os.path.exists(a.dump):
-        raise SystemExit(f"--two-point refines the runs of --dump; {a.dump!r} is no dump")
-    with open(a.dump, encoding="utf-8") as f:
-        data = json.load(f)
-    todo = [r for r in data["runs"] if "checks" not in r.get("two_point", {}) or stale(r)]
-    if bench.SMOKE:
-        todo = todo[:1]
-    print(f"{len(todo)} of {len(data['runs'])} keys to refine", flush=True)
-    limit = int(a.memory_gb * 2**30)
-    with (Estimator(a.workers, timeout_s=a.timeout_s, memory_limit_bytes=limit) as est,
-          Estimator(1, timeout_s=a.timeout_s, memory_limit_bytes=limit, profile=False) as plain):
-        for i, r in enumerate(todo, 1):
-            tp.refine_run(est, plain, r)
-            data["meta"]["two_point_command"] = bench.command(
-                SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
-            data["meta"]["two_point_run"] = (f"{bench.today()}, "
-                                             f"{bench.versions('libtpu', 'jax')}")
-            data["meta"]["two_point_s"] = sum(x["two_point"]["wall_s"] for x in data["runs"]
-                                              if "checks" in x.get("two_point", {}))
-            save(a.dump, data["meta"], data["runs"])
-            render(a.out, data)
-            t = r["two_point"]
-            print(f"[{i}/{len(todo)}] {r['chip']} {tuple(r['key'])}: {len(t['records'])} "
-                  f"cut, {len(t['checks'])} compiled in full, "
-                  f"{len(t.get('added_contenders', []))} contenders added; "
-                  f"{t['wall_s']:.0f} s", flush=True)
-    return 0
+    def step(est: Any, plain: Any, r: dict[str, Any], meta: dict[str, Any]) -> str:
+        before = r.get("two_point", {}).get("wall_s", 0.0)
+        tp.refine_run(est, plain, r)
+        t = r["two_point"]
+        meta["two_point_command"] = bench.command(SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
+        meta["two_point_run"] = f"{bench.today()}, {bench.versions('libtpu', 'jax')}"
+        meta["two_point_s"] = meta.get("two_point_s", 0.0) + t["wall_s"] - before
+        return (f"{len(t['records'])} cut, {len(t['checks'])} compiled in full, "
+                f"{len(t.get('added_contenders', []))} contenders added; {t['wall_s']:.0f} s")
+
+    return over_dump(a, "--two-point",
+                     lambda r: "checks" not in r.get("two_point", {}) or stale(r), step)
 
 
 def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
