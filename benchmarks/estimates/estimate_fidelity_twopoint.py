@@ -104,6 +104,8 @@ def refine(est: Any, chip: str, dtype: str, key: Blocks, figures: Mapping[Blocks
 
     out, records = dict(figures), []
     cut = {b: p for b, p in sorted(figures.items()) for p in [pair(key, b)] if p is not None}
+    if not cut:
+        return out, records
     results = est.map(half_parts(), operands(key, dtype), {}, [config(b) for b in cut], chip)
     clock = chip_spec(chip).clock_hz
     for (b, (keep1, keep2)), r in zip(cut.items(), results, strict=True):
@@ -129,6 +131,8 @@ def full_figures(est: Any, chip: str, dtype: str, key: Blocks, configs: Sequence
     """libtpu's figure (ms) of each config's full compile (None where it gave none)."""
     from pallas_tune.chips import chip_spec
 
+    if not configs:
+        return {}
     clock = chip_spec(chip).clock_hz
     results = est.map(proxy_qmm, operands(key, dtype), {}, [config(b) for b in configs], chip,
                       standin=False)
