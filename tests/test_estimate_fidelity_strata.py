@@ -400,7 +400,7 @@ def test_two_point_figures_count_once_what_a_program_pays_once(mods):
     assert v == pytest.approx(ms(once + step * 8), rel=1e-4)
     # Compiled in full too where affordable (here every cut config but the 512-step one):
     # the figure is the full compile's, which checks the two-point and scaled ones.
-    checks = {tuple(c["config"]): c for c in run["two_point"]["checks"]}
+    checks = {tuple(c["config"]): c for c in tp.checks(run)}
     assert set(checks) == set(lib.full) == {winner, rival, (1024, 8192, 1024)}
     for c in checks.values():
         assert c["two_point_error"] == pytest.approx(0, abs=1e-4)

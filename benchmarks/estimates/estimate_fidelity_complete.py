@@ -24,7 +24,8 @@ from estimate_fidelity_qmm import config, model_figures, operands
 Blocks = tuple[int, ...]
 
 
-def _blocks(rows: Any) -> dict[Blocks, float]:
+def by_blocks(rows: Any) -> dict[Blocks, float]:
+    """A dump's [[blocks, figure], ...] rows as a dict."""
     return {tuple(b): v for b, v in rows}
 
 
@@ -36,7 +37,7 @@ def drawn_scale(run: Mapping[str, Any], model: str = "") -> Any:
     from pallas_tune.measure.scale import scale_figures
 
     model = model or ("public" if "public_ms" in run else "fitted")
-    lib, fit = _blocks(run["proxy_ms"]), _blocks(run[f"{model}_ms"])
+    lib, fit = by_blocks(run["proxy_ms"]), by_blocks(run[f"{model}_ms"])
     aborted = {tuple(b) for b in (*run["aborted"], *run.get("flag_only_oom", ()))}
     figs = {**{b: fit[b] for b in aborted if b in fit}, **{b: fit.get(b) for b in lib}}
     return scale_figures(lib, figs, bound=True)
@@ -77,13 +78,13 @@ def whole_tune(run: Mapping[str, Any]) -> dict[Blocks, float] | None:
     if not whole:
         return None
     s = drawn_scale(run)
-    public = _blocks(whole["public_ms"])
+    public = by_blocks(whole["public_ms"])
     if s.how == "model":
         return public
     if s.how != "calibrated":
         return None
     out = drawn_tune(run)
-    lib = _blocks(whole["proxy_ms"])
+    lib = by_blocks(whole["proxy_ms"])
     modelled = {tuple(b) for b in (*whole["aborted"], *whole["flag_only_oom"])}
     compiled = {tuple(b) for b in whole["contenders"]}
     drawn = _drawn(run)
@@ -114,6 +115,7 @@ def complete_run(est: Any, plain: Any, run: dict[str, Any], table: Mapping[Block
 
 
 def rows(figs: Mapping[Blocks, float], k: float = 1.0) -> list[list[Any]]:
+    """A dict of figures as a dump's sorted [[blocks, figure x k], ...] rows."""
     return [[list(b), v * k] for b, v in sorted(figs.items())]
 
 

@@ -355,7 +355,7 @@ def check_text(run: Mapping[str, Any]) -> str:
     """The key's stand-in check; where refined, its full compiles (and the winner's errors)."""
     if "two_point" not in run:
         return run["standin_check"]
-    cs = {tuple(c["config"]): c for c in run["two_point"].get("checks", [])}
+    cs = {tuple(c["config"]): c for c in tp.checks(run)}
     c = cs.get(tuple(run["winner"]))
     return (f"{len(cs)} in full" + ("" if c is None else
             f"; the winner's scaled {c['scaled_error']:+.1%}, two-point "

@@ -150,7 +150,7 @@ def run(entries: Sequence[st.Entry], tabs: Mapping[str, Mapping[Key, Any]],
                   f"{len(r['proxy_ms'])}/{r['configs']} estimated, failures {r['failures']}, "
                   f"winner {r['winner_kind'][:60]}; stand-in {r['standin_check']}; "
                   f"{len(r['whole']['contenders'])} contenders of {r['space']}; two-point: "
-                  f"{len(r['two_point']['records'])} cut, {len(r['two_point']['checks'])} "
+                  f"{len(r['two_point']['records'])} cut, {len(tp.checks(r))} "
                   f"compiled in full; {r['wall_s']:.0f} s", flush=True)
     return runs
 
@@ -216,11 +216,11 @@ def two_point(a: argparse.Namespace, argv: Sequence[str] | None) -> int:
         meta["two_point_command"] = bench.command(SCRIPT, argv, env="PALLAS_TUNE_TPU_LOGS=off")
         meta["two_point_run"] = f"{bench.today()}, {bench.versions('libtpu', 'jax')}"
         meta["two_point_s"] = meta.get("two_point_s", 0.0) + t["wall_s"] - before
-        return (f"{len(t['records'])} cut, {len(t['checks'])} compiled in full, "
+        return (f"{len(t['records'])} cut, {len(tp.checks(r))} compiled in full, "
                 f"{len(t.get('added_contenders', []))} contenders added; {t['wall_s']:.0f} s")
 
     return over_dump(a, "--two-point",
-                     lambda r: "checks" not in r.get("two_point", {}) or stale(r), step)
+                     lambda r: not tp.refined(r) or stale(r), step)
 
 
 def main(argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:

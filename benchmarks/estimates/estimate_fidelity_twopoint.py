@@ -28,6 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import estimate_fidelity_complete as ec
 import estimate_fidelity_strata as st
 from estimate_fidelity_qmm import config, operands, proxy_qmm
 
@@ -144,24 +145,20 @@ def refine_run(est: Any, plain: Any, run: dict[str, Any]) -> None:
     """``run``'s libtpu figures of cut configs replaced, in place, by the full compile's where
     affordable, else the two-point figure (the scaled ones kept as ``scaled_proxy_ms``, the
     records as ``two_point``): the drawn configs' first (the calibration's), then the whole
-    space's contenders, recomputed from the new calibration until it adds none (the configs
-    it adds compiled as the others were; those it drops keep their figures)."""
-    import estimate_fidelity_complete as ec
-
+    space's contenders, with those the new calibration adds compiled as the others were (those
+    it drops keep their figures). The contenders follow from the drawn figures alone, so one
+    pass adds them all."""
     t0 = time.perf_counter()
     _, dtypes, chip = st.CHIPS[run["chip"]]
     key = tuple(run["key"])
     rec = run.setdefault("two_point", {"records": [], "full": []})
     done = {tuple(r[0]) for r in (*rec["records"], *rec["full"])}
     whole = run.get("whole")
-    parts = [run, whole] if whole else [run]
-    for part in parts:
+    for part in [run, whole] if whole else [run]:
         part.setdefault("scaled_proxy_ms", list(part["proxy_ms"]))
     _refined(est, chip, dtypes[1], key, run, rec, done)
-    for _ in range(3 if whole else 0):
-        new = missing_contenders(run)
-        if not new:
-            break
+    new = missing_contenders(run) if whole else []
+    if new:
         more = ec.estimate(est, plain, run, new)
         whole["contenders"] = sorted([*whole["contenders"], *map(list, new)])
         for name in ("proxy_ms", "aborted", "flag_only_oom"):
@@ -172,16 +169,18 @@ def refine_run(est: Any, plain: Any, run: dict[str, Any]) -> None:
         rec.setdefault("added_contenders", []).extend(map(list, new))
     if whole:
         _refined(est, chip, dtypes[1], key, whole, rec, done)
-    rec["checks"] = checks(run)
     rec["wall_s"] = rec.get("wall_s", 0.0) + time.perf_counter() - t0
+
+
+def refined(run: Mapping[str, Any]) -> bool:
+    """Whether :func:`refine_run` has completed on ``run``."""
+    return "wall_s" in run.get("two_point", {})
 
 
 def missing_contenders(run: Mapping[str, Any]) -> list[Blocks]:
     """The configs the run's figures admit as contenders (its refined figures', and its scaled
     figures', which the report ranks beside them) that were not compiled."""
-    import estimate_fidelity_complete as ec
-
-    public = _rows(run["whole"]["public_ms"])
+    public = ec.by_blocks(run["whole"]["public_ms"])
     views = [run, scaled_view(run)] if "scaled_proxy_ms" in run else [run]
     return sorted({b for v in views for b in ec.contenders(v, public)
                    if list(b) not in run["whole"]["contenders"]})
@@ -195,23 +194,19 @@ def scaled_view(run: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _rows(rows: Any) -> dict[Blocks, float]:
-    return {tuple(b): v for b, v in rows}
-
-
 def _refined(est: Any, chip: str, dtype: str, key: Blocks, part: dict[str, Any],
              rec: dict[str, Any], done: set[Blocks]) -> None:
     """``part``'s cut configs not yet refined: two-point figures, then full compiles where
     affordable, the best of these in ``proxy_ms`` (in place)."""
-    scaled = {b: v for b, v in _rows(part["scaled_proxy_ms"]).items() if b not in done}
+    scaled = {b: v for b, v in ec.by_blocks(part["scaled_proxy_ms"]).items() if b not in done}
     two, records = refine(est, chip, dtype, key, scaled)
     full = full_figures(est, chip, dtype, key, [b for b in scaled if pair(key, b) is not None
                                                 and affordable(key, b)])
-    figures = {**_rows(part["proxy_ms"]), **two,
+    figures = {**ec.by_blocks(part["proxy_ms"]), **two,
                **{b: v for b, v in full.items() if v is not None}}
-    part["proxy_ms"] = [[list(b), v] for b, v in sorted(figures.items())]
+    part["proxy_ms"] = ec.rows(figures)
     rec["records"] += records
-    rec["full"] += [[list(b), v] for b, v in sorted(full.items())]
+    rec["full"] += ec.rows(full)
     done.update(scaled)
 
 
@@ -219,7 +214,7 @@ def checks(run: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every config compiled in full, against its scaled and two-point figures."""
     rec = run["two_point"]
     scaled = {b: v for part in (run, run.get("whole") or {})
-              for b, v in _rows(part.get("scaled_proxy_ms", [])).items()}
+              for b, v in ec.by_blocks(part.get("scaled_proxy_ms", [])).items()}
     two = {tuple(r[0]): r[5] for r in rec["records"]}
     return [{"config": b, "winner": tuple(b) == tuple(run["winner"]), "full_ms": v,
              "scaled_error": scaled[tuple(b)] / v - 1,
@@ -228,27 +223,28 @@ def checks(run: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Over the runs refined: cut configs, their figures' methods, and the checks' errors
-    (``winner_``: the real winner's only)."""
-    recs = [rec for r in runs if "two_point" in r for rec in r["two_point"]["records"]]
-    fulls = [f for r in runs if "two_point" in r for f in r["two_point"]["full"]]
-    done = [c for r in runs if "two_point" in r for c in r["two_point"].get("checks", [])]
-    full = {(id(r), tuple(c["config"])) for r in runs if "two_point" in r
-            for c in r["two_point"].get("checks", [])}
-    rest = [rec for r in runs if "two_point" in r for rec in r["two_point"]["records"]
-            if (id(r), tuple(rec[0])) not in full]
-    return {"configs": len(recs), "full": len(done),
-            "full_failed": sum(v is None for _, v in fulls),
-            "two_point": sum(rec[5] is not None for rec in rest),
-            "kept_scaled": sum(rec[5] is None for rec in rest),
-            "keys_checked": sum(bool(r["two_point"].get("checks")) for r in runs
-                                if "two_point" in r),
-            "scaled_errors": [c["scaled_error"] for c in done],
-            "two_point_errors": [c["two_point_error"] for c in done
-                                 if c["two_point_error"] is not None],
-            "winner_scaled_errors": [c["scaled_error"] for c in done if c["winner"]],
-            "winner_two_point_errors": [c["two_point_error"] for c in done
-                                        if c["winner"] and c["two_point_error"] is not None]}
+    """Over the runs refined: cut configs, their figures' methods, and the full compiles'
+    errors (:func:`checks`; ``winner_``: the real winner's only)."""
+    out: dict[str, Any] = {"configs": 0, "full": 0, "full_failed": 0, "two_point": 0,
+                           "kept_scaled": 0, "keys_checked": 0, "scaled_errors": [],
+                           "two_point_errors": [], "winner_scaled_errors": [],
+                           "winner_two_point_errors": []}
+    for r in runs:
+        rec, cs = r["two_point"], checks(r)
+        in_full = {tuple(c["config"]) for c in cs}
+        rest = [x for x in rec["records"] if tuple(x[0]) not in in_full]
+        out["configs"] += len(rec["records"])
+        out["full"] += len(cs)
+        out["full_failed"] += sum(v is None for _, v in rec["full"])
+        out["two_point"] += sum(x[5] is not None for x in rest)
+        out["kept_scaled"] += sum(x[5] is None for x in rest)
+        out["keys_checked"] += bool(cs)
+        for c in cs:
+            for who in ("", "winner_") if c["winner"] else ("",):
+                out[f"{who}scaled_errors"].append(c["scaled_error"])
+                if c["two_point_error"] is not None:
+                    out[f"{who}two_point_errors"].append(c["two_point_error"])
+    return out
 
 
 def method_text(meta: Mapping[str, Any]) -> list[str]:
@@ -278,7 +274,7 @@ def method_text(meta: Mapping[str, Any]) -> list[str]:
 def report_lines(runs: Sequence[Mapping[str, Any]], rate_rows: Any) -> list[str]:
     """The report's section: the full compiles against the scaled and two-point figures, and
     the rates (``rate_rows``: the report's) with the scaled figures instead."""
-    done = [r for r in runs if "checks" in r.get("two_point", {})]
+    done = [r for r in runs if refined(r)]
     if not done:
         return []
     s = summary(done)
