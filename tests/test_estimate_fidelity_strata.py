@@ -328,8 +328,8 @@ class _AffineLibtpu:
     step, on whatever operands (a stand-in's or the full problem's) it is given: the case the
     two-point figure is exact for, and a scaled stand-in overcounts."""
 
-    def __init__(self, once, step):
-        self.once, self.step, self.full = once, step, []
+    def __init__(self, once, step, fail_full=()):
+        self.once, self.step, self.full, self.fail_full = once, step, [], set(fail_full)
 
     def map(self, parts, args, kwargs, configs, chip, standin=True, **_):
         from estimate_fidelity_strata import counts
@@ -343,6 +343,10 @@ class _AffineLibtpu:
                 a, _, scale = parts.standin(a, kwargs, c)
             else:
                 self.full.append(b)
+                if b in self.fail_full:  # As flag-only VMEM OOMs of full programs do.
+                    out.append(EstimateResult(ok=False, kind="vmem_physical_oom",
+                                              message="Ran out of memory in memory space vmem"))
+                    continue
             key = (a[0].shape[0], a[1].shape[0], a[0].shape[1])
             raw = self.once + self.step * math.prod(counts(key, b))
             out.append(EstimateResult(ok=True, kind="ok", cycles=int(raw * scale),
@@ -367,7 +371,8 @@ def test_two_point_figures_count_once_what_a_program_pays_once(mods):
     assert tp.extrapolate(5.0, 5.0, 1, 2, 16) is None  # No per-step cost seen.
     clock = chip_spec("v6e").clock_hz
     once, step = 40_000, 10_000
-    lib = _AffineLibtpu(once, step)
+    winner, rival, small = (512, 8192, 1024), (2048, 2048, 1024), (4096, 256, 128)
+    lib = _AffineLibtpu(once, step, fail_full={rival})  # Its full compile gives no figure.
 
     def ms(cycles):
         return cycles / clock * 1e3
@@ -377,7 +382,6 @@ def test_two_point_figures_count_once_what_a_program_pays_once(mods):
         n, total = math.prod(keep), math.prod(st.counts(key, b))
         return ms(once + step * n) * total / n
 
-    winner, rival, small = (512, 8192, 1024), (2048, 2048, 1024), (4096, 256, 128)
     drawn = [winner, rival, small]
     public = {winner: 1.0, rival: 1.0, small: 10.0, (1024, 8192, 1024): 0.9}
     run = {"chip": "v6e", "key": list(key), "winner": list(winner), "stratum": "s",
@@ -399,13 +403,16 @@ def test_two_point_figures_count_once_what_a_program_pays_once(mods):
     (b, v), = run["whole"]["proxy_ms"]
     assert v == pytest.approx(ms(once + step * 8), rel=1e-4)
     # Compiled in full too where affordable (here every cut config but the 512-step one):
-    # the figure is the full compile's, which checks the two-point and scaled ones.
+    # the figure is the full compile's, which checks the two-point and scaled ones. The one
+    # whose full compile failed keeps its two-point figure (exact here), its row kept as None.
     checks = {tuple(c["config"]): c for c in tp.checks(run)}
-    assert set(checks) == set(lib.full) == {winner, rival, (1024, 8192, 1024)}
+    assert set(lib.full) == {winner, rival, (1024, 8192, 1024)}
+    assert set(checks) == {winner, (1024, 8192, 1024)}
+    assert [list(rival), None] in run["two_point"]["full"]
     for c in checks.values():
         assert c["two_point_error"] == pytest.approx(0, abs=1e-4)
     assert checks[winner]["scaled_error"] > 0.5  # 2 of 16 steps kept: once cost x8.
-    assert checks[winner]["winner"] and not checks[rival]["winner"]
+    assert checks[winner]["winner"] and not checks[(1024, 8192, 1024)]["winner"]
     s = tp.summary([run])
-    assert (s["configs"], s["full"], s["two_point"], s["kept_scaled"]) == (4, 3, 1, 0)
+    assert (s["configs"], s["full"], s["two_point"], s["kept_scaled"]) == (4, 2, 2, 0)
     assert len(s["winner_two_point_errors"]) == 1

@@ -114,9 +114,10 @@ def complete_run(est: Any, plain: Any, run: dict[str, Any], table: Mapping[Block
             **estimate(est, plain, run, todo), "wall_s": time.perf_counter() - t0}
 
 
-def rows(figs: Mapping[Blocks, float], k: float = 1.0) -> list[list[Any]]:
-    """A dict of figures as a dump's sorted [[blocks, figure x k], ...] rows."""
-    return [[list(b), v * k] for b, v in sorted(figs.items())]
+def rows(figs: Mapping[Blocks, float | None], k: float = 1.0) -> list[list[Any]]:
+    """A dict of figures as a dump's sorted [[blocks, figure x k], ...] rows (None kept: a
+    compile that gave no figure)."""
+    return [[list(b), None if v is None else v * k] for b, v in sorted(figs.items())]
 
 
 def estimate(est: Any, plain: Any, run: Mapping[str, Any], todo: list[Blocks]
