@@ -5,6 +5,7 @@ load without vLLM and that the proxy's quantization computes what the original d
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -175,3 +176,34 @@ def test_the_proxy_quantizes_like_the_original_and_the_patch_is_undone(ef):
     np.testing.assert_allclose(np.asarray(s1), np.asarray(s0), rtol=1e-2)
     # The scale's rounding (f32 vs bf16) moves a value by at most one int8 step.
     assert int(jnp.max(jnp.abs(q1.astype(jnp.int32) - q0.astype(jnp.int32)))) <= 1
+
+
+def test_the_kernel_is_traced_with_the_target_chips_vmem_limit_and_the_lookup_restored(ef):
+    # tpu-inference caps its vmem_limit_bytes by the generation's limit, which it reads from
+    # jax.devices(): on this CPU host it would find none and allow 96 MiB, where a real v7
+    # allows 48 MiB. Traced for a target, the kernel carries that target's limit.
+    _, _, tbs = _installed(ef)
+    from pallas_tune import chips
+    from pallas_tune.feasibility import inspect as _inspect
+
+    key, blocks = (8192, 5120, 8192), (512, 5120, 2048)  # Its formula asks 71 MB (capped).
+    args = ef.operands(key, "float8_e4m3fn")
+
+    def limit(chip):
+        with (chips.target(chip, abstract_mesh=False) if chip else contextlib.nullcontext()):
+            (call,) = _inspect.find_pallas_calls(ef.unmodified_qmm, args, ef.config(blocks))
+        return call.vmem_limit_bytes
+
+    original = tbs.get_tpu_version
+    seven, six, host = limit("7x"), limit("v6e"), limit(None)
+    assert seven == tbs.DEVICE_VMEM_LIMIT[7] == 48 * 2**20
+    assert six == host > seven  # v6e's limit is the host's default (96 MiB), and not cached.
+    assert limit("7x") == seven  # Nor is v6e's trace reused for 7x.
+    assert tbs.get_tpu_version is original
+    # The model refuses on 7x what needs more than its limit (the published v7 winner of this
+    # key, (512, 5120, 2048), fits; (256, 5120, 8192) does not).
+    calls = ef.accepted_calls(key, [(512, 5120, 2048), (256, 5120, 8192)], "7x",
+                              "float8_e4m3fn")
+    assert calls[(512, 5120, 2048)] is not None and calls[(256, 5120, 8192)] is None
+    assert ef.accepted_calls(key, [(256, 5120, 8192)], "v6e", "float8_e4m3fn")[
+        (256, 5120, 8192)] is not None

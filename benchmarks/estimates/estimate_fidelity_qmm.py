@@ -159,15 +159,46 @@ def proxy_patch() -> Iterator[None]:
         kernel.quantized_matmul_kernel.clear_cache()
 
 
+@contextlib.contextmanager
+def on_target_chip() -> Iterator[None]:
+    """tpu-inference's TPU generation lookup (``tuned_block_sizes.get_tpu_version``, read from
+    ``jax.devices()``) answers for the chip pallas-tune compiles for, not for this CPU host.
+
+    The kernel caps its ``vmem_limit_bytes`` by the generation's VMEM limit
+    (``DEVICE_VMEM_LIMIT``: 96 MiB on v6e, 48 MiB on v7). On a CPU host the lookup finds no
+    TPU and falls back to 96 MiB, so a v7 compile here would admit configs that need 48 to 96
+    MiB of scoped VMEM, which the kernel cannot run on a real v7 (its compile there fails with
+    the scoped-VMEM OOM): such configs were never candidates for its measured table. Outside
+    a target (``pallas_tune.target``, which every deviceless compile enters) nothing changes.
+    The jitted kernel's trace cache is cleared on entry and exit, as in :func:`proxy_patch`.
+    """
+    from pallas_tune import chips
+
+    kernel, _, tbs = qmm()
+    original = tbs.get_tpu_version
+    spec = chips.chip_spec(chips.current_chip())
+    if spec.platform == "tpu" and spec.generation:
+        tbs.get_tpu_version = lambda: spec.generation
+    # The limit is read when the jitted kernel is traced: a trace for another chip (or none)
+    # must not stand in for this one.
+    kernel.quantized_matmul_kernel.clear_cache()
+    try:
+        yield
+    finally:
+        tbs.get_tpu_version = original
+        kernel.quantized_matmul_kernel.clear_cache()
+
+
 def unmodified_qmm(x: Any, w_q: Any, w_scale: Any, *, batch_block: int, out_block: int,
                    in_block: int) -> Any:
     """tpu-inference's ``quantized_matmul_kernel`` at the given block sizes, unmodified, with
     the activations quantized to the weights' dtype (int8 x int8, or float8_e4m3fn x
-    float8_e4m3fn as in its v7 table)."""
+    float8_e4m3fn as in its v7 table), traced as on the target chip (:func:`on_target_chip`)."""
     kernel, _, tbs = qmm()
-    return kernel.quantized_matmul_kernel(
-        x, w_q, w_scale, x_q_dtype=w_q.dtype,
-        tuned_value=tbs.TunedValue(batch_block, out_block, in_block))
+    with on_target_chip():
+        return kernel.quantized_matmul_kernel(
+            x, w_q, w_scale, x_q_dtype=w_q.dtype,
+            tuned_value=tbs.TunedValue(batch_block, out_block, in_block))
 
 
 def proxy_qmm(x: Any, w_q: Any, w_scale: Any, *, batch_block: int, out_block: int,
@@ -234,17 +265,19 @@ def roofline_figures(key: Key, blocks: Sequence[Blocks]) -> dict[Blocks, float]:
 
 def accepted_calls(key: Key, blocks: Sequence[Blocks], chip: str, w_dtype: str
                    ) -> dict[Blocks, Any]:
-    """The unmodified kernel's traced pallas_calls per config, or None where it cannot be
-    traced at those blocks or the block rules or the VMEM model refuse it (no model figure)."""
-    from pallas_tune.chips import chip_spec
+    """The unmodified kernel's traced pallas_calls per config (traced for ``chip``, with its
+    VMEM limit), or None where it cannot be traced at those blocks or the block rules or the
+    VMEM model refuse it (no model figure)."""
+    from pallas_tune import chips
     from pallas_tune.feasibility import inspect as _inspect
     from pallas_tune.feasibility import model
 
-    spec, args = chip_spec(chip), operands(key, w_dtype)
+    spec, args = chips.chip_spec(chip), operands(key, w_dtype)
     out: dict[Blocks, Any] = {}
     for b in blocks:
         try:
-            calls = _inspect.find_pallas_calls(unmodified_qmm, args, config(b))
+            with chips.target(chip, abstract_mesh=False):  # The chip's VMEM limit.
+                calls = _inspect.find_pallas_calls(unmodified_qmm, args, config(b))
         except Exception:  # noqa: BLE001 - not traceable at these blocks: no figure.
             out[b] = None
             continue
