@@ -191,6 +191,12 @@ def compared(meta: Mapping[str, Any]) -> list[str]:
         "- Kernel: tpu-inference's `quantized_matmul_kernel(x, w_q, w_scale, x_q_dtype=<the "
         "weights' dtype>, tuned_value=TunedValue(batch_block, out_block, in_block))`, x bf16 "
         "(n_batch, n_in), w_q (n_out, n_in) int8 on v6e, float8_e4m3fn on 7x, w_scale f32.",
+        "- Traced and compiled as on the chip: the kernel caps its `vmem_limit_bytes` at its "
+        "TPU generation's limit, which it reads from `jax.devices()` (96 MiB on v6e, 48 MiB "
+        "on v7); on this CPU host that lookup answers for the chip compiled for "
+        "(`estimate_fidelity_qmm.on_target_chip`), so a config the kernel cannot run on the "
+        "chip gets no figure here either." + (f" {meta['target_limit_rerun']}"
+                                              if meta.get("target_limit_rerun") else ""),
         "- **libtpu**: libtpu's static cycle estimate (deviceless compile on this CPU host, "
         "v6e at 1.75 GHz, 7x at 2.2 GHz) of the proxy: the kernel with its in-kernel "
         "activation quantization's scale and reciprocal computed in f32 (the unmodified "
@@ -278,7 +284,8 @@ def cannot_profile(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{sum(len(r.get('flag_only_oom', ())) for r in rs)} | "
             f"{sum(r['winner'] in r.get('flag_only_oom', ()) for r in rs)} | "
             f"{sum(not r['winner_kind'].startswith('ok') for r in rs)} |")
-    texts = sorted({t for r in runs for t in r.get("abort_texts", [])})
+    # Each text's first sentence: the workers' messages are cut at a length, mid-detail.
+    texts = sorted({t.split(". ")[0] for r in runs for t in r.get("abort_texts", [])})
     return lines + [""] + ([f"Abort texts seen: {'; '.join(f'`{t[:120]}`' for t in texts)}",
                             ""] if texts else [])
 

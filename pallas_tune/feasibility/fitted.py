@@ -87,14 +87,16 @@ V6E: Final = Constants(mxu_eff=1.0, bw_eff=1.44, step_s=1.79e-7, vec_s=2.24e-13)
 # rank, they do not time (the MXU held at its peak: a ranking fixes the rest only relative to
 # it): on v6e the winners say a grid step costs 3.9x what libtpu's estimates charge (step_s 699
 # ns against 179) and a vector element 2.9x, and HBM moves 0.83x the spec's bandwidth where
-# libtpu's estimates take 1.44x; on 7x the fit takes the HBM to an eighth of the spec's and a
-# step to 3.0 us: the chip's winners use larger blocks than bandwidth and steps explain. Refitted
+# libtpu's estimates take 1.44x; on 7x the fit takes the HBM to a ninth of the spec's and a
+# step to 4.4 us: the chip's winners use larger blocks than bandwidth and steps explain. Refitted
 # 2026-12-06 after the models stopped counting a fetch per step for windows whose index stays put
-# (``roofline.fetches``; loss 1.014 to 0.895 on v6e, 1.017 to 0.758 on 7x). A chip with no fit
-# of its own gets V6E, scaled as the module docstring says.
+# (``roofline.fetches``; loss 1.014 to 0.895 on v6e, 1.017 to 0.758 on 7x), and again for 7x
+# once its configs were traced with the VMEM limit the kernel sets on a real v7 (48 MiB, not
+# the 96 MiB it takes on a CPU host: configs the chip cannot run had been in the ranking; loss
+# 0.758 to 0.536). A chip with no fit of its own gets V6E, scaled as the module docstring says.
 PUBLIC: Final[dict[str, Constants]] = {
     "tpu_v6e": Constants(mxu_eff=1.0, bw_eff=0.8291, step_s=6.985e-7, vec_s=6.558e-13),
-    "tpu_7x": Constants(mxu_eff=1.0, bw_eff=0.1320, step_s=2.992e-6, vec_s=6.225e-13),
+    "tpu_7x": Constants(mxu_eff=1.0, bw_eff=0.1125, step_s=4.428e-6, vec_s=7.717e-13),
 }
 
 
