@@ -197,7 +197,7 @@ def test_the_kernel_is_traced_with_the_target_chips_vmem_limit_and_the_lookup_re
     original = tbs.get_tpu_version
     seven, six, host = limit("7x"), limit("v6e"), limit(None)
     assert seven == tbs.DEVICE_VMEM_LIMIT[7] == 48 * 2**20
-    assert six == host > seven  # v6e's limit is the host's default (96 MiB), and not cached.
+    assert six == host > seven  # v6e's cap is the host's (96 MiB): the formula's stands.
     assert limit("7x") == seven  # Nor is v6e's trace reused for 7x.
     assert tbs.get_tpu_version is original
     # The model refuses on 7x what needs more than its limit (the published v7 winner of this
