@@ -314,6 +314,44 @@ def test_kernels_with_scalar_prefetch_are_counted_for_the_estimate_caveat():
     assert describe(EstimateResult(ok=True, kind="ok", cycles=1)) == ""
 
 
+def test_a_vmem_limit_above_the_chips_vmem_is_named_for_the_estimate_caveat():
+    """A kernel that sizes vmem_limit_bytes for another device (as one that reads its chip from
+    jax.devices() does on a CPU host) asks more than the target has: 96 MiB is above 7x's 64
+    MiB of VMEM, not v6e's 128; the estimate's detail names it (loops.LIMIT_NOTE)."""
+    from pallas_tune.measure.estimate import EstimateResult
+    from pallas_tune.measure.loops import LIMIT_NOTE, describe, kernel_census
+
+    x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    asked = dict(matmul.space.default, vmem_limit_bytes=96 * 2**20)
+    assert kernel_census(matmul.fn, [x, x], asked, chip="7x").limit_over_chip == 96 * 2**20
+    assert kernel_census(matmul.fn, [x, x], asked, chip="v6e").limit_over_chip == 0
+    assert kernel_census(matmul.fn, [x, x], dict(matmul.space.default),
+                         chip="7x").limit_over_chip == 0
+    detail = describe(EstimateResult(ok=True, kind="ok", cycles=1, limit_over_chip=96 * 2**20))
+    assert detail == f"a kernel asks vmem_limit_bytes 96 MiB, {LIMIT_NOTE}"
+    assert "pallas_tune.current_chip()" in LIMIT_NOTE
+
+
+@pytest.mark.libtpu
+def test_an_estimate_trial_whose_kernel_asks_more_vmem_than_the_chip_says_so(cache_dir,
+                                                                              monkeypatch):
+    """Deviceless libtpu, for v5p (64 MiB of VMEM; libtpu 0.0.42 cannot profile this matmul
+    for 7x): the matmul config that asks 100 MiB is estimated (the compiler caps the limit)
+    and its trial names the limit; the others do not."""
+    from pallas_tune.measure.loops import LIMIT_NOTE
+
+    monkeypatch.setenv("PALLAS_TUNE_TPU_LOGS", "off")
+    x = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
+    big = dict(matmul.space.default, vmem_limit_bytes=100 * 2**20)
+    res = matmul.tune(x, x, chip="v5p", timer="tpu-estimate", trials=3, warm_configs=(big,),
+                      write=False, transfer=False)
+    noted = {r.config["vmem_limit_bytes"]: LIMIT_NOTE in (r.detail or "")
+             for r in res.records if r.outcome.timed}
+    assert noted[100 * 2**20] and not noted.get(0, False)
+    if LIMIT_NOTE in (res.best_record.detail or ""):
+        assert LIMIT_NOTE in res.provenance["estimate_caveat"]
+
+
 def test_table_indexed_fetches_the_estimate_cannot_see_are_found():
     """libtpu's profile takes prefetched tables as 0, so a block whose index moves only through
     a table is, in its eyes, fetched once per move of the grid indices alone. Measured (libtpu

@@ -285,9 +285,7 @@ def _info(eqn: Any) -> PallasCallInfo:
         except TypeError:  # Semaphores and other non-array scratch.
             dtype = np.dtype("int32")
         scratch.append((shape, dtype, space))
-    cp = eqn.params.get("compiler_params")
-    if isinstance(cp, dict):  # Older JAX keyed compiler params by backend.
-        cp = cp.get("mosaic_tpu") or cp.get("mosaic") or next(iter(cp.values()), None)
+    cp = _compiler_params(eqn)
     sem = getattr(cp, "dimension_semantics", None)
     if sem is not None:
         sem = tuple(str(getattr(s, "value", s)).lower() for s in sem)
@@ -306,6 +304,14 @@ def _info(eqn: Any) -> PallasCallInfo:
         dimension_semantics=sem,
         vmem_limit_bytes=getattr(cp, "vmem_limit_bytes", None),
     )
+
+
+def _compiler_params(eqn: Any) -> Any:
+    """A pallas_call equation's compiler params (its ``pltpu.CompilerParams``), or None."""
+    cp = eqn.params.get("compiler_params")
+    if isinstance(cp, dict):  # Older JAX keyed compiler params by backend.
+        cp = cp.get("mosaic_tpu") or cp.get("mosaic") or next(iter(cp.values()), None)
+    return cp
 
 
 def _backend(compiler_params: Any) -> str:

@@ -69,6 +69,7 @@ class EstimateResult:
     kernels_alone: int = 0  # > 0: the sum of this many kernels, each compiled alone.
     prefetch_kernels: int = 0  # Kernels with scalar-prefetch operands (loops.PREFETCH_NOTE).
     unseen_write_bytes: int = 0  # Output writes the profile leaves out (loops.Census).
+    limit_over_chip: int = 0  # A vmem_limit_bytes above the chip's VMEM (loops.LIMIT_NOTE).
 
 
 def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, Any],
@@ -116,7 +117,8 @@ def estimate(parts: cand.KernelParts, args: Sequence[Any], kwargs: Mapping[str, 
                           if result.model_cycles else None,
                           kernels_alone=result.kernels_alone,
                           prefetch_kernels=census.prefetch_kernels,
-                          unseen_write_bytes=census.unseen_write_bytes)
+                          unseen_write_bytes=census.unseen_write_bytes,
+                          limit_over_chip=census.limit_over_chip)
 
 
 class EstimateSession:

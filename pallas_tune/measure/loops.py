@@ -12,8 +12,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-__all__ = ["FLAG", "FLOOR_SHARE", "NOT_ESTIMABLE", "NO_ESTIMATE", "PREFETCH_NOTE", "Census",
-           "abort_kind", "abort_message", "below_floor", "blind_fetch_message", "describe",
+__all__ = ["FLAG", "FLOOR_SHARE", "LIMIT_NOTE", "NOT_ESTIMABLE", "NO_ESTIMATE", "PREFETCH_NOTE",
+           "Census", "abort_kind", "abort_message", "below_floor", "blind_fetch_message", "describe",
            "dynamic_loop_message", "floor_flops", "floor_message", "kernel_census",
            "profiler_abort", "unfigured_message"]
 
@@ -39,6 +39,9 @@ class Census:
     # Per kernel, in program order: the dot FLOPs every grid step must do whatever the data
     # (:func:`floor_flops`) times the steps: no estimate can be far below their MXU time.
     floor_flops: tuple[float, ...] = ()
+    # The largest vmem_limit_bytes a kernel asks, where it is more than the chip's VMEM
+    # (:data:`LIMIT_NOTE`), else 0.
+    limit_over_chip: int = 0
 
 
 def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
@@ -63,6 +66,7 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
     blind: list[str] = []
     unseen = [0]
     floors: list[float] = []
+    limits = [0]
 
     def count(jaxpr: Any, inside: bool) -> tuple[int, int]:
         loops = prefetch = 0
@@ -74,6 +78,8 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
                 body = eqn.params["jaxpr"]
                 steps = math.prod(int(g) if isinstance(g, int) else 0 for g in gm.grid)
                 floors.append(steps * floor_flops(getattr(body, "jaxpr", body)))
+                asked = getattr(_inspect._compiler_params(eqn), "vmem_limit_bytes", None)
+                limits[0] = max(limits[0], int(asked or 0))
                 if getattr(gm, "num_index_operands", 0) > 0:
                     prefetch += 1
                     for line, is_output, nbytes in _table_fetches(gm, eqn.params.get("name")):
@@ -98,7 +104,8 @@ def kernel_census(fn: Any, args: Sequence[Any], kwargs: Mapping[str, Any], *,
     with chips.target(chip, abstract_mesh=True):
         closed = jax.make_jaxpr(flat_fn)(*arrays)
     loops, prefetch = count(closed.jaxpr, False)
-    return Census(loops, prefetch, tuple(blind), unseen[0], tuple(floors))
+    over = limits[0] if limits[0] > chips.chip_spec(chip).vmem_bytes > 0 else 0
+    return Census(loops, prefetch, tuple(blind), unseen[0], tuple(floors), over)
 
 
 def floor_flops(jaxpr: Any, int8: bool | None = None) -> float:
@@ -252,6 +259,10 @@ def dynamic_loop_message(ref: str, loops: int) -> str:
             "loops.")
 
 
+LIMIT_NOTE = ("more than the chip's VMEM (the compiler caps it there, here as on the chip); "
+              "a kernel that sizes its limit from jax.devices() sized it for this host, not "
+              "the chip, and may admit configs it would refuse on the chip: read "
+              "pallas_tune.current_chip() instead")
 PREFETCH_NOTE = ("libtpu's static profile takes scalar-prefetch values as 0 (measured, libtpu "
                  "0.0.50.1: the same matmul under pl.when(s[i] == 0) counts, under s[i] == 1 "
                  "it does not), so work and block indices that depend on them are not "
@@ -327,7 +338,9 @@ def describe(r: Any) -> str:
         if r.prefetch_kernels else []) + (
         [f"up to {r.unseen_write_bytes / 2**20:.1f} MiB of output writes and small input "
          "blocks follow a table and are not counted (overlapped with compute on a TPU)"]
-        if r.unseen_write_bytes else []))
+        if r.unseen_write_bytes else []) + (
+        [f"a kernel asks vmem_limit_bytes {r.limit_over_chip / 2**20:.0f} MiB, {LIMIT_NOTE}"]
+        if r.limit_over_chip else []))
 
 
 def estimate_flag_missing_message() -> str:

@@ -14,7 +14,7 @@ from pallas_tune._kernel_hash import FIELD as FINGERPRINT_FIELD
 from pallas_tune._kernel_hash import source_changed
 from pallas_tune.errors import MeasurementError, NoFeasibleConfigError
 from pallas_tune.measure.evaluate import Evaluator
-from pallas_tune.measure.loops import PREFETCH_NOTE
+from pallas_tune.measure.loops import LIMIT_NOTE, PREFETCH_NOTE
 from pallas_tune.measure.records import Outcome, shortlist, spread
 from pallas_tune.tuning import footing, noise
 from pallas_tune.tuning.log import TrialLog
@@ -197,8 +197,8 @@ def build_result(kernel: Any, plan: Plan, chip: str, log: TrialLog,
                 from pallas_tune import errors
 
                 errors.warn(f"{kernel.name} {plan.key}: {verdict['note']}")
-    if best is not None and PREFETCH_NOTE in (best.detail or ""):  # measure.estimate._detail
-        prov["estimate_caveat"] = best.detail
+    if best is not None and any(n in (best.detail or "") for n in (PREFETCH_NOTE, LIMIT_NOTE)):
+        prov["estimate_caveat"] = best.detail  # What the estimate could not follow.
     if "xla_estimate" in extra:  # The reference's estimate, labelled as one.
         prov["xla"] = {**xla_row, "note": "static estimate of the TPU compiler for the "
                        "reference's whole program (no stand-in), not a measurement"
