@@ -109,15 +109,9 @@ def complete_run(est: Any, plain: Any, run: dict[str, Any], table: Mapping[Block
     roof, fitted, public = model_figures(tuple(run["key"]), full, chip, dtypes[1])
     public_ms = {b: v * 1e3 for b, v in public.items()}
     todo = contenders(run, public_ms)
-    return {"space": len(full), "roofline_ms": rows(roof, 1e3), "fitted_ms": rows(fitted, 1e3),
-            "public_ms": rows(public_ms), "contenders": [list(b) for b in todo],
+    return {"space": len(full), "roofline_ms": st.rows(roof, 1e3),
+            "fitted_ms": st.rows(fitted, 1e3), "public_ms": st.rows(public_ms), "contenders": [list(b) for b in todo],
             **estimate(est, plain, run, todo), "wall_s": time.perf_counter() - t0}
-
-
-def rows(figs: Mapping[Blocks, float | None], k: float = 1.0) -> list[list[Any]]:
-    """A dict of figures as a dump's sorted [[blocks, figure x k], ...] rows (None kept: a
-    compile that gave no figure)."""
-    return [[list(b), None if v is None else v * k] for b, v in sorted(figs.items())]
 
 
 def estimate(est: Any, plain: Any, run: Mapping[str, Any], todo: list[Blocks]
@@ -136,5 +130,5 @@ def estimate(est: Any, plain: Any, run: Mapping[str, Any], todo: list[Blocks]
     flag_only = st.flag_only_oom(plain, entry, results, dtypes[1])
     failures = collections.Counter(("profiler abort" if b in aborts else r.kind)
                                    for b, r in results.items() if b not in proxy)
-    return {"proxy_ms": rows(proxy), "aborted": [list(b) for b in sorted(aborts)],
+    return {"proxy_ms": st.rows(proxy), "aborted": [list(b) for b in sorted(aborts)],
             "flag_only_oom": [list(b) for b in sorted(flag_only)], "failures": dict(failures)}

@@ -246,6 +246,12 @@ def flag_only_oom(unprofiled: Any, entry: Entry, results: Mapping[Blocks, Any], 
     return [b for b, r in zip(oom, rr, strict=True) if r.ok or r.kind == NO_ESTIMATE]
 
 
+def rows(figs: Mapping[Blocks, float | None], k: float = 1.0) -> list[list[Any]]:
+    """A dict of figures as a dump's sorted [[blocks, figure x k], ...] rows (None kept: a
+    compile that gave no figure)."""
+    return [[list(b), None if v is None else v * k] for b, v in sorted(figs.items())]
+
+
 def run_entry(est: Any, entry: Entry, table: Mapping[Key, Blocks], rivals: int, seed: int,
               unprofiled: Any = None) -> dict[str, Any]:
     """Every figure of every config of the entry's space, as JSON-ready lists: libtpu's estimate
@@ -272,9 +278,6 @@ def run_entry(est: Any, entry: Entry, table: Mapping[Key, Blocks], rivals: int, 
     check = check_standin(est, entry, results, dtype)
     flag_only = flag_only_oom(unprofiled, entry, results, dtype)
     scaled = sum(1 for r in results.values() if r.ok and r.scale > 1)
-
-    def rows(figs: Mapping[Blocks, float], k: float = 1.0) -> list[list[Any]]:
-        return [[list(b), v * k] for b, v in sorted(figs.items())]
 
     return {"chip": entry.chip, "key": list(entry.key), "winner": list(entry.winner),
             "stratum": entry.stratum, "configs": len(blocks), "space": space_size,

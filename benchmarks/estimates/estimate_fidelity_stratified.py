@@ -89,14 +89,11 @@ def retrace_models(runs: Sequence[dict[str, Any]], tabs: Mapping[str, Mapping[Ke
         _, dtypes, spec_name = st.CHIPS[r["chip"]]
         entry = st.Entry(r["chip"], tuple(r["key"]), tuple(r["winner"]), r["stratum"])
         blocks, _ = st.drawn_space(entry, tabs[r["chip"]], meta["rivals"], meta["seed"])
-        figs = model_figures(entry.key, blocks, spec_name, dtypes[1])
-        for name, f in zip(("roofline_ms", "fitted_ms", "public_ms"), figs, strict=True):
-            r[name] = [[list(b), v * 1e3] for b, v in sorted(f.items())]
-        if r.get("whole"):
-            full, _ = st.strata_space(entry.key, tabs[r["chip"]])
-            figs = model_figures(entry.key, full, spec_name, dtypes[1])
+        full, _ = st.strata_space(entry.key, tabs[r["chip"]])
+        for part, space in [(r, blocks)] + ([(r["whole"], full)] if r.get("whole") else []):
+            figs = model_figures(entry.key, space, spec_name, dtypes[1])
             for name, f in zip(("roofline_ms", "fitted_ms", "public_ms"), figs, strict=True):
-                r["whole"][name] = [[list(b), v * 1e3] for b, v in sorted(f.items())]
+                part[name] = st.rows(f, 1e3)
         done += 1
     return done
 

@@ -204,9 +204,9 @@ def _refined(est: Any, chip: str, dtype: str, key: Blocks, part: dict[str, Any],
                                                 and affordable(key, b)])
     figures = {**ec.by_blocks(part["proxy_ms"]), **two,
                **{b: v for b, v in full.items() if v is not None}}
-    part["proxy_ms"] = ec.rows(figures)
+    part["proxy_ms"] = st.rows(figures)
     rec["records"] += records
-    rec["full"] += ec.rows(full)
+    rec["full"] += st.rows(full)
     done.update(scaled)
 
 
