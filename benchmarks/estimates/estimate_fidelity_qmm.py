@@ -11,6 +11,7 @@ to load the proxy)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -33,9 +34,11 @@ QMM = f"{PKG}.kernels.quantized_matmul"
 
 # --- Loading tpu-inference without its __init__ (it imports vLLM) -------------------------
 
+@functools.cache
 def package_dir() -> str | None:
     """The installed ``tpu_inference`` package directory, from the distribution's file list
-    (not by importing it: its ``__init__`` imports vLLM); None if it is not installed."""
+    (not by importing it: its ``__init__`` imports vLLM); None if it is not installed. Looked
+    up once a process: the list has tens of thousands of files (about 50 ms a lookup)."""
     from importlib import metadata
 
     try:
