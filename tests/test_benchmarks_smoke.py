@@ -59,7 +59,7 @@ SMOKES = {
     "search/search_settings.py": Smoke(("Leave one kernel out", "| matmul | v")),
     "search/loop_efficiency.py": Smoke(("asked evaluated", "matmul 256^2            after "),
                                        note="'before' (needs an old checkout), "
-                                            "'after-workers'"),
+                                            "'after-workers', tune-jax's whole space"),
     "search/tuning_walltime.py": Smoke(("wall s", "pallas-tune gp, 3 trials"),
                                        needs=("tune_jax",)),
     "sweeps/sweep_overhead.py": Smoke(("memory     sampler wall", "sqlite     reads (trials)"),

@@ -22,14 +22,16 @@ they measure the tuners' overheads and search, not TPU kernel speed.
     python benchmarks/search/loop_efficiency.py --before /tmp/loop-before
 
 Smoke mode (PALLAS_TUNE_BENCH_SMOKE=1): matmul 256^2, 3 trials, this checkout in-process (and
-tune-jax where it is installed).
+tune-jax where it is installed, over the first two values of each parameter).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -142,6 +144,8 @@ def _child_tune_jax(kernel, args, kwargs, log) -> None:
     tune_jax.logger.setLevel(logging.DEBUG)
     tune_jax.logger.addHandler(Counts())
     space = {p.name: list(p.choices) for p in kernel.space.params}
+    if bench.SMOKE:  # Smoke: the first two values of each parameter (tune-jax tries them all).
+        space = {k: v[:2] for k, v in space.items()}
     names = list(space)
 
     def f(*a, **hp):
@@ -152,8 +156,9 @@ def _child_tune_jax(kernel, args, kwargs, log) -> None:
     g = tune_jax.tune(_with_kwonly(f, names), hyperparams=space)
     jax.block_until_ready(g(*args))
     wall = time.perf_counter() - t0
-    n = kernel.space.size
+    n = math.prod(len(v) for v in space.values()) if bench.SMOKE else kernel.space.size
     log.write(json.dumps({"done": True, "wall_s": wall, "asked": n, "all_configs": True,
+                          "space": space if bench.SMOKE else None,
                           "winner": _plain(dict(g.optimal_hyperparams))}) + "\n")
 
 
@@ -218,6 +223,7 @@ def _run_fresh(tuner: str, case: str, before: str | None, cap_s: float) -> dict:
             "wall_s": done["wall_s"] if done else time.perf_counter() - t0,
             "asked": done["asked"] if done else len(configs), "configs": configs,
             "all_configs": bool(done and done.get("all_configs")),
+            "space": done.get("space") if done else None,
             "tune_jax_distinct": next((e["tune_jax_distinct"] for e in lines
                                        if "tune_jax_distinct" in e), None),
             "winner": done["winner"] if done else None}
@@ -242,7 +248,10 @@ def _fingerprints(case: str, configs: list[dict]) -> list[str]:
 def _row(r: dict) -> dict:
     kernel, _, _ = _problem(r["case"])
     configs = [c for c, _ in r["configs"]]
-    if r["all_configs"]:
+    if r["all_configs"] and r.get("space"):  # Smoke: the part of the space tune-jax ran.
+        configs = [dict(zip(r["space"], v, strict=True))
+                   for v in itertools.product(*r["space"].values())]
+    elif r["all_configs"]:
         configs = [dict(c) for c in kernel.space]
     prints = _fingerprints(r["case"], configs)
     timed = (r["tune_jax_distinct"] or len(configs)) if r["tuner"] == "tune-jax" else sum(
