@@ -57,6 +57,8 @@ SMOKES = {
     "search/surrogate_quality.py": Smoke(("| landscapes/matmul_2048_bf16_v6e_estimate | 128 |",
                                           "n=20: rank")),
     "search/search_settings.py": Smoke(("Leave one kernel out", "| matmul | v")),
+    "search/search_noise.py": Smoke(("| landscapes/matmul_2048_bf16_v6e_estimate | 1 |",
+                                     "noise-free @10")),
     "search/loop_efficiency.py": Smoke(("asked evaluated", "matmul 256^2            after "),
                                        note="'before' (needs an old checkout), "
                                             "'after-workers', tune-jax's whole space"),
