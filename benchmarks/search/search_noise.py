@@ -85,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "../shared/landscapes)")
     p.add_argument("--seeds", type=int, default=bench.smoke(20, 2))
     p.add_argument("--budget", type=int, default=bench.smoke(50, 10))
-    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=bench.smoke(2, 1),
+                   help="processes (more than 1 needs joblib: the `bench` extra)")
     p.add_argument("--out", default=bench.output(bench.result("search_noise.md")))
     a = p.parse_args(argv)
     smoke_only = bench.SMOKE and a.landscapes is None  # A plain clone has no ../shared.
@@ -93,10 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths += sorted(glob.glob(os.path.join(bench.LANDSCAPES, "*.json")))
     t0 = time.time()
     units = [(path, seed) for path in paths for seed in range(a.seeds)]
-    from joblib import Parallel, delayed
+    if a.jobs > 1:
+        from joblib import Parallel, delayed
 
-    got = Parallel(n_jobs=a.jobs, batch_size=1)(
-        delayed(replay_pair)(path, seed, a.budget) for path, seed in units)
+        got = Parallel(n_jobs=a.jobs, batch_size=1)(
+            delayed(replay_pair)(path, seed, a.budget) for path, seed in units)
+    else:
+        got = [replay_pair(path, seed, a.budget) for path, seed in units]
     rows = ["| landscape | repeats | top 5%: repeat CV | top 5%: repeats ≥ 1.5x median | "
             f"drawn @{a.budget} | best measured | noise-free @{a.budget} |",
             "|---|---|---|---|---|---|---|"]
