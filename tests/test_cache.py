@@ -87,6 +87,25 @@ def test_bulky_provenance_goes_to_the_ledger(tmp_path):
     assert len(record["provenance"]["retimed_interleaved"][0]["interleaved_ms"]) == 300
 
 
+def test_a_rewrite_without_trials_keeps_the_runs_trials(tmp_path):
+    """A winner rewritten with no run of its own (recheck-xla adds XLA's figure to an entry read
+    back from the cache: no "trials") leaves the ledger's record of the run the latest: its
+    trials still read, trial_count kept, and a bulky provenance field stays in the entry
+    (moving it would need a record, which would read as a run of no trials)."""
+    c = TuningCache(str(tmp_path), use_shipped=False)
+    c.write("cpu", "k", "key", _entry(1, trials=3))
+    (key, winner, _), = c.entries("cpu", "k")
+    assert key == "key" and winner["trial_count"] == 3 and "trials" not in winner
+    history = [{"from": "0" * 16, "why": "moved " * 100}]
+    c.write("cpu", "k", "key", {**winner, "xla_ms": 2.0, "provenance": {
+        **winner["provenance"], "refingerprinted": history, "xla": {"note": "recheck-xla"}}})
+    (_, again, _), = c.entries("cpu", "k")
+    assert again["trial_count"] == 3 and again["xla_ms"] == 2.0
+    assert again["provenance"]["refingerprinted"] == history
+    assert len(c.trials("cpu", "k", "key")) == 3
+    assert len(ledger.read(c.ledger_path("cpu", "k"))[0]) == 1  # No record of no trials.
+
+
 def test_write_normalises_the_chip(tmp_path):
     c = TuningCache(str(tmp_path), use_shipped=False)
     assert c.write("v6e", "k", "key", _entry(1)) == str(tmp_path / "tpu_v6e" / "k.json")

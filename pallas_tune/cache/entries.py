@@ -177,12 +177,21 @@ def _short(v: Any) -> str:
 def split_entry(key: str, entry: Mapping[str, Any], *, kind: str
                 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(winner entry, ledger record or None): the trials and the bulky provenance fields go to
-    the ledger record; both are strict JSON. Raises ValueError if the entry has no config."""
+    the ledger record; both are strict JSON. Raises ValueError if the entry has no config.
+
+    An entry that counts trials (``trial_count``) but carries none is a tuned winner rewritten
+    with no run of its own (``pallas-tune recheck-xla`` adding XLA's figure, say): it is kept
+    whole and no record is made, since the ledger's latest record of a key is read as that key's
+    run. A record of no trials would hide the run's trials from reports and ``show --trials``,
+    and set ``trial_count`` to 0."""
     winner = sanitize(dict(entry))
     if not isinstance(winner.get("config"), dict) or not winner["config"]:
         raise ValueError(f"cache entry for {key!r} has no config: {entry!r:.200}")
     trials = winner.pop("trials", None)
     winner.pop("key", None)  # The key is the entry's name in the file.
+    count = winner.get("trial_count")
+    if trials is None and isinstance(count, int) and not isinstance(count, bool) and count > 0:
+        return winner, None
     provenance = winner.get("provenance")
     moved = []
     if isinstance(provenance, dict):
