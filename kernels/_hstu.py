@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_tune as pt
 
 __all__ = ["LANES", "bias_part", "bias_rows", "bias_slice", "bias_table", "blocks",
-           "hstu_attention_reference", "rotated", "table"]
+           "hstu_attention_reference", "relative_bias", "rotated", "table"]
 
 LANES = 128
 ROTATED_BYTES = 8 << 20  # VMEM for the resident rotated bias table (``rotated``), at most.
@@ -32,11 +32,31 @@ def hstu_attention_reference(q, k, v, rel_bias, *, alpha: float | None = None,
     norm = 1.0 / s if norm is None else norm
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * alpha
     dist = jnp.arange(s)[:, None] - jnp.arange(s)[None, :]
-    rab = rel_bias.astype(jnp.float32)[jnp.clip(dist, 0, rel_bias.shape[0] - 1)]
-    p = jax.nn.silu(scores + rab)
+    p = jax.nn.silu(scores + relative_bias(rel_bias, s))
     p = jnp.where(dist >= 0, p, 0.0)
     out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return (out * norm).astype(q.dtype)
+
+
+def relative_bias(rel_bias, s: int):
+    """The (s, s) Toeplitz bias B[q, k] = rel_bias[clip(q - k, 0, len - 1)], in f32, built
+    from slices, a tile and a reshape: no gather. XLA:TPU runs a gather of that size slowly and
+    compiles it slowly (libtpu's estimate of the reference at s = 512 spent 43 s compiling it
+    and charged 2.8M cycles); the reference is XLA's candidate against the kernel, so it is
+    written as plain XLA code runs best.
+
+    With v[m] = rel_bias[clip(m - (s - 1), 0, len - 1)] (m < 2s - 1) and w = v reversed, row q
+    is w[s - 1 - q : 2s - 1 - q]; w tiled and read in rows of 2s - 2 (one less than its
+    period) shifts each row one step left."""
+    r = rel_bias.astype(jnp.float32)
+    n = r.shape[0]
+    if s == 1:
+        return r[:1].reshape(1, 1)
+    v = jnp.concatenate([jnp.broadcast_to(r[0], (s - 1,)), r[:min(s, n)],
+                         jnp.broadcast_to(r[n - 1], (max(0, s - n),))])
+    period = 2 * s - 1
+    flat = jnp.tile(v[::-1], s + 1)[s - 1:s - 1 + s * (period - 1)]
+    return flat.reshape(s, period - 1)[:, :s]
 
 
 def bias_rows(tab_ref, base, *, rows: int, cols: int):

@@ -22,6 +22,7 @@ from model_kernel_checks import (
     estimate_sweep,
     oracle,
 )
+from pallas_tune.kernels._hstu import relative_bias
 from pallas_tune.kernels._hstu import table as _table
 from pallas_tune.kernels.hstu_attention import hstu_attention, hstu_attention_reference
 
@@ -87,6 +88,22 @@ def test_table_is_the_clamped_bias_by_distance(pad, length, nb):
     d = np.arange(length) - pad  # Entry x holds the bias of distance x - pad.
     expected = np.where(d >= 0, np.asarray(bias)[np.clip(d, 0, nb - 1)], 0)
     np.testing.assert_array_equal(_table(bias, pad=pad, length=length)[0], expected)
+
+
+@given(s=st.integers(1, 300), nb=st.integers(1, 700), seed=st.integers(0, 3))
+@example(s=1, nb=1, seed=0)
+@example(s=300, nb=7, seed=1)
+def test_the_references_bias_is_the_clamped_bias_by_distance_without_a_gather(s, nb, seed):
+    """relative_bias(rel_bias, s)[q, k] == rel_bias[clip(q - k, 0, nb - 1)] exactly, for tables
+    shorter and longer than the sequence; and the reference XLA compiles has no gather (a gather
+    of (s, s) is slow to run and to compile on a TPU: XLA's candidate would be a strawman)."""
+    bias = np.random.default_rng(seed).standard_normal(nb).astype(np.float32)
+    dist = np.arange(s)[:, None] - np.arange(s)[None, :]
+    got = np.asarray(relative_bias(jnp.asarray(bias), s))
+    np.testing.assert_array_equal(got, bias[np.clip(dist, 0, nb - 1)])
+    q = jax.ShapeDtypeStruct((1, 1, s, 8), jnp.float32)
+    jaxpr = jax.make_jaxpr(hstu_attention_reference)(q, q, q, jnp.asarray(bias))
+    assert "gather" not in str(jaxpr)
 
 
 def test_bad_input_is_a_clear_error():
