@@ -110,7 +110,8 @@ def complete_run(est: Any, plain: Any, run: dict[str, Any], table: Mapping[Block
     public_ms = {b: v * 1e3 for b, v in public.items()}
     todo = contenders(run, public_ms)
     return {"space": len(full), "roofline_ms": st.rows(roof, 1e3),
-            "fitted_ms": st.rows(fitted, 1e3), "public_ms": st.rows(public_ms), "contenders": [list(b) for b in todo],
+            "fitted_ms": st.rows(fitted, 1e3), "public_ms": st.rows(public_ms),
+            "contenders": [list(b) for b in todo],
             **estimate(est, plain, run, todo), "wall_s": time.perf_counter() - t0}
 
 

@@ -89,8 +89,10 @@ def retrace_models(runs: Sequence[dict[str, Any]], tabs: Mapping[str, Mapping[Ke
         _, dtypes, spec_name = st.CHIPS[r["chip"]]
         entry = st.Entry(r["chip"], tuple(r["key"]), tuple(r["winner"]), r["stratum"])
         blocks, _ = st.drawn_space(entry, tabs[r["chip"]], meta["rivals"], meta["seed"])
-        full, _ = st.strata_space(entry.key, tabs[r["chip"]])
-        for part, space in [(r, blocks)] + ([(r["whole"], full)] if r.get("whole") else []):
+        parts = [(r, blocks)]
+        if r.get("whole"):  # The key's whole space too, where the run ranked it.
+            parts.append((r["whole"], st.strata_space(entry.key, tabs[r["chip"]])[0]))
+        for part, space in parts:
             figs = model_figures(entry.key, space, spec_name, dtypes[1])
             for name, f in zip(("roofline_ms", "fitted_ms", "public_ms"), figs, strict=True):
                 part[name] = st.rows(f, 1e3)
