@@ -26,7 +26,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 
 def _normal(seed, shape, dtype=jnp.float32):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+    """Drawn with numpy: jax.random here compiled an op per new shape (5 s of every run)."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
+
+
+def _np(seed, shape):
+    return np.random.default_rng(seed).standard_normal(shape, np.float32)
 
 
 def _cases():
@@ -44,13 +49,14 @@ def _cases():
     from pallas_tune.kernels._attention import flash_attention_reference as attention
 
     q = _normal(3, (DEVICES, 2, 64, 32))
-    sizes = jnp.array([40, 0, 88], jnp.int32)
-    w_q = (_normal(9, (128, 64)) * 40).astype(jnp.int8)
+    sizes = np.array([40, 0, 88], np.int32)
+    w_q = jnp.asarray((_np(9, (128, 64)) * 40).astype(np.int8))
     rows = P("x")
     b, t, h, p, n = DEVICES, 64, 4, 16, 8
-    ssm = (_normal(13, (b, t, h * p)), jax.nn.softplus(_normal(14, (b, t, h)) - 1.0),
-           -jnp.exp(jnp.linspace(0.0, 2.5, h)), _normal(15, (b, t, n)) / 3, _normal(16, (b, t, n)) / 3,
-           _normal(17, (h,)))
+    ssm = tuple(map(jnp.asarray, (
+        _np(13, (b, t, h * p)), np.logaddexp(0.0, _np(14, (b, t, h)) - 1.0),  # softplus
+        -np.exp(np.linspace(0.0, 2.5, h, dtype=np.float32)), _np(15, (b, t, n)) / 3,
+        _np(16, (b, t, n)) / 3, _np(17, (h,)))))
     q128 = _normal(18, (DEVICES, 2, 128, 64))
     kv128 = (_normal(19, q128.shape), _normal(20, q128.shape))
     causal = lambda f: lambda q, k, v: f(q, k, v, causal=True)  # noqa: E731
@@ -74,23 +80,24 @@ def _cases():
         # Experts (groups) replicated, the rows of every group sharded: each shard's own sizes.
         "grouped_matmul": (gm.grouped_matmul, gm.grouped_matmul_reference,
                            (_normal(8, (DEVICES * 128, 64)), _normal(10, (3, 64, 96)),
-                            jnp.tile(sizes, DEVICES)), (rows, P(), rows), rows, (0, 1)),
+                            jnp.asarray(np.tile(sizes, DEVICES))), (rows, P(), rows), rows, (0, 1)),
         "quantized_matmul": (qm.quantized_matmul, qm.quantized_matmul_reference,
                              (_normal(11, (DEVICES * 16, 128), jnp.bfloat16), w_q,
-                              jnp.abs(_normal(12, (64,))) / 40), (rows, P(), P()), rows, ()),
+                              jnp.asarray(np.abs(_np(12, (64,))) / 40)), (rows, P(), P()), rows, ()),
         "mamba2_ssd": (ms.mamba2_ssd, ms.mamba2_ssd_reference, ssm, (rows, rows, P(), rows, rows, P()),
                        rows, (0, 1, 2, 3, 4, 5)),
         "quantized_grouped_matmul": (
             qg.quantized_grouped_matmul, qg.quantized_grouped_matmul_reference,
             (_normal(21, (DEVICES * 128, 128), jnp.bfloat16),
-             (_normal(22, (3, 128, 64)) * 40).astype(jnp.int8), jnp.abs(_normal(23, (3, 64))) / 40,
-             jnp.tile(sizes, DEVICES)), (rows, P(), P(), rows), rows, ()),
+             jnp.asarray((_np(22, (3, 128, 64)) * 40).astype(np.int8)),
+             jnp.asarray(np.abs(_np(23, (3, 64))) / 40), jnp.asarray(np.tile(sizes, DEVICES))),
+            (rows, P(), P(), rows), rows, ()),
         # Upstream kernels, as MaxText runs them: inside a shard_map over the batch.
         "splash_attention": (causal(up.splash_attention), causal(attention), (q128, *kv128),
                              (rows,) * 3, rows, (0, 1, 2)),
         "megablox_gmm": (up.megablox_gmm, gm.grouped_matmul_reference,
                          (_normal(24, (DEVICES * 128, 128)), _normal(25, (3, 128, 128)),
-                          jnp.tile(sizes, DEVICES)), (rows, P(), rows), rows, (0, 1)),
+                          jnp.asarray(np.tile(sizes, DEVICES))), (rows, P(), rows), rows, (0, 1)),
         "upstream_flash_attention": (causal(up.flash_attention), causal(attention),
                                      (q128, *kv128), (rows,) * 3, rows, (0, 1, 2)),
     }

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 from hypothesis import example, given
 from hypothesis import strategies as st
 from model_kernel_checks import assert_matches_reference, oracle
@@ -28,10 +29,7 @@ FUSED = {**SMALL, "fused": True}  # One pass: dK/dV with dq accumulated (dQ bloc
 
 
 def _qkv(hq, hkv, sq, sk, d, dtype, seed=0, b=1):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(ks[0], (b, hq, sq, d), jnp.float32).astype(dtype),
-            jax.random.normal(ks[1], (b, hkv, sk, d), jnp.float32).astype(dtype),
-            jax.random.normal(ks[2], (b, hkv, sk, d), jnp.float32).astype(dtype))
+    return tuple(normals(seed, [(b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d)], dtype))
 
 
 def _f32_reference_grads(args, causal):

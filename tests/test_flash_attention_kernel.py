@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 from model_kernel_checks import oracle
 
 import pallas_tune as pt
@@ -9,10 +10,7 @@ from pallas_tune.kernels.flash_attention import flash_attention, flash_attention
 
 
 def _qkv(b, hq, hkv, s, d, dtype, seed=0):
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(kq, (b, hq, s, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (b, hkv, s, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (b, hkv, s, d), jnp.float32).astype(dtype)
+    q, k, v = normals(seed, [(b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d)], dtype)
     return q, k, v
 
 
@@ -63,10 +61,7 @@ def test_lowers_for_tpu_at_llama_shapes():
     (1, 1, 1, 1, 8, 128, 128),
 ])
 def test_ragged_lengths_match_reference(causal, hq, hkv, sq, sk, d, bq, bkv):
-    ks = jax.random.split(jax.random.key(3), 3)
-    q = jax.random.normal(ks[0], (1, hq, sq, d), jnp.float32)
-    k = jax.random.normal(ks[1], (1, hkv, sk, d), jnp.float32)
-    v = jax.random.normal(ks[2], (1, hkv, sk, d), jnp.float32)
+    q, k, v = normals(3, [(1, hq, sq, d), (1, hkv, sk, d), (1, hkv, sk, d)])
     out = flash_attention(q, k, v, causal=causal, bq=bq, bkv=bkv)
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_allclose(out, oracle(flash_attention_reference, q, k, v, causal=causal),
@@ -82,10 +77,8 @@ def test_ragged_lengths_match_reference(causal, hq, hkv, sq, sk, d, bq, bkv):
     (True, 4400, 4400, 4096, 2048),
 ])
 def test_strips_and_early_output_match_reference(causal, sq, sk, bq, bkv):
-    ks = jax.random.split(jax.random.key(5), 3)
-    q = jax.random.normal(ks[0], (1, 2, sq, 128), jnp.float32) * 3
-    k = jax.random.normal(ks[1], (1, 1, sk, 128), jnp.float32)
-    v = jax.random.normal(ks[2], (1, 1, sk, 128), jnp.float32)
+    q, k, v = normals(5, [(1, 2, sq, 128), (1, 1, sk, 128), (1, 1, sk, 128)])
+    q = q * 3
     out = np.asarray(flash_attention(q, k, v, causal=causal, bq=bq, bkv=bkv))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, oracle(flash_attention_reference, q, k, v, causal=causal),

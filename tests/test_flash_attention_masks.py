@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -30,9 +31,8 @@ FUSED = {**SMALL, "fused": True}  # One pass: dK/dV with dq accumulated.
 
 
 def _qkv(hq, hkv, sq, sk, d, dtype=jnp.float32, seed=0, b=1):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q, k, v, do = (jax.random.normal(key, shape, jnp.float32).astype(dtype) for key, shape in
-                   zip(ks, [(b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d), (b, hq, sq, d)]))
+    q, k, v, do = normals(seed, [(b, hq, sq, d), (b, hkv, sk, d), (b, hkv, sk, d),
+                                 (b, hq, sq, d)], dtype)
     return q, k, v, do
 
 

@@ -9,6 +9,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
+from draws import normal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_kernel_checks import oracle
@@ -24,7 +25,7 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 
 
 def _rand(shape, dtype, seed=0):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+    return normal(seed, shape, dtype)
 
 
 def _assert_close(out, ref):

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 from model_kernel_checks import oracle
 
 import pallas_tune as pt
@@ -10,9 +11,7 @@ from pallas_tune.kernels.grouped_matmul import (grouped_matmul, grouped_matmul_r
 
 
 def _inputs(m, k, n, sizes, dtype):
-    k1, k2 = jax.random.split(jax.random.key(0))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(dtype)
-    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32).astype(dtype)
+    lhs, rhs = normals(0, [(m, k), (len(sizes), k, n)], dtype)
     return lhs, rhs, jnp.array(sizes, jnp.int32)
 
 
@@ -35,9 +34,7 @@ def test_matches_reference(dtype, sizes):
     (1, 5, 7, [0, 1, 0], (128, 128, 128)),
 ])
 def test_ragged_shapes_match_reference(m, k, n, sizes, tiles):
-    k1, k2 = jax.random.split(jax.random.key(2))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32)
-    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
+    lhs, rhs = normals(2, [(m, k), (len(sizes), k, n)])
     gs = jnp.array(sizes, jnp.int32)
     tm, tk, tn = tiles
     out = grouped_matmul(lhs, rhs, gs, tm=tm, tk=tk, tn=tn)

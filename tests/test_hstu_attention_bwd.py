@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normal, normals
 from hypothesis import example, given
 from hypothesis import strategies as st
 from model_kernel_checks import assert_cotangents_close, oracle
@@ -26,12 +27,8 @@ NAMES = ("dq", "dk", "dv", "drel_bias")
 
 
 def _args(b, h, s, d, dv, nb, dtype, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 5)
-    normal = lambda key, shape, scale=1.0: (  # noqa: E731
-        scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-    return (normal(ks[0], (b, h, s, d)), normal(ks[1], (b, h, s, d)),
-            normal(ks[2], (b, h, s, dv)), normal(ks[3], (nb,), 0.5).astype(jnp.float32),
-            normal(ks[4], (b, h, s, dv)))
+    q, k, v, g = normals(seed, [(b, h, s, d), (b, h, s, d), (b, h, s, dv), (b, h, s, dv)], dtype)
+    return q, k, v, normal(seed + 7919, (nb,), dtype, 0.5).astype(jnp.float32), g
 
 
 def _assert_grads_close(grads, ref, args):

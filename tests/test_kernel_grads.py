@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normal
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -28,7 +29,7 @@ T128 = dict(dx_bm=128, dx_bn=128, dx_bk=128, dy_bm=128, dy_bn=128, dy_bk=128)
 
 
 def _normal(seed, shape, dtype, scale=1.0):
-    return (scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+    return normal(seed, shape, dtype, scale)
 
 
 def assert_grads_match(got, want):
@@ -379,8 +380,7 @@ def test_a_backward_whose_entry_says_xla_runs_xla_gradient(cache_dir, tmp_path, 
     from pallas_tune.kernels.matmul_bwd import matmul_bwd
 
     assert matmul_bwd.fallback == "reference"
-    x = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
-    y = jax.random.normal(jax.random.key(1), (128, 256), jnp.float32)
+    x, y = normal(0, (256, 128)), normal(1, (128, 256))
     g = jnp.ones((256, 256), jnp.float32)
     key = matmul_bwd.cache_key(x, y, g)
     matmul_bwd.cache.write("cpu", matmul_bwd.name, key,

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 from hypothesis import example, given
 from hypothesis import strategies as st
 from model_kernel_checks import assert_cotangents_close, oracle
@@ -27,11 +28,8 @@ NAMES = ("dq", "dk", "dv")
 
 
 def _args(b, h, t, d, dv, dtype, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    normal = lambda key, shape: (  # noqa: E731
-        jax.random.normal(key, shape, jnp.float32) / math.sqrt(d)).astype(dtype)
-    return (normal(ks[0], (b, h, t, d)), normal(ks[1], (b, h, t, d)),
-            normal(ks[2], (b, h, t, dv)), normal(ks[3], (b, h, t, dv)))
+    return tuple(normals(seed, [(b, h, t, d), (b, h, t, d), (b, h, t, dv), (b, h, t, dv)],
+                         dtype, 1 / math.sqrt(d)))
 
 
 def _recurrence_vjp(q, k, v, g, *, decay):

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 from model_kernel_checks import oracle
 
 import pallas_tune as pt
@@ -9,8 +10,7 @@ from pallas_tune.kernels.linear_attention import linear_attention, linear_attent
 
 
 def _qkv(shape, dtype):
-    ks = jax.random.split(jax.random.key(0), 3)
-    return [(0.3 * jax.random.normal(k, shape, jnp.float32)).astype(dtype) for k in ks]
+    return normals(0, [shape] * 3, dtype, 0.3)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

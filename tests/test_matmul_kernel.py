@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 
 import pallas_tune as pt
 from pallas_tune.feasibility import inspect as _inspect
@@ -18,9 +19,7 @@ from pallas_tune.kernels.matmul import matmul, matmul_reference
                                    (1, 129, 7)])
 @pytest.mark.parametrize("bm,bn,bk,buffering", [(128, 128, 128, 2), (256, 128, 256, 1)])
 def test_matches_reference(dtype, m, k, n, bm, bn, bk, buffering):
-    kx, ky = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
-    y = jax.random.normal(ky, (k, n), jnp.float32).astype(dtype)
+    x, y = normals(0, [(m, k), (k, n)], dtype)
     out = matmul(x, y, bm=bm, bn=bn, bk=bk, buffering=buffering,
                  semantics=("parallel", "parallel", "arbitrary"))
     ref = matmul_reference(x, y)

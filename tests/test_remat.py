@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 
 import pallas_tune as pt
 from pallas_tune.kernels.flash_attention import flash_attention, flash_attention_reference
@@ -32,9 +33,7 @@ def _pallas_names(jaxpr) -> list[str]:
                                     jax.checkpoint_policies.dots_saveable],
                          ids=["nothing_saveable", "dots_saveable"])
 def test_autotune_under_checkpoint(cache_dir, policy):
-    ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (1, 2, S, 32), jnp.float32)
-    k, v = (jax.random.normal(key, (1, 1, S, 32), jnp.float32) for key in ks[1:])
+    q, k, v = normals(0, [(1, 2, S, 32), (1, 1, S, 32), (1, 1, S, 32)])
     step = jax.grad(jax.checkpoint(functools.partial(_loss, flash_attention), policy=policy),
                     argnums=(0, 1, 2))
     flash_attention._memo.clear()

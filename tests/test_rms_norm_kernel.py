@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normal
 
 import pallas_tune as pt
 from pallas_tune.kernels.rms_norm import rms_norm, rms_norm_reference
@@ -11,8 +12,8 @@ from pallas_tune.kernels.rms_norm import rms_norm, rms_norm_reference
 @pytest.mark.parametrize("shape,block_rows", [((64, 256), 8), ((2, 64, 512), 32), ((40, 128), 64),
                                               ((1000, 300), 256), ((3, 13, 7), 8), ((1, 5), 8)])
 def test_matches_reference(dtype, shape, block_rows):
-    x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype)
-    w = (1 + 0.1 * jax.random.normal(jax.random.key(1), shape[-1:], jnp.float32)).astype(dtype)
+    x = normal(0, shape, dtype)
+    w = (1 + normal(1, shape[-1:], jnp.float32, 0.1)).astype(dtype)
     out = rms_norm(x, w, block_rows=block_rows)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from draws import normals
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
                                 "benchmarks", "kernels"))
@@ -68,11 +69,8 @@ def test_ragged_dot_alternative_computes_the_grouped_matmul_and_its_gradient():
 
     from pallas_tune.kernels.grouped_matmul import grouped_matmul_reference
 
-    keys = jax.random.split(jax.random.key(3), 3)
-    lhs = jax.random.normal(keys[0], (40, 24), jnp.float32)
-    rhs = jax.random.normal(keys[1], (4, 24, 16), jnp.float32)
+    lhs, rhs, g = normals(3, [(40, 24), (4, 24, 16), (40, 16)])
     sizes = jnp.array([7, 0, 25, 8], jnp.int32)
-    g = jax.random.normal(keys[2], (40, 16), jnp.float32)
     np.testing.assert_allclose(ragged_dot_grouped(lhs, rhs, sizes),
                                grouped_matmul_reference(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
     ours = xla_gradient(lhs, rhs, sizes, g, forward="xla_gradient:ragged_dot_grouped")

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from draws import normals
 
 import pallas_tune as pt
 from pallas_tune.kernels import upstream
@@ -12,8 +13,7 @@ from pallas_tune.kernels.grouped_matmul import grouped_matmul_reference
 
 
 def _qkv(shape, dtype=jnp.float32):
-    ks = jax.random.split(jax.random.key(0), 3)
-    return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in ks]
+    return normals(0, [shape] * 3, dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -35,9 +35,7 @@ def test_invalid_block_combination_is_reported():
 
 
 def test_megablox_adapter():
-    k1, k2 = jax.random.split(jax.random.key(1))
-    lhs = jax.random.normal(k1, (512, 256), jnp.float32)
-    rhs = jax.random.normal(k2, (3, 256, 256), jnp.float32)
+    lhs, rhs = normals(1, [(512, 256), (3, 256, 256)])
     gs = jnp.array([200, 0, 312], jnp.int32)
     out = upstream.megablox_gmm(lhs, rhs, gs, tm=128, tk=128, tn=128)
     np.testing.assert_allclose(out, grouped_matmul_reference(lhs, rhs, gs), rtol=1e-4, atol=1e-3)
@@ -68,10 +66,7 @@ def test_tuner_records_invalid_upstream_configs_as_infeasible(cache_dir):
 
 
 def _qkv_heads(hq, hkv, sq, sk, d, dtype=jnp.float32):
-    ks = jax.random.split(jax.random.key(0), 3)
-    return (jax.random.normal(ks[0], (1, hq, sq, d), jnp.float32).astype(dtype),
-            jax.random.normal(ks[1], (1, hkv, sk, d), jnp.float32).astype(dtype),
-            jax.random.normal(ks[2], (1, hkv, sk, d), jnp.float32).astype(dtype))
+    return tuple(normals(0, [(1, hq, sq, d), (1, hkv, sk, d), (1, hkv, sk, d)], dtype))
 
 
 @pytest.mark.parametrize("adapter,shape,blocks", [
@@ -132,9 +127,7 @@ def test_megablox_adapter_refusals():
 
 
 def test_megablox_adapter_takes_ragged_k_and_n():
-    k1, k2 = jax.random.split(jax.random.key(1))
-    lhs = jax.random.normal(k1, (256, 300), jnp.float32)
-    rhs = jax.random.normal(k2, (3, 300, 200), jnp.float32)
+    lhs, rhs = normals(1, [(256, 300), (3, 300, 200)])
     gs = jnp.array([7, 0, 249], jnp.int32)
     out = upstream.megablox_gmm(lhs, rhs, gs, tm=128, tk=128, tn=128)
     np.testing.assert_allclose(out, grouped_matmul_reference(lhs, rhs, gs), rtol=1e-4, atol=1e-3)
@@ -237,9 +230,7 @@ def test_megablox_adapter_is_differentiable():
     """jax.grad through megablox gmm: dlhs by gmm against rhs transposed, drhs by tgmm, their
     tilings resolved from megablox_gmm_bwd's own cache entries (here its default); an empty
     group gets a zero gradient."""
-    k1, k2 = jax.random.split(jax.random.key(1))
-    lhs = jax.random.normal(k1, (512, 256), jnp.float32)
-    rhs = jax.random.normal(k2, (3, 256, 384), jnp.float32)
+    lhs, rhs = normals(1, [(512, 256), (3, 256, 384)])
     gs = jnp.array([200, 0, 312], jnp.int32)
     weights = jnp.cos(jnp.arange(384.0))
 
