@@ -9,6 +9,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Deviceless TPU compiles load libtpu in this process; under pytest-xdist two test processes may
 # load it at once (the library sets this too, before its own loads).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# JAX's persistent compilation cache, shared by xdist's workers and the tests' subprocesses
+# (which compile many of the same programs: references, kernels in interpret mode), in a
+# temporary directory of this run's own, removed when it ends. Many users run JAX with it on,
+# so the suite runs that way too. A JAX_COMPILATION_CACHE_DIR of your own is used as it is.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _JAX_CACHE = tempfile.mkdtemp(prefix="pallas-tune-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+    atexit.register(shutil.rmtree, _JAX_CACHE, True)
 # libtpu's logs of the tests' workers and commands: under a temporary directory of this test
 # run's own, removed when it ends (a fixed one had kept 52 run directories, 1.9 MB, after a full
 # run), not the user's log directory (pallas_tune.measure.logs; bounded either way). xdist's
