@@ -91,10 +91,30 @@ def test_a_storage_that_fills_up_mid_tune_is_one_error_and_the_tune_resumes(tmp_
     done = [t.params for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done) == 4
     ev2, go2 = _tune(storage)
+    from pallas_tune.tuning import loop
+
+    waits = []  # The failed run's trials are this process's, of a closed run: dead at once,
+    monkeypatch.setattr(loop.time, "sleep", waits.append)  # not waited on (50 s before).
     result = go2()
     again = [c for c in ev2.evaluated if any(
         all(c[k] == p[k] for k in ("a", "b")) for p in done)]
     assert again == [] and result.best_ms == min(_cost(c) for c in ev.evaluated + ev2.evaluated)
+    assert waits == []
+    study = optuna.load_study(study_name="disk-full", storage=storage)
+    assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+
+
+def test_a_closed_run_s_trials_are_dead_an_open_one_s_alive():
+    """The owner tag host:pid:run: this process's trials are alive while their run is open;
+    a tag without a run (pallas-tune before it) stays alive, as another host's does."""
+    from pallas_tune.tuning import storage as st
+
+    run = st.open_run()
+    tag = st.owner(run)
+    assert st._alive_here(tag)
+    st.close_run(run)
+    assert not st._alive_here(tag)
+    assert st._alive_here(st.owner()) and st._alive_here("another-host:1:" + run)
 
 
 def test_a_cache_write_on_a_full_disk_keeps_the_result_on_the_error(cache_dir, monkeypatch):

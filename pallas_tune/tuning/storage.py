@@ -22,7 +22,10 @@ study use Optuna's own mechanisms, nothing home-made:
   ``optuna.storages.fail_stale_trials`` fails those of dead workers after the grace period and
   :class:`optuna.storages.RetryFailedTrialCallback` puts their params back in the queue. A
   worker on the same host whose process is gone (kill -9) is failed at once: each trial
-  records its owner (host, pid).
+  records its owner (host, pid and the run in that process). So is a trial of a finished run
+  of this very process that could not give its trials back (the disk was full, the database
+  gone): a tune resumed in the same process (a notebook) takes them at once, not after the
+  grace period.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any, Final
 from pallas_tune.errors import TuneOptionError
 
 __all__ = ["HEARTBEAT_S", "Heartbeat", "check_url", "default_storage_url", "fail_dead",
-           "load_or_create", "open_storage", "owner", "storage_dir"]
+           "close_run", "load_or_create", "open_run", "open_storage", "owner", "storage_dir"]
 
 HEARTBEAT_S: Final = 10  # Seconds between heartbeats of a running trial.
 GRACE_S: Final = 60  # A trial without a heartbeat for this long belongs to a dead worker.
@@ -226,18 +229,38 @@ def _retry() -> Any:
         return (cls or optuna.storages.RetryFailedTrialCallback)()
 
 
-def owner() -> str:
-    """Who runs a trial: ``host:pid``."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+_OPEN_RUNS: set[str] = set()  # This process's runs that may still hold RUNNING trials.
+
+
+def open_run() -> str:
+    """A token for a run (a :class:`~pallas_tune.tuning.study.Search`) of this process, live
+    until :func:`close_run`; its trials' owner tag names it."""
+    token = os.urandom(6).hex()
+    _OPEN_RUNS.add(token)
+    return token
+
+
+def close_run(token: str | None) -> None:
+    _OPEN_RUNS.discard(token)
+
+
+def owner(run: str | None = None) -> str:
+    """Who runs a trial: ``host:pid``, and ``:run`` where given."""
+    tag = f"{socket.gethostname()}:{os.getpid()}"
+    return f"{tag}:{run}" if run else tag
 
 
 def _alive_here(tag: Any) -> bool:
-    """False only for a trial of this host whose process is gone."""
+    """False only for a trial of this host whose process is gone, or of a closed run of this
+    process (``host:pid:run``)."""
     if not isinstance(tag, str) or ":" not in tag:
         return True
-    host, _, pid = tag.rpartition(":")
+    parts = tag.split(":")
+    host, pid = parts[0], parts[1]
     if host != socket.gethostname() or not pid.isdigit():
         return True
+    if int(pid) == os.getpid():
+        return len(parts) < 3 or parts[2] in _OPEN_RUNS
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:

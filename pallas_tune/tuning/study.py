@@ -122,6 +122,7 @@ class Search:
         self.examined = 0  # Trials our reads went through (the work per trial stays flat).
         self._active: dict[int, Any] = {}  # Our RUNNING trials, by trial id.
         self._heartbeat: Any = None
+        self._run: str | None = None  # This run's token in its trials' owner tag (storage).
 
     @classmethod
     def open(cls, space: Any, *, name: str, storage: Any, sampler: str, seed: int | None,
@@ -155,6 +156,7 @@ class Search:
             for config in queue:
                 study.enqueue_trial(codec.encode(config), skip_if_exists=not created)
         search._heartbeat = _storage.Heartbeat(study._storage, lambda: list(search._active))
+        search._run = _storage.open_run()
         return search
 
     @property
@@ -253,7 +255,7 @@ class Search:
             self._heartbeat.beat(trial._trial_id)
             try:
                 trial.storage.set_trial_system_attr(trial._trial_id, _storage.OWNER_ATTR,
-                                                    _storage.owner())
+                                                    _storage.owner(self._run))
                 config = self.codec.suggest(trial)
             except ValueError as e:  # Optuna: a stored study with other distributions.
                 self._drop(trial)
@@ -317,6 +319,9 @@ class Search:
         heartbeat = getattr(self, "_heartbeat", None)
         if heartbeat is not None:
             heartbeat.close()
+        from pallas_tune.tuning import storage as _storage
+
+        _storage.close_run(self._run)  # Its trials still RUNNING are dead from now on.
 
     def tell(self, trial: Any, record: TrialRecord, *, new: bool) -> None:
         """Tells the study a trial's value: the median for a timed one (``slow`` included, at
