@@ -147,7 +147,8 @@ def kernels(mode: str) -> None:
         loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2))  # noqa: E731
         grad = (jax.grad(loss(ref), argnums=(0, 1)) if differentiable else
                 lambda *a: jnp.zeros(()))
-        want = (ref(*inputs), grad(*inputs))
+        # The references compiled whole: op by op they compiled each op (most of this run).
+        want = jax.jit(lambda *a: (ref(*a), grad(*a)))(*inputs)
         args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(inputs, specs)]
         shapes = set()
 
@@ -239,7 +240,7 @@ def tuned() -> None:
     def reference(q, y):
         return jnp.sum(matmul_reference(rms_norm_reference(y, q["norm"]), q["w"]) ** 2)
 
-    want = jax.grad(reference)(params, _normal(1, (64, 128)))
+    want = jax.jit(jax.grad(reference))(params, _normal(1, (64, 128)))
     print(json.dumps({"autotune": [[c.kernel.rsplit(".", 1)[-1], c.key, c.source]
                                    for c in result.calls],
                       "meshes": sorted({c.mesh for c in result.calls}), "table": str(result),
