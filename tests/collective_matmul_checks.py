@@ -20,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from draws import normal  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -34,10 +35,8 @@ def _mesh(n):
 
 
 def _inputs(n, m=16, k=256, cols=256, dtype=jnp.float32):
-    # Drawn with numpy: jax.random compiles a program for every new shape.
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((n * m, k), np.float32), dtype)
-    y = jnp.asarray(np.random.default_rng(1).standard_normal((k, n * cols), np.float32), dtype)
-    return x, y
+    # Drawn with numpy (draws.py): jax.random compiles a program for every new shape.
+    return normal(0, (n * m, k), dtype), normal(1, (k, n * cols), dtype)
 
 
 def _err(a, b):

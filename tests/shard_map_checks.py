@@ -21,17 +21,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from draws import normal, standard  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 
-def _normal(seed, shape, dtype=jnp.float32):
-    """Drawn with numpy: jax.random here compiled an op per new shape (5 s of every run)."""
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32), dtype)
-
-
-def _np(seed, shape):
-    return np.random.default_rng(seed).standard_normal(shape, np.float32)
+# Drawn with numpy (draws.py): jax.random compiled an op per new shape, 5 s of every run.
+_normal, _np = normal, standard
 
 
 def _cases():

@@ -23,6 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from draws import normal  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -35,9 +36,7 @@ from pallas_tune.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E
 from pallas_tune.runtime import tunable  # noqa: E402
 
 
-def _normal(seed, shape):
-    """Drawn with numpy: jax.random compiles a program for every new shape."""
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+_normal = normal  # Drawn with numpy (draws.py): jax.random compiles one per new shape.
 
 
 def _err(a, b):

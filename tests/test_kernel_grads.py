@@ -28,10 +28,6 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 T128 = dict(dx_bm=128, dx_bn=128, dx_bk=128, dy_bm=128, dy_bn=128, dy_bk=128)
 
 
-def _normal(seed, shape, dtype, scale=1.0):
-    return normal(seed, shape, dtype, scale)
-
-
 def assert_grads_match(got, want):
     """Every cotangent: same shape and dtype, finite, within the dtype's tolerance."""
     assert len(got) == len(want)
@@ -49,27 +45,27 @@ def _loss(f):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_bwd_kernel_at_ragged_shapes(dtype):
     """Every axis ragged for 128 tiles (both reductions mask their tail)."""
-    x, y, g = _normal(0, (200, 300), dtype), _normal(1, (300, 270), dtype), \
-        _normal(2, (200, 270), dtype)
+    x, y, g = normal(0, (200, 300), dtype), normal(1, (300, 270), dtype), \
+        normal(2, (200, 270), dtype)
     assert_grads_match(matmul_bwd(x, y, g, **T128), oracle(matmul_bwd_reference, x, y, g))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matmul_grad_matches_reference_grad(dtype):
-    x, y = _normal(0, (200, 130), dtype), _normal(1, (130, 70), dtype)
+    x, y = normal(0, (200, 130), dtype), normal(1, (130, 70), dtype)
     got = jax.jit(jax.grad(_loss(matmul), argnums=(0, 1)))(x, y)
     want = jax.jit(jax.grad(_loss(matmul_reference), argnums=(0, 1)))(x, y)
     assert_grads_match(got, want)
 
 
 def test_matmul_check_grads_f32():
-    x, y = _normal(0, (9, 7), jnp.float32), _normal(1, (7, 5), jnp.float32)
+    x, y = normal(0, (9, 7), jnp.float32), normal(1, (7, 5), jnp.float32)
     check_grads(matmul, (x, y), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
 
 def test_matmul_vjp_jit_checkpoint_vmap():
-    x, y = _normal(0, (40, 24), jnp.float32), _normal(1, (24, 16), jnp.float32)
-    g = _normal(2, (40, 16), jnp.float32)
+    x, y = normal(0, (40, 24), jnp.float32), normal(1, (24, 16), jnp.float32)
+    g = normal(2, (40, 16), jnp.float32)
     want = oracle(matmul_bwd_reference, x, y, g)
     out, vjp = jax.vjp(matmul, x, y)
     assert_matches_reference(out, matmul_reference(x, y))
@@ -94,8 +90,8 @@ def matmul_bwd_cases(draw):
 @given(case=matmul_bwd_cases())
 def test_matmul_bwd_property(case):
     m, k, n, config, dtype, seed = case
-    x, y, g = _normal(seed, (m, k), dtype), _normal(seed + 1, (k, n), dtype), \
-        _normal(seed + 2, (m, n), dtype)
+    x, y, g = normal(seed, (m, k), dtype), normal(seed + 1, (k, n), dtype), \
+        normal(seed + 2, (m, n), dtype)
     assert_grads_match(matmul_bwd(x, y, g, **config), oracle(matmul_bwd_reference, x, y, g))
 
 
@@ -104,17 +100,17 @@ def test_matmul_bwd_property(case):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,block_rows", [((200, 256), 64), ((3, 13, 7), 8), ((1, 5), 8)])
 def test_rms_norm_bwd_kernel_at_ragged_shapes(dtype, shape, block_rows):
-    x = _normal(0, shape, dtype)
-    w = (1 + _normal(1, shape[-1:], jnp.float32, 0.1)).astype(dtype)
-    g = _normal(2, shape, dtype)
+    x = normal(0, shape, dtype)
+    w = (1 + normal(1, shape[-1:], jnp.float32, 0.1)).astype(dtype)
+    g = normal(2, shape, dtype)
     got = rms_norm_bwd(x, w, g, eps=1e-5, block_rows=block_rows)
     assert_grads_match(got, oracle(rms_norm_bwd_reference, x, w, g, eps=1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_grad_matches_reference_grad(dtype):
-    x = _normal(0, (2, 101, 200), dtype)
-    w = (1 + _normal(1, (200,), jnp.float32, 0.1)).astype(dtype)
+    x = normal(0, (2, 101, 200), dtype)
+    w = (1 + normal(1, (200,), jnp.float32, 0.1)).astype(dtype)
     f = _loss(functools.partial(rms_norm, eps=1e-5))
     got = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
     want = jax.jit(jax.grad(_loss(functools.partial(rms_norm_reference, eps=1e-5)),
@@ -123,8 +119,8 @@ def test_rms_norm_grad_matches_reference_grad(dtype):
 
 
 def test_rms_norm_check_grads_f32_and_vmap():
-    x = _normal(0, (9, 16), jnp.float32)
-    w = 1 + _normal(1, (16,), jnp.float32, 0.1)
+    x = normal(0, (9, 16), jnp.float32)
+    w = 1 + normal(1, (16,), jnp.float32, 0.1)
     check_grads(rms_norm, (x, w), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
     xs = jnp.stack([x, 3 * x])
     got = jax.vmap(jax.grad(_loss(rms_norm), argnums=(0, 1)), in_axes=(0, None))(xs, w)
@@ -142,9 +138,9 @@ def rms_norm_bwd_cases(draw):
 @given(case=rms_norm_bwd_cases())
 def test_rms_norm_bwd_property(case):
     shape, block_rows, dtype, seed = case
-    x = _normal(seed, shape, dtype)
-    w = (1 + _normal(seed + 1, shape[-1:], jnp.float32, 0.1)).astype(dtype)
-    g = _normal(seed + 2, shape, dtype)
+    x = normal(seed, shape, dtype)
+    w = (1 + normal(seed + 1, shape[-1:], jnp.float32, 0.1)).astype(dtype)
+    g = normal(seed + 2, shape, dtype)
     assert_grads_match(rms_norm_bwd(x, w, g, block_rows=block_rows),
                        oracle(rms_norm_bwd_reference, x, w, g))
 
@@ -155,8 +151,8 @@ G128 = dict(dlhs_tm=128, dlhs_tk=128, dlhs_tn=128, drhs_tm=128, drhs_tk=128, drh
 
 
 def _grouped(seed, m, k, n, sizes, dtype):
-    return (_normal(seed, (m, k), dtype), _normal(seed + 1, (len(sizes), k, n), dtype),
-            jnp.asarray(sizes, jnp.int32), _normal(seed + 2, (m, n), dtype))
+    return (normal(seed, (m, k), dtype), normal(seed + 1, (len(sizes), k, n), dtype),
+            jnp.asarray(sizes, jnp.int32), normal(seed + 2, (m, n), dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,7 +188,7 @@ def test_grouped_matmul_grad_matches_reference_grad(dtype):
     f32 = grads(grouped_matmul_reference, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
     assert_grads_match(got, [w.astype(dtype) for w in f32])
     check_grads(lambda a, b: grouped_matmul(a, b, jnp.asarray([3, 0, 6], jnp.int32)),
-                (_normal(5, (9, 4), jnp.float32), _normal(6, (3, 4, 5), jnp.float32)),
+                (normal(5, (9, 4), jnp.float32), normal(6, (3, 4, 5), jnp.float32)),
                 order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
 
@@ -218,11 +214,11 @@ def test_grouped_matmul_bwd_property(case):
 
 def _xla_cases():
     T, H, P, N = 70, 2, 8, 16
-    ssd = (_normal(0, (1, T, H * P), jnp.float32),
-           jax.nn.softplus(_normal(1, (1, T, H), jnp.float32)),
-           -jnp.exp(_normal(2, (H,), jnp.float32, 0.5)),
-           _normal(3, (1, T, N), jnp.float32), _normal(4, (1, T, N), jnp.float32),
-           _normal(5, (H,), jnp.float32))
+    ssd = (normal(0, (1, T, H * P), jnp.float32),
+           jax.nn.softplus(normal(1, (1, T, H), jnp.float32)),
+           -jnp.exp(normal(2, (H,), jnp.float32, 0.5)),
+           normal(3, (1, T, N), jnp.float32), normal(4, (1, T, N), jnp.float32),
+           normal(5, (H,), jnp.float32))
     return [(mamba2_ssd, mamba2_ssd_reference, ssd, {}, 6)]
 
 
@@ -243,11 +239,11 @@ SEQ, D_MODEL, HQ, HKV, HEAD = 200, 128, 2, 1, 64
 
 
 def _params(dtype=jnp.float32):
-    return {"norm": 1 + _normal(0, (D_MODEL,), dtype, 0.1),
-            "wq": _normal(1, (D_MODEL, HQ * HEAD), dtype, D_MODEL ** -0.5),
-            "wk": _normal(2, (D_MODEL, HKV * HEAD), dtype, D_MODEL ** -0.5),
-            "wv": _normal(3, (D_MODEL, HKV * HEAD), dtype, D_MODEL ** -0.5),
-            "wo": _normal(4, (HQ * HEAD, D_MODEL), dtype, (HQ * HEAD) ** -0.5)}
+    return {"norm": 1 + normal(0, (D_MODEL,), dtype, 0.1),
+            "wq": normal(1, (D_MODEL, HQ * HEAD), dtype, D_MODEL ** -0.5),
+            "wk": normal(2, (D_MODEL, HKV * HEAD), dtype, D_MODEL ** -0.5),
+            "wv": normal(3, (D_MODEL, HKV * HEAD), dtype, D_MODEL ** -0.5),
+            "wo": normal(4, (HQ * HEAD, D_MODEL), dtype, (HQ * HEAD) ** -0.5)}
 
 
 def llama_block(params, x, *, norm, mm, attention):
@@ -265,7 +261,7 @@ def llama_block(params, x, *, norm, mm, attention):
 
 
 def _block_grads(attention, reference_attention):
-    x = _normal(9, (SEQ, D_MODEL), jnp.float32)
+    x = normal(9, (SEQ, D_MODEL), jnp.float32)
     kernels = functools.partial(llama_block, norm=rms_norm, mm=matmul, attention=attention)
     refs = functools.partial(llama_block, norm=rms_norm_reference, mm=matmul_reference,
                              attention=reference_attention)
@@ -302,8 +298,8 @@ def test_llama_block_grad_with_flash_attention():
 def test_grad_resolves_backward_config_from_its_own_cache(cache_dir):
     """The gradient calls the backward kernel with no tiles: its cache entry decides them,
     whatever config the forward is called with."""
-    x, y = _normal(0, (200, 300), jnp.float32), _normal(1, (300, 270), jnp.float32)
-    g = _normal(2, (200, 270), jnp.float32)
+    x, y = normal(0, (200, 300), jnp.float32), normal(1, (300, 270), jnp.float32)
+    g = normal(2, (200, 270), jnp.float32)
     entry = dict(T128, dx_bk=256)
     _write_entry(matmul_bwd, (x, y, g), entry)
     matmul_bwd._memo.clear()
