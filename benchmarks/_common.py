@@ -203,6 +203,17 @@ def static_profile_env(prefix: str, *, bundles: bool = False) -> str:
     return dump
 
 
+def winner_rank(figures: Mapping[Any, float], winner: Any) -> int:
+    """The real winner's rank under a figure (1 = best; smaller figures are better), ties
+    broken against it: 1 + how many other configs the figure puts level with it or ahead. A
+    figure that cannot tell configs apart (a roofline's memory-bound configs, a model with no
+    per-step cost) gives them one value; a tune picks one of them, not the winner by right, so
+    a tie is no evidence for it (were ties shared, a figure that ranks everything alike would
+    put every winner first)."""
+    w = figures[winner]
+    return 1 + sum(1 for c, v in figures.items() if c != winner and v <= w)
+
+
 def k95(ranks: Sequence[float]) -> float:
     """The least K with a real winner inside a figure's top K on at least 95% of keys (inf: on
     more than 5% of keys the winner has no figure; nan: no key): the estimate pages' K95."""

@@ -91,7 +91,8 @@ SMOKES = {
                                              "[1/1] ", " contenders of ", "two-point: "),
                                             libtpu=True,
                                             needs=("tpu_inference",)),
-    "estimates/fallback_public_fit.py": Smoke(("## The constants", "| 7x | 3 |"),
+    "estimates/fallback_public_fit.py": Smoke(("## The constants", "| 7x | 3 |",
+                                               "## Validation: the table's other keys"),
                                               needs=("tpu_inference",)),
     "estimates/scale_rule_selection.py": Smoke(("| the larger of libtpu's and the calibrated "
                                                 "model's (the rule) |", "2 v6e int8 keys"),

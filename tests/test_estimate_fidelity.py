@@ -91,9 +91,13 @@ def test_the_standin_keeps_128_steps_and_two_batch_blocks(ef):
     assert isinstance(x, jax.ShapeDtypeStruct)
 
 
-def test_ranks_share_ties_and_the_verdict_compares_with_the_pick_and_the_default(ef):
+def test_ties_count_against_the_winner_and_the_verdict_compares_with_the_pick_and_default(ef):
     a, b, c, d = (16, 128, 128), (16, 256, 128), (16, 512, 128), ef.MISS_DEFAULT
-    assert ef.ranks({a: 2.0, b: 1.0, c: 2.0}) == {b: 1, a: 2, c: 2}
+    # A config level with the winner is counted ahead of it: a figure that tells configs apart
+    # no better than that is no evidence for the winner (shared ranks would put it first).
+    assert ef.verdict({a: 2.0, b: 1.0, c: 2.0}, winner=a).winner_rank == 3
+    assert ef.verdict({a: 1.0, b: 1.0, c: 1.0}, winner=a).winner_rank == 3
+    assert ef.verdict({a: 1.0, b: 1.5, c: 2.0}, winner=a).winner_rank == 1
     v = ef.verdict({a: 2.0, b: 1.0, c: 3.0, d: 2.5}, winner=a)
     assert (v.ranked, v.winner_rank, v.pick, v.ratio) == (4, 2, b, 2.0)
     assert not v.pick_is_winner and v.winner_beats_default is True

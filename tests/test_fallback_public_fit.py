@@ -65,6 +65,9 @@ def test_the_winners_exact_rank_and_ratio(mods):
     figs = {(1, 1, 1): 2.0, (2, 2, 2): 1.0, (3, 3, 3): 2.5}
     assert rep.exact(figs, (1, 1, 1)) == {"rank": 2, "ratio": 2.0}
     assert rep.exact(figs, (9, 9, 9)) == {"rank": math.inf, "ratio": None}
+    # A config level with the winner counts as ahead of it: a figure that cannot tell them
+    # apart is no evidence for the winner.
+    assert rep.exact({**figs, (4, 4, 4): 2.0}, (1, 1, 1)) == {"rank": 3, "ratio": 2.0}
 
 
 def test_a_fit_never_sees_a_key_a_report_scores(mods, tmp_path):

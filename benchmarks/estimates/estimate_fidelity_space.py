@@ -5,7 +5,6 @@ cost and the ranking metrics (no JAX, no libtpu)."""
 from __future__ import annotations
 
 import ast
-import bisect
 import dataclasses
 import math
 import os
@@ -13,6 +12,8 @@ import random
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+import _common as bench
 
 TABLE_FILE = "kernels/quantized_matmul/tuned_block_sizes.py"
 MISS_DEFAULT = (128, 128, 128)  # What tpu-inference runs for a key its table does not hold.
@@ -144,12 +145,6 @@ def sample_keys(table: Mapping[Key, Blocks], count: int, seed: int,
 
 
 
-def ranks(figures: Mapping[Blocks, float]) -> dict[Blocks, int]:
-    """1 = best (smallest); ties share the best rank (1 + how many are strictly better)."""
-    values = sorted(figures.values())
-    return {c: 1 + bisect.bisect_left(values, v) for c, v in figures.items()}
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeyVerdict:
     """One figure's ranking of one key's space, against the real winner."""
@@ -168,12 +163,12 @@ def verdict(figures: Mapping[Blocks, float], winner: Blocks,
     one. The default's comparison is None where the default is not in ``figures``."""
     if not figures:
         return KeyVerdict(0, None, None, None, False, None)
-    r = ranks(figures)
     pick = min(figures, key=lambda c: figures[c])
     w = figures.get(winner)
     d = figures.get(default)
     return KeyVerdict(
-        ranked=len(figures), winner_rank=r.get(winner), pick=pick,
+        ranked=len(figures), pick=pick,
+        winner_rank=None if w is None else bench.winner_rank(figures, winner),
         ratio=None if w is None or figures[pick] <= 0 else w / figures[pick],
         pick_is_winner=pick == winner,
         winner_beats_default=None if w is None or d is None or winner == default else w < d)

@@ -80,7 +80,7 @@ def judge(run: Mapping[str, Any], name: str) -> dict[str, Any]:
     if winner not in figs:
         return {"rank": None, "est_rank": math.inf, "ratio": None, "ranked": len(figs),
                 "exact": whole is not None}
-    beat = sum(1 for b, v in figs.items() if b != winner and v < figs[winner])
+    beat = bench.winner_rank(figs, winner) - 1  # Level or ahead of it (ties against it).
     pick = min(figs, key=figs.get)
     ratio = figs[winner] / figs[pick] if figs[pick] > 0 else None
     if whole is not None:
@@ -369,6 +369,18 @@ def check_text(run: Mapping[str, Any]) -> str:
             + ("-" if c["two_point_error"] is None else f"{c['two_point_error']:+.1%}")))
 
 
+def tied_text(runs: Sequence[Mapping[str, Any]]) -> str:
+    """Per figure, on how many keys some other config has exactly the winner's figure."""
+    def tied(run: Mapping[str, Any], name: str) -> bool:
+        whole = whole_figures(run, name)
+        figs = whole if whole is not None else figures(run, name)
+        w = figs.get(tuple(run["winner"]))
+        return w is not None and any(v == w for b, v in figs.items()
+                                     if b != tuple(run["winner"]))
+
+    return ", ".join(f"{name} {sum(tied(r, name) for r in runs)}" for name, _ in FIGURES)
+
+
 def report(data: Mapping[str, Any]) -> str:
     meta, runs = data["meta"], data["runs"]
     lines = header(meta, runs) + compared(meta)
@@ -377,7 +389,9 @@ def report(data: Mapping[str, Any]) -> str:
               "least 95% of the keys (`none`: the winner has no figure on more than 5%); "
               "then on how many keys it is 1st, in the top 3, in the top 8 of the whole space "
               "(libtpu's: estimated from the draw), and on how many the figure's pick is "
-              "within 2% of it.", ""]
+              "within 2% of it. A config the figure puts level with the winner counts as ahead "
+              "of it (a tune picks one of them, not the winner by right); keys where some "
+              f"config is level with the winner: {tied_text(runs)}.", ""]
     chips = sorted({r["chip"] for r in runs})
     groups = [("all keys", runs)] + [(c, [r for r in runs if r["chip"] == c]) for c in chips]
     lines += rate_rows(groups) + [""]

@@ -14,8 +14,10 @@ figures for the same configs (``results/data/estimate_fidelity_strata.json``).
 
 Configs are only traced (never compiled), so the model's rank of the winner is exact over each
 key's whole space; on the configs the stratified run drew it is put beside libtpu's and a
-tune's, with the winner's rank in the space estimated the same way. Every figure is a model's or
-libtpu's estimate; the only measurement is tpu-inference's choice of winner.
+tune's, with the winner's rank in the space estimated the same way. The table's other keys
+(neither trained on nor reported) are ranked the same way as a validation set, larger than the
+held-out sample. Every figure is a model's or libtpu's estimate; the only measurement is
+tpu-inference's choice of winner.
 
     python benchmarks/estimates/fallback_public_fit.py
 
@@ -167,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = sorted(k for k in table if (chip, k) not in never)
         train = sorted(rng.sample(pool, min(a.train_keys, len(pool))))
         held = [r for r in held_runs if r["chip"] == chip][:bench.smoke(None, 2)]
-        train_sets, held_sets = [], []
+        rest = [k for k in pool if k not in set(train)][:bench.smoke(None, 2)]
+        train_sets, held_sets, valid_sets = [], [], []
         for k in train:
             full, _ = strata_space(k, table)
             others = [b for b in full if b != table[k]]
@@ -182,9 +185,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        - {table[k]})
             held_sets.append((r, rep.features_of(cache, chip, k, cfgs[:bench.smoke(None, 6)],
                                                  name, dtypes[1], trace_features)))
+        for k in rest:
+            full, _ = strata_space(k, table)
+            cfgs = [table[k]] + sorted(set(full) - {table[k]})
+            feats = rep.features_of(cache, chip, k, cfgs[:bench.smoke(None, 6)], name,
+                                    dtypes[1], trace_features)
+            if feats.get(table[k]) is not None:
+                valid_sets.append((table[k], feats))
         rep.save_features(a.features, cache)
         c, fun = fit(train_sets, spec, a.tau)
         fits[chip] = {"constants": c, "loss": fun, "train": train_sets, "held": held_sets,
+                      "valid": valid_sets,
                       "spec": spec, "skipped": len(train) - len(train_sets)}
         print(f"{chip}: fitted on {len(train_sets)} keys: {c} (loss {fun:.3f})", flush=True)
     meta = {"command": bench.command(__file__, argv), "date": bench.today(),

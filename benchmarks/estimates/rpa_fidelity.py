@@ -199,7 +199,7 @@ def rank_key(group: tuple, tokens: int, mml: int, winner: tuple, costs: dict,
     if figs:
         row["pick"] = min(figs, key=figs.get)
     if win in figs:
-        row["rank"] = 1 + sum(v < figs[win] for v in figs.values())
+        row["rank"] = bench.winner_rank(figs, win)
         row["ratio"] = figs[win] / figs[row["pick"]]
     return row
 
