@@ -116,6 +116,9 @@ def _spec(br, mode):
 
 @pt.tunable(mode=["good", "raise", "hang", "abort", "wrong", "trace_raise", "trace_hang",
                   "trace_abort", "spec_hang"], br=[8, 16],
+            # Each hanging mode once: every hang waits out the whole time limit.
+            constraints={"hangs_once": "br == 8 or mode not in ('hang', 'trace_hang', "
+                                       "'spec_hang')"},
             reference=scale_reference, default={"mode": "good", "br": 8})
 def misbehaving(x, *, factor=2.0, mode, br):
     """`scale` plus every way to fail: at trace time (raise, hang in the body or in a block-spec
