@@ -26,10 +26,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 
-# Drawn with numpy (draws.py): jax.random compiled an op per new shape, 5 s of every run.
-_normal, _np = normal, standard
-
-
 def _cases():
     """name -> (kernel, reference, global inputs, in_specs, out_spec, argnums to differentiate)."""
     from pallas_tune.kernels import flash_attention as fa
@@ -44,55 +40,58 @@ def _cases():
     from pallas_tune.kernels import upstream as up
     from pallas_tune.kernels._attention import flash_attention_reference as attention
 
-    q = _normal(3, (DEVICES, 2, 64, 32))
+    q = normal(3, (DEVICES, 2, 64, 32))
     sizes = np.array([40, 0, 88], np.int32)
-    w_q = jnp.asarray((_np(9, (128, 64)) * 40).astype(np.int8))
+    w_q = jnp.asarray((standard(9, (128, 64)) * 40).astype(np.int8))
     rows = P("x")
     b, t, h, p, n = DEVICES, 64, 4, 16, 8
     ssm = tuple(map(jnp.asarray, (
-        _np(13, (b, t, h * p)), np.logaddexp(0.0, _np(14, (b, t, h)) - 1.0),  # softplus
-        -np.exp(np.linspace(0.0, 2.5, h, dtype=np.float32)), _np(15, (b, t, n)) / 3,
-        _np(16, (b, t, n)) / 3, _np(17, (h,)))))
-    q128 = _normal(18, (DEVICES, 2, 128, 64))
-    kv128 = (_normal(19, q128.shape), _normal(20, q128.shape))
+        standard(13, (b, t, h * p)), np.logaddexp(0.0, standard(14, (b, t, h)) - 1.0),  # softplus
+        -np.exp(np.linspace(0.0, 2.5, h, dtype=np.float32)), standard(15, (b, t, n)) / 3,
+        standard(16, (b, t, n)) / 3, standard(17, (h,)))))
+    q128 = normal(18, (DEVICES, 2, 128, 64))
+    kv128 = (normal(19, q128.shape), normal(20, q128.shape))
     causal = lambda f: lambda q, k, v: f(q, k, v, causal=True)  # noqa: E731
     return {
         # The weight is replicated: its gradient is the sum over the shards (a psum).
-        "matmul": (mm.matmul, mm.matmul_reference, (_normal(0, (256, 128)), _normal(1, (128, 96))),
+        "matmul": (mm.matmul, mm.matmul_reference, (normal(0, (256, 128)), normal(1, (128, 96))),
                    (rows, P()), rows, (0, 1)),
         "rms_norm": (rn.rms_norm, rn.rms_norm_reference,
-                     (_normal(2, (DEVICES * 8, 160)), _normal(4, (160,))), (rows, P()), rows,
+                     (normal(2, (DEVICES * 8, 160)), normal(4, (160,))), (rows, P()), rows,
                      (0, 1)),
         "flash_attention": (lambda q, k, v: fa.flash_attention(q, k, v, causal=True),
                             lambda q, k, v: fa.flash_attention_reference(q, k, v, causal=True),
-                            (q, _normal(5, q.shape), _normal(6, q.shape)), (rows,) * 3, rows,
+                            (q, normal(5, q.shape), normal(6, q.shape)), (rows,) * 3, rows,
                             (0, 1, 2)),
         "linear_attention": (la.linear_attention, la.linear_attention_reference,
-                             (q, _normal(5, q.shape), _normal(6, q.shape)), (rows,) * 3, rows,
+                             (q, normal(5, q.shape), normal(6, q.shape)), (rows,) * 3, rows,
                              (0, 1, 2)),
         "hstu_attention": (hs.hstu_attention, hs.hstu_attention_reference,
-                           (q, _normal(5, q.shape), _normal(6, q.shape),
-                            _normal(7, (16,))), (rows, rows, rows, P()), rows, (0, 1, 2, 3)),
+                           (q, normal(5, q.shape), normal(6, q.shape),
+                            normal(7, (16,))), (rows, rows, rows, P()), rows, (0, 1, 2, 3)),
         # Experts (groups) replicated, the rows of every group sharded: each shard's own sizes.
         "grouped_matmul": (gm.grouped_matmul, gm.grouped_matmul_reference,
-                           (_normal(8, (DEVICES * 128, 64)), _normal(10, (3, 64, 96)),
-                            jnp.asarray(np.tile(sizes, DEVICES))), (rows, P(), rows), rows, (0, 1)),
+                           (normal(8, (DEVICES * 128, 64)), normal(10, (3, 64, 96)),
+                            jnp.asarray(np.tile(sizes, DEVICES))),
+                           (rows, P(), rows), rows, (0, 1)),
         "quantized_matmul": (qm.quantized_matmul, qm.quantized_matmul_reference,
-                             (_normal(11, (DEVICES * 16, 128), jnp.bfloat16), w_q,
-                              jnp.asarray(np.abs(_np(12, (64,))) / 40)), (rows, P(), P()), rows, ()),
-        "mamba2_ssd": (ms.mamba2_ssd, ms.mamba2_ssd_reference, ssm, (rows, rows, P(), rows, rows, P()),
-                       rows, (0, 1, 2, 3, 4, 5)),
+                             (normal(11, (DEVICES * 16, 128), jnp.bfloat16), w_q,
+                              jnp.asarray(np.abs(standard(12, (64,))) / 40)),
+                             (rows, P(), P()), rows, ()),
+        "mamba2_ssd": (ms.mamba2_ssd, ms.mamba2_ssd_reference, ssm,
+                       (rows, rows, P(), rows, rows, P()), rows, (0, 1, 2, 3, 4, 5)),
         "quantized_grouped_matmul": (
             qg.quantized_grouped_matmul, qg.quantized_grouped_matmul_reference,
-            (_normal(21, (DEVICES * 128, 128), jnp.bfloat16),
-             jnp.asarray((_np(22, (3, 128, 64)) * 40).astype(np.int8)),
-             jnp.asarray(np.abs(_np(23, (3, 64))) / 40), jnp.asarray(np.tile(sizes, DEVICES))),
+            (normal(21, (DEVICES * 128, 128), jnp.bfloat16),
+             jnp.asarray((standard(22, (3, 128, 64)) * 40).astype(np.int8)),
+             jnp.asarray(np.abs(standard(23, (3, 64))) / 40),
+             jnp.asarray(np.tile(sizes, DEVICES))),
             (rows, P(), P(), rows), rows, ()),
         # Upstream kernels, as MaxText runs them: inside a shard_map over the batch.
         "splash_attention": (causal(up.splash_attention), causal(attention), (q128, *kv128),
                              (rows,) * 3, rows, (0, 1, 2)),
         "megablox_gmm": (up.megablox_gmm, gm.grouped_matmul_reference,
-                         (_normal(24, (DEVICES * 128, 128)), _normal(25, (3, 128, 128)),
+                         (normal(24, (DEVICES * 128, 128)), normal(25, (3, 128, 128)),
                           jnp.asarray(np.tile(sizes, DEVICES))), (rows, P(), rows), rows, (0, 1)),
         "upstream_flash_attention": (causal(up.flash_attention), causal(attention),
                                      (q128, *kv128), (rows,) * 3, rows, (0, 1, 2)),

@@ -36,7 +36,6 @@ from pallas_tune.kernels.rms_norm import rms_norm, rms_norm_reference  # noqa: E
 from pallas_tune.runtime import tunable  # noqa: E402
 
 
-_normal = normal  # Drawn with numpy (draws.py): jax.random compiles one per new shape.
 
 
 def _err(a, b):
@@ -47,12 +46,12 @@ def _err(a, b):
 
 def _cases():
     """name -> (kernel call, reference, inputs, specs)."""
-    q, kv = _normal(3, (2, 4, 128, 64)), _normal(4, (2, 2, 128, 64))
+    q, kv = normal(3, (2, 4, 128, 64)), normal(4, (2, 2, 128, 64))
     return {
-        "matmul": (matmul, matmul_reference, (_normal(0, (256, 256)), _normal(1, (256, 256))),
+        "matmul": (matmul, matmul_reference, (normal(0, (256, 256)), normal(1, (256, 256))),
                    (P("x", None), P(None, "y"))),
         "rms_norm": (rms_norm, rms_norm_reference,
-                     (_normal(2, (4, 64, 256)), 1 + _normal(5, (256,))), (P("x", "y"), P())),
+                     (normal(2, (4, 64, 256)), 1 + normal(5, (256,))), (P("x", "y"), P())),
         "flash_attention": (lambda q, kv: flash_attention(q, kv, kv),
                             lambda q, kv: flash_attention_reference(q, kv, kv), (q, kv),
                             (P("x", "y"), P("x", "y"))),
@@ -61,7 +60,7 @@ def _cases():
                                    (q, kv), (P("x", "y"), P("x", "y"))),
         # The contracted axis sharded: gathered for the call, warned about.
         "matmul_k_sharded": (matmul, matmul_reference,
-                             (_normal(0, (256, 256)), _normal(1, (256, 256))),
+                             (normal(0, (256, 256)), normal(1, (256, 256))),
                              (P(None, "x"), P("x", None))),
     }
 
@@ -76,31 +75,31 @@ def _more_cases():
     from pallas_tune.kernels import quantized_matmul as qm
     from pallas_tune.kernels import upstream as up
 
-    q = _normal(3, (2, 4, 128, 64))
+    q = normal(3, (2, 4, 128, 64))
     heads = P("x", "y")
     return {
         **_upstream_and_mamba2(up, q, heads),
         "linear_attention": (la.linear_attention, la.linear_attention_reference,
-                             (q, _normal(5, q.shape), _normal(6, q.shape)), (heads,) * 3, True),
+                             (q, normal(5, q.shape), normal(6, q.shape)), (heads,) * 3, True),
         "hstu_attention": (hs.hstu_attention, hs.hstu_attention_reference,
-                           (q, _normal(5, q.shape), _normal(6, q.shape), _normal(7, (16,))),
+                           (q, normal(5, q.shape), normal(6, q.shape), normal(7, (16,))),
                            (heads, heads, heads, P()), True),
         # Experts' columns split (the rows follow the routing: kept whole).
         "grouped_matmul": (gm.grouped_matmul, gm.grouped_matmul_reference,
-                           (_normal(8, (256, 64)), _normal(10, (3, 64, 256)),
+                           (normal(8, (256, 64)), normal(10, (3, 64, 256)),
                             jnp.array([40, 0, 216], jnp.int32)), (P(), P(None, None, "y"), P()),
                            True),
         "quantized_matmul": (qm.quantized_matmul, qm.quantized_matmul_reference,
-                             (_normal(11, (32, 128)).astype(jnp.bfloat16),
-                              (_normal(9, (128, 256)) * 40).astype(jnp.int8),
-                              jnp.abs(_normal(12, (256,))) / 40), (P("x"), P(None, "y"), P("y")),
+                             (normal(11, (32, 128)).astype(jnp.bfloat16),
+                              (normal(9, (128, 256)) * 40).astype(jnp.int8),
+                              jnp.abs(normal(12, (256,))) / 40), (P("x"), P(None, "y"), P("y")),
                              False),
         # Its reference (ragged_dot) types its result only outside the explicit mesh.
         "quantized_grouped_matmul": (
             qg.quantized_grouped_matmul, qg.quantized_grouped_matmul_reference,
-            (_normal(21, (256, 128)).astype(jnp.bfloat16),
-             (_normal(22, (3, 128, 256)) * 40).astype(jnp.int8),
-             jnp.abs(_normal(23, (3, 256))) / 40, jnp.array([40, 0, 216], jnp.int32)),
+            (normal(21, (256, 128)).astype(jnp.bfloat16),
+             (normal(22, (3, 128, 256)) * 40).astype(jnp.int8),
+             jnp.abs(normal(23, (3, 256))) / 40, jnp.array([40, 0, 216], jnp.int32)),
             (P(), P(None, None, "y"), P(None, "y"), P()), False),
     }
 
@@ -109,22 +108,22 @@ def _upstream_and_mamba2(up, q, heads):
     """JAX's kernels through their adapters, and Mamba-2's SSD (its batch split)."""
     from pallas_tune.kernels import mamba2_ssd as m2
 
-    kv = _normal(4, (2, 2, 128, 64))
-    dt = jax.nn.softplus(_normal(13, (2, 128, 4)) - 1.0)
-    ssd = (_normal(14, (2, 128, 4 * 32)), dt, -jnp.exp(_normal(15, (4,))),
-           _normal(16, (2, 128, 16)) / 4, _normal(17, (2, 128, 16)) / 4, _normal(18, (4,)))
+    kv = normal(4, (2, 2, 128, 64))
+    dt = jax.nn.softplus(normal(13, (2, 128, 4)) - 1.0)
+    ssd = (normal(14, (2, 128, 4 * 32)), dt, -jnp.exp(normal(15, (4,))),
+           normal(16, (2, 128, 16)) / 4, normal(17, (2, 128, 16)) / 4, normal(18, (4,)))
     batch = P("x")
     return {
         "upstream_flash_attention": (
             lambda q, k, v: up.flash_attention(q, k, v, causal=True),
             lambda q, k, v: flash_attention_reference(q, k, v, causal=True),
-            (q, _normal(5, q.shape), _normal(6, q.shape)), (heads,) * 3, True),
+            (q, normal(5, q.shape), normal(6, q.shape)), (heads,) * 3, True),
         "upstream_splash_attention": (
             lambda q, kv: up.splash_attention(q, kv, kv),
             lambda q, kv: flash_attention_reference(q, kv, kv), (q, kv), (heads, heads), True),
         "upstream_megablox_gmm": (
             up.megablox_gmm, lambda x, w, g: up.grouped_matmul_reference(x, w, g),
-            (_normal(8, (256, 128)), _normal(10, (3, 128, 256)),
+            (normal(8, (256, 128)), normal(10, (3, 128, 256)),
              jnp.array([40, 0, 216], jnp.int32)), (P(), P(None, None, "y"), P()), True),
         "mamba2_ssd": (m2.mamba2_ssd, m2.mamba2_ssd_reference, ssd,
                        (batch, batch, P(), batch, batch, P()), True),
@@ -183,8 +182,8 @@ def steps() -> None:
     explicit mesh and as shard_map; the shapes they are keyed by."""
     from pallas_tune.step.program import find_calls
 
-    params = {"norm": jnp.ones((256,)), "w": _normal(0, (256, 512))}
-    x = _normal(1, (64, 256))
+    params = {"norm": jnp.ones((256,)), "w": normal(0, (256, 512))}
+    x = normal(1, (64, 256))
     layouts = {  # name -> (params' specs, the batch's spec)
         "fsdp": ({"norm": P(), "w": P("d", None)}, P("d", None)),
         "tp": ({"norm": P(), "w": P(None, "d")}, P()),
@@ -227,10 +226,10 @@ def tuned() -> None:
     import pallas_tune as pt
 
     mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
-    params = {"norm": jnp.ones((128,)), "w": _normal(0, (128, 128))}
+    params = {"norm": jnp.ones((128,)), "w": normal(0, (128, 128))}
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     p = {"norm": put(params["norm"], P()), "w": put(params["w"], P("d", None))}
-    x = put(_normal(1, (64, 128)), P("d", None))
+    x = put(normal(1, (64, 128)), P("d", None))
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = pt.autotune(jax.grad(_step), p, x, trials=1)
@@ -239,7 +238,7 @@ def tuned() -> None:
     def reference(q, y):
         return jnp.sum(matmul_reference(rms_norm_reference(y, q["norm"]), q["w"]) ** 2)
 
-    want = jax.jit(jax.grad(reference))(params, _normal(1, (64, 128)))
+    want = jax.jit(jax.grad(reference))(params, normal(1, (64, 128)))
     print(json.dumps({"autotune": [[c.kernel.rsplit(".", 1)[-1], c.key, c.source]
                                    for c in result.calls],
                       "meshes": sorted({c.mesh for c in result.calls}), "table": str(result),

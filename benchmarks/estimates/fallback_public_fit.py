@@ -169,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool = sorted(k for k in table if (chip, k) not in never)
         train = sorted(rng.sample(pool, min(a.train_keys, len(pool))))
         held = [r for r in held_runs if r["chip"] == chip][:bench.smoke(None, 2)]
-        rest = [k for k in pool if k not in set(train)][:bench.smoke(None, 2)]
+        trained = set(train)
+        rest = [k for k in pool if k not in trained][:bench.smoke(None, 2)]
         train_sets, held_sets, valid_sets = [], [], []
         for k in train:
             full, _ = strata_space(k, table)
