@@ -136,11 +136,12 @@ def rate_rows(groups: Sequence[tuple[str, Sequence[Mapping[str, Any]]]]) -> list
 
 def user_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     """What a user's shape sees, per chip and n_batch band and per chip and size: keys, and
-    for libtpu's figure, a tune's and the fitted model's, top 3 / top 8 and K95."""
+    for libtpu's figure, a tune's and the fitted model's, top 3 / top 8, K95 and on how many
+    keys the pick is within 2% of the winner's figure."""
     names = ("libtpu", "tune", "public")
     lines = ["| chip | shapes | keys | " + " | ".join(
-        f"{n}: top 3 / top 8 | {n}: K95" for n in names) + " |",
-        "|" + "---|" * (3 + 2 * len(names))]
+        f"{n}: top 3 / top 8 | {n}: K95 | {n}: pick within 2%" for n in names) + " |",
+        "|" + "---|" * (3 + 3 * len(names))]
     for chip in sorted({r["chip"] for r in runs}):
         rs = [r for r in runs if r["chip"] == chip]
         groups = [(f"n_batch {lo}" + (f"-{hi}" if hi > lo else ""),
@@ -155,7 +156,7 @@ def user_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             for n in names:
                 s = rates(g, n)
                 cells += [f"{frac(s['top3'], s['keys'])} / {frac(s['top8'], s['keys'])}",
-                          k_text(s["k95"])]
+                          k_text(s["k95"]), frac(s["within2"], s["keys"])]
             lines.append(f"| {chip} | {label} | {len(g)} | " + " | ".join(cells) + " |")
     return lines
 
