@@ -186,6 +186,22 @@ def test_the_report_says_how_many_planned_keys_were_done(mods):
     assert "K95" in text and "| v6e | 1024-4096 / small | (1024, 1024, 1024) |" in text
 
 
+def test_what_a_users_shapes_see_counts_the_pick_within_2pc_per_batch_band(mods):
+    """The user table gives, per n_batch band, on how many keys the pick is within 2% of the
+    winner's figure: 1.01x counts, 1.5x does not, and the bands are kept apart."""
+    _, rp, _ = mods
+    near = [[[1, 1, 1], 1.01], [[2, 2, 2], 1.0], [[3, 3, 3], 3.0]]
+    far = [[[1, 1, 1], 1.5], [[2, 2, 2], 1.0], [[3, 3, 3], 3.0]]
+    small = [_run(key=[k, 1024, 1024], proxy_ms=f) for k, f in ((16, near), (32, far))]
+    large = [_run(key=[8192, 1024, 1024], proxy_ms=far, stratum="n_batch 8192 / small")]
+    lines = rp.user_rows(small + large)
+    head = lines[0].split(" | ")
+    col = head.index("libtpu: pick within 2%")
+    rows = {r.split(" | ")[1]: r.split(" | ") for r in lines[2:]}
+    assert rows["n_batch 16-64"][col] == "1/2" and rows["n_batch 8192"][col] == "0/1"
+    assert rows["all"][col] == "1/3" and rows["n_batch 16-64"][col - 1] == "2"  # K95: 2nd.
+
+
 def _completed():
     """Drawn: the winner (1, 1, 1) and two rivals, libtpu and the model agreeing (calibration
     1.0). The whole space adds (5, 5, 5) and (6, 6, 6), which the model puts ahead of the
