@@ -92,7 +92,8 @@ SMOKES = {
                                             libtpu=True,
                                             needs=("tpu_inference",)),
     "estimates/fallback_public_fit.py": Smoke(("## The constants", "| 7x | 3 |",
-                                               "## Validation: the table's other keys"),
+                                               "## Validation: the table's other keys",
+                                               "The same keys per n_batch band:"),
                                               needs=("tpu_inference",)),
     "estimates/scale_rule_selection.py": Smoke(("| the larger of libtpu's and the calibrated "
                                                 "model's (the rule) |", "2 v6e int8 keys"),

@@ -80,3 +80,24 @@ def test_a_fit_never_sees_a_key_a_report_scores(mods, tmp_path):
     never = fit.reported_keys(str(tmp_path), planned)
     assert never == {("v6e", (16, 2048, 1536)), ("7x", (64, 1024, 1024)),
                      ("v6e", (8192, 4096, 2048))}
+
+
+def test_validation_keys_are_counted_per_n_batch_band(mods):
+    """The validation table per n_batch band: each key in its own band, the winner's top-3
+    and pick-within-2% counts of the public fit there (a key the fit ranks first, and one it
+    ranks last, over made-up features)."""
+    _, rep = mods
+    spec = chip_spec("v6e")
+    c = Constants(mxu_eff=1.0, bw_eff=1.0, step_s=5e-6, vec_s=1e-12)
+    feats = {(1, 1, 1): _features(rep, 10, 1e6), (2, 2, 2): _features(rep, 20, 1e6),
+             (3, 3, 3): _features(rep, 30, 1e6), (4, 4, 4): _features(rep, 40, 1e6)}
+    fits = {"v6e": {"spec": spec, "constants": c,
+                    "valid": [((1, 1, 1), feats), ((4, 4, 4), feats)],
+                    "valid_keys": [(32, 1024, 1024), (16384, 1024, 1024)]}}
+    lines = rep.band_rows(fits)
+    head = lines[0].split(" | ")
+    top3, within = head.index("public: top 3"), head.index("public: pick within 2%")
+    rows = {r.split(" | ")[1]: r.split(" | ") for r in lines[2:]}
+    assert set(rows) == {"up to 64", "8192 and up"}
+    assert (rows["up to 64"][top3], rows["up to 64"][within]) == ("1/1", "1/1")
+    assert (rows["8192 and up"][top3], rows["8192 and up"][within]) == ("0/1", "0/1")

@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         held = [r for r in held_runs if r["chip"] == chip][:bench.smoke(None, 2)]
         trained = set(train)
         rest = [k for k in pool if k not in trained][:bench.smoke(None, 2)]
-        train_sets, held_sets, valid_sets = [], [], []
+        train_sets, held_sets, valid_sets, valid_keys = [], [], [], []
         for k in train:
             full, _ = strata_space(k, table)
             others = [b for b in full if b != table[k]]
@@ -193,10 +193,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     dtypes[1], trace_features)
             if feats.get(table[k]) is not None:
                 valid_sets.append((table[k], feats))
+                valid_keys.append(k)
         rep.save_features(a.features, cache)
         c, fun = fit(train_sets, spec, a.tau)
         fits[chip] = {"constants": c, "loss": fun, "train": train_sets, "held": held_sets,
-                      "valid": valid_sets,
+                      "valid": valid_sets, "valid_keys": valid_keys,
                       "spec": spec, "skipped": len(train) - len(train_sets)}
         print(f"{chip}: fitted on {len(train_sets)} keys: {c} (loss {fun:.3f})", flush=True)
     meta = {"command": bench.command(__file__, argv), "date": bench.today(),

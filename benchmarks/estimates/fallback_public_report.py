@@ -137,6 +137,33 @@ def whole_rows(fits: Mapping[str, Any], which: str) -> list[str]:
     return lines
 
 
+# n_batch bands of the validation keys (the fidelity sample's strata, the two largest pooled).
+BANDS = ((0, 64, "up to 64"), (65, 512, "128-512"), (513, 4096, "1024-4096"),
+         (4097, math.inf, "8192 and up"))
+
+
+def band_rows(fits: Mapping[str, Any]) -> list[str]:
+    """The validation keys per n_batch band: per figure, on how many keys the winner is in the
+    top 3 and the pick within 2% of it (``valid_keys``: the keys of ``valid``, in order)."""
+    lines = ["| chip | n_batch | keys | " + " | ".join(
+        f"{n}: top 3 | {n}: pick within 2%" for n, _ in WHOLE) + " |",
+        "|---|---|---|" + "---|" * (2 * len(WHOLE))]
+    for chip, f in fits.items():
+        for lo, hi, label in BANDS:
+            sets = [s for s, k in zip(f["valid"], f["valid_keys"], strict=True)
+                    if lo <= k[0] <= hi]
+            if not sets:
+                continue
+            cells = []
+            for name, _ in WHOLE:
+                js = [exact(whole_figures(name, feats, f["spec"], f["constants"]), w)
+                      for w, feats in sets]
+                _, tops, within, _ = rate_cells(js)
+                cells += [tops.split(" / ")[1], within]
+            lines.append(f"| {chip} | {label} | {len(sets)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def drawn_runs(fits: Mapping[str, Any]) -> list[dict]:
     """The fidelity runs with ``public_ms``: the public fit's figure (ms) of every drawn
     config the fitted model has a figure for."""
@@ -209,6 +236,7 @@ def report(fits: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
         "(many more keys than the held-out sample: a difference there is more likely real), "
         "ranked as above. The fit never sees them; nothing is chosen on them either.",
         ""] + whole_rows(fits, "valid") + [
+        "", "The same keys per n_batch band:", ""] + band_rows(fits) + [
         "", "## Held out, on the configs the fidelity run drew, beside libtpu's", "",
         "The winner's rank in the space estimated from the drawn rivals, as "
         "`estimate_fidelity.md` ranked them before it ranked over the whole space (where a "
