@@ -158,8 +158,9 @@ def band_rows(fits: Mapping[str, Any]) -> list[str]:
             for name, _ in WHOLE:
                 js = [exact(whole_figures(name, feats, f["spec"], f["constants"]), w)
                       for w, feats in sets]
-                _, tops, within, _ = rate_cells(js)
-                cells += [tops.split(" / ")[1], within]
+                cells += [srep.frac(sum(j["rank"] <= 3 for j in js), len(js)),
+                          srep.frac(sum(j["ratio"] is not None and j["ratio"] <= 1.02
+                                        for j in js), len(js))]
             lines.append(f"| {chip} | {label} | {len(sets)} | " + " | ".join(cells) + " |")
     return lines
 
