@@ -59,6 +59,7 @@ SMOKES = {
     "search/search_settings.py": Smoke(("Leave one kernel out", "| matmul | v")),
     "search/search_noise.py": Smoke(("| landscapes/matmul_2048_bf16_v6e_estimate | 1 |",
                                      "noise-free @10")),
+    "search/proposal_time.py": Smoke(("| as found | 0 |", "| one | 1 |")),
     "search/loop_efficiency.py": Smoke(("asked evaluated", "matmul 256^2            after "),
                                        note="'before' (needs an old checkout), "
                                             "'after-workers', tune-jax's whole space"),

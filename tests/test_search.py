@@ -322,3 +322,39 @@ def test_a_prior_keeps_the_cycle_transfer_was_measured_with():
     assert CandidateBO(cands, choices, seed=0, prior=prior, prior_cycle="g").cycle == "g"
     with pytest.raises(ValueError, match="prior_cycle='gx'"):
         CandidateBO(cands, choices, seed=0, prior_cycle="gx")
+
+
+def test_a_proposal_holds_blas_to_one_thread_and_gives_the_threads_back(monkeypatch):
+    """The GP's products are small: more BLAS threads cost more than they save, and wait for
+    cores under a tune's workers (benchmarks/search/proposal_time.py). A proposal runs with one
+    BLAS thread, and the process's own limits come back after it, an error included."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from pallas_tune.search import model as search
+
+    def blas_threads():
+        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
+
+    bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=0, n_startup=2)
+    measured = {c: _bowl(c) for c in CANDIDATES[:10]}
+    seen = []
+    fit = search.GP.fit
+
+    def watched(self, x, y, *, optimize):
+        seen.append(blas_threads())
+        return fit(self, x, y, optimize=optimize)
+
+    monkeypatch.setattr(search.GP, "fit", watched)
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads()
+        c = bo.propose(measured)
+        assert blas_threads() == before  # Given back.
+        assert seen == [{1}] and c in CANDIDATES and c not in measured
+
+        def broken(self, x, y, *, optimize):
+            seen.append(blas_threads())
+            raise FloatingPointError("overflow")
+
+        monkeypatch.setattr(search.GP, "fit", broken)
+        assert bo.propose(measured) in CANDIDATES  # The fallback: a random free candidate.
+        assert seen[-1] == {1} and blas_threads() == before

@@ -27,7 +27,7 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
 from pallas_tune.search.model import (GP, encode_features, expected_improvement, is_ordinal,
-                                      joint_parzen_log_ratio, parzen_log_ratio)
+                                      joint_parzen_log_ratio, one_blas_thread, parzen_log_ratio)
 
 __all__ = ["DEFAULT_STARTUP", "TUNING_SET", "CandidateBO", "CandidateSampler",
            "encode_features"]
@@ -192,6 +192,11 @@ class CandidateBO:
     def propose(self, measured: Mapping[tuple[Hashable, ...], float],
                 pending: Sequence[tuple[Hashable, ...]] = ()) -> tuple[Hashable, ...] | None:
         """The next candidate to measure, or None when every candidate is measured or pending."""
+        with one_blas_thread():
+            return self._propose(measured, pending)
+
+    def _propose(self, measured: Mapping[tuple[Hashable, ...], float],
+                 pending: Sequence[tuple[Hashable, ...]]) -> tuple[Hashable, ...] | None:
         taken = np.zeros(len(self.candidates), dtype=bool)
         for c in (*measured, *pending):
             i = self.index.get(c)

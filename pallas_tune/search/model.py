@@ -3,18 +3,37 @@ Gaussian process on them (plain numpy/scipy; scipy comes with jax)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 from scipy.linalg import cho_solve, solve_triangular
 
-__all__ = ["GP", "encode_features", "expected_improvement"]
+__all__ = ["GP", "encode_features", "expected_improvement", "one_blas_thread"]
 
 # Hyperparameters are fitted on at most this many measurements (the best half, a random half).
 FIT_POINTS = 160
+
+
+@functools.cache
+def _blas() -> Any:
+    """The process's BLAS thread pools (threadpoolctl), found once: scanning the loaded
+    libraries costs about a millisecond, a limit through the found pools far less."""
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
+
+
+def one_blas_thread() -> AbstractContextManager:
+    """BLAS held to one thread while the search proposes. Its products are small (tens of
+    points, a few thousand candidates); with more threads, starting them costs more than they
+    save, and under a tune's own compile and timing processes the threads wait for cores:
+    benchmarks/search/proposal_time.py measures both."""
+    return _blas().limit(limits=1, user_api="blas")
 
 
 def _is_number(v: Any) -> bool:
