@@ -358,3 +358,26 @@ def test_a_proposal_holds_blas_to_one_thread_and_gives_the_threads_back(monkeypa
         monkeypatch.setattr(search.GP, "fit", broken)
         assert bo.propose(measured) in CANDIDATES  # The fallback: a random free candidate.
         assert seen[-1] == {1} and blas_threads() == before
+
+
+def test_proposals_in_several_threads_share_the_limit_and_the_last_gives_it_back():
+    """An Optuna study may ask from several threads: the first proposal to start holds BLAS to
+    one thread, and only the last to end gives the process's limits back, whatever the order
+    they end in (undoing in the wrong order would leave the process at one thread)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from pallas_tune.search.model import one_blas_thread
+
+    def blas_threads():
+        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads()
+        a, b = one_blas_thread(), one_blas_thread()
+        a.__enter__()
+        b.__enter__()
+        assert blas_threads() == {1}
+        a.__exit__(None, None, None)  # The first to start ends first: b still proposes.
+        assert blas_threads() == {1}
+        b.__exit__(None, None, None)
+        assert blas_threads() == before

@@ -3,11 +3,12 @@ Gaussian process on them (plain numpy/scipy; scipy comes with jax)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,18 +23,37 @@ FIT_POINTS = 160
 @functools.cache
 def _blas() -> Any:
     """The process's BLAS thread pools (threadpoolctl), found once: scanning the loaded
-    libraries costs about a millisecond, a limit through the found pools far less."""
+    libraries takes 2 to 3 ms, a limit and its undoing through the found pools 15 us."""
     from threadpoolctl import ThreadpoolController
 
     return ThreadpoolController()
 
 
-def one_blas_thread() -> AbstractContextManager:
+_HOLD_LOCK = threading.Lock()
+_holders = 0  # Proposals under way (an Optuna study may ask from several threads).
+_held: Any = None  # The limit they share; the last to finish restores the process's own.
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
     """BLAS held to one thread while the search proposes. Its products are small (tens of
     points, a few thousand candidates); with more threads, starting them costs more than they
     save, and under a tune's own compile and timing processes the threads wait for cores:
-    benchmarks/search/proposal_time.py measures both."""
-    return _blas().limit(limits=1, user_api="blas")
+    benchmarks/search/proposal_time.py measures both. The limit is the process's: proposals
+    in several threads share it, and the process's own limits come back when the last ends."""
+    global _holders, _held
+    with _HOLD_LOCK:
+        if _holders == 0:
+            _held = _blas().limit(limits=1, user_api="blas")
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _HOLD_LOCK:
+            _holders -= 1
+            if _holders == 0:
+                _held.restore_original_limits()
+                _held = None
 
 
 def _is_number(v: Any) -> bool:
