@@ -381,3 +381,20 @@ def test_proposals_in_several_threads_share_the_limit_and_the_last_gives_it_back
         assert blas_threads() == {1}
         b.__exit__(None, None, None)
         assert blas_threads() == before
+
+
+def test_a_blas_the_search_cannot_limit_leaves_the_proposal_as_it_was(monkeypatch):
+    """Holding BLAS to one thread is for speed: where threadpoolctl cannot read the process's
+    BLAS, the search proposes with the threads as they are, and never fails for it."""
+    from pallas_tune.search import model as search
+
+    def unreadable():
+        raise OSError("cannot read the BLAS library's symbols")
+
+    monkeypatch.setattr(search, "_blas", unreadable)
+    bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=0, n_startup=2)
+    measured = {c: _bowl(c) for c in CANDIDATES[:10]}
+    for _ in range(3):
+        c = bo.propose(measured)
+        assert c in CANDIDATES and c not in measured
+        measured[c] = _bowl(c)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import numbers
 import threading
@@ -44,14 +45,19 @@ def one_blas_thread() -> Iterator[None]:
     global _holders, _held
     with _HOLD_LOCK:
         if _holders == 0:
-            _held = _blas().limit(limits=1, user_api="blas")
+            try:
+                _held = _blas().limit(limits=1, user_api="blas")
+            except Exception as e:  # noqa: BLE001 - a BLAS it cannot read: propose as is.
+                _held = None
+                logging.getLogger("pallas_tune.search").debug(
+                    "BLAS threads not limited while proposing: %s: %s", type(e).__name__, e)
         _holders += 1
     try:
         yield
     finally:
         with _HOLD_LOCK:
             _holders -= 1
-            if _holders == 0:
+            if _holders == 0 and _held is not None:
                 _held.restore_original_limits()
                 _held = None
 
