@@ -324,16 +324,20 @@ def test_a_prior_keeps_the_cycle_transfer_was_measured_with():
         CandidateBO(cands, choices, seed=0, prior_cycle="gx")
 
 
+def _blas_threads() -> set[int]:
+    """The thread counts of the process's BLAS pools."""
+    from threadpoolctl import threadpool_info
+
+    return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
+
+
 def test_a_proposal_holds_blas_to_one_thread_and_gives_the_threads_back(monkeypatch):
     """The GP's products are small: more BLAS threads cost more than they save, and wait for
     cores under a tune's workers (benchmarks/search/proposal_time.py). A proposal runs with one
     BLAS thread, and the process's own limits come back after it, an error included."""
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
 
     from pallas_tune.search import model as search
-
-    def blas_threads():
-        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
 
     bo = CandidateBO(CANDIDATES, [SIZES, SIZES, [1, 2, 3]], seed=0, n_startup=2)
     measured = {c: _bowl(c) for c in CANDIDATES[:10]}
@@ -341,46 +345,43 @@ def test_a_proposal_holds_blas_to_one_thread_and_gives_the_threads_back(monkeypa
     fit = search.GP.fit
 
     def watched(self, x, y, *, optimize):
-        seen.append(blas_threads())
+        seen.append(_blas_threads())
         return fit(self, x, y, optimize=optimize)
 
     monkeypatch.setattr(search.GP, "fit", watched)
     with threadpool_limits(limits=2, user_api="blas"):
-        before = blas_threads()
+        before = _blas_threads()
         c = bo.propose(measured)
-        assert blas_threads() == before  # Given back.
+        assert _blas_threads() == before  # Given back.
         assert seen == [{1}] and c in CANDIDATES and c not in measured
 
         def broken(self, x, y, *, optimize):
-            seen.append(blas_threads())
+            seen.append(_blas_threads())
             raise FloatingPointError("overflow")
 
         monkeypatch.setattr(search.GP, "fit", broken)
         assert bo.propose(measured) in CANDIDATES  # The fallback: a random free candidate.
-        assert seen[-1] == {1} and blas_threads() == before
+        assert seen[-1] == {1} and _blas_threads() == before
 
 
 def test_proposals_in_several_threads_share_the_limit_and_the_last_gives_it_back():
     """An Optuna study may ask from several threads: the first proposal to start holds BLAS to
     one thread, and only the last to end gives the process's limits back, whatever the order
     they end in (undoing in the wrong order would leave the process at one thread)."""
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
 
     from pallas_tune.search.model import one_blas_thread
 
-    def blas_threads():
-        return {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"}
-
     with threadpool_limits(limits=2, user_api="blas"):
-        before = blas_threads()
+        before = _blas_threads()
         a, b = one_blas_thread(), one_blas_thread()
         a.__enter__()
         b.__enter__()
-        assert blas_threads() == {1}
+        assert _blas_threads() == {1}
         a.__exit__(None, None, None)  # The first to start ends first: b still proposes.
-        assert blas_threads() == {1}
+        assert _blas_threads() == {1}
         b.__exit__(None, None, None)
-        assert blas_threads() == before
+        assert _blas_threads() == before
 
 
 def test_a_blas_the_search_cannot_limit_leaves_the_proposal_as_it_was(monkeypatch):

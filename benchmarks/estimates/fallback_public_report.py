@@ -110,13 +110,18 @@ def whole_figures(name: str, feats: Mapping[Blocks, Traced | None], spec: Any, c
     return model_times(feats, spec, V6E if name == "fitted" else c)
 
 
+def within_2pct(js: Sequence[Mapping[str, Any]]) -> int:
+    """Keys whose pick's figure is within 2% of the winner's."""
+    return sum(j["ratio"] is not None and j["ratio"] <= 1.02 for j in js)
+
+
 def rate_cells(js: Sequence[Mapping[str, Any]]) -> list[str]:
     n = len(js)
     ranks = [j["rank"] for j in js]
     ratios = [j["ratio"] for j in js if j["ratio"] is not None]
     return [srep.k_text(srep.k95(ranks)),
             " / ".join(srep.frac(sum(r <= t for r in ranks), n) for t in srep.TOPS),
-            srep.frac(sum(r is not None and r <= 1.02 for r in (j["ratio"] for j in js)), n),
+            srep.frac(within_2pct(js), n),
             f"{statistics.median(ratios):.3f}" if ratios else "-"]
 
 
@@ -159,8 +164,7 @@ def band_rows(fits: Mapping[str, Any]) -> list[str]:
                 js = [exact(whole_figures(name, feats, f["spec"], f["constants"]), w)
                       for w, feats in sets]
                 cells += [srep.frac(sum(j["rank"] <= 3 for j in js), len(js)),
-                          srep.frac(sum(j["ratio"] is not None and j["ratio"] <= 1.02
-                                        for j in js), len(js))]
+                          srep.frac(within_2pct(js), len(js))]
             lines.append(f"| {chip} | {label} | {len(sets)} | " + " | ".join(cells) + " |")
     return lines
 
